@@ -1,0 +1,24 @@
+# Two commands for a fresh machine (see README): `make train` and `make test`.
+# Both create .venv/ with the pinned CPU stack on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+$(STAMP): pyproject.toml tools/fbgemm_gpu_shim/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The shim on the same command line makes pip take it for torchrec's `fbgemm-gpu` requirement.
+	$(PY) -m pip install --quiet ./tools/fbgemm_gpu_shim -e ".[cpu,dev]"
+	$(PY) -c "import torchrec, fbgemm_gpu, lightning, hydra, mlflow"
+	touch $(STAMP)
+
+.PHONY: install train test
+install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m pipeline.train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)

@@ -1,0 +1,87 @@
+"""The sparse side every model shares: one TorchRec EmbeddingBagCollection over all fields.
+
+Per categorical field ``f`` the collection holds
+
+* ``emb_<f>``: the field's embedding table (``embedding_dim`` columns), used by the FM / deep /
+  cross parts and by CowClip;
+* ``wide_<f>`` (optional): its first-order ("wide", linear) weights. FBGEMM kernels need a
+  column count divisible by 4, so the table has 4 columns and only column 0 is used: exactly a
+  scalar weight per id for element-wise optimizers (the other columns get zero gradient).
+
+Both tables read the same KeyedJaggedTensor key ``f``; TorchRec renames such duplicates to
+``f@table`` internally and returns the pooled outputs in table order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+WIDE_COLUMNS = 4
+EMB_PREFIX = "emb_"
+WIDE_PREFIX = "wide_"
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What a model needs to know about the data: field names and table sizes."""
+
+    dense: tuple[str, ...]
+    categorical: tuple[str, ...]
+    table_sizes: dict[str, int]
+
+    @classmethod
+    def from_store_meta(cls, meta: dict) -> "FeatureSpec":
+        return cls(tuple(meta["dense"]), tuple(meta["categorical"]),
+                   {k: int(v) for k, v in meta["table_sizes"].items()})
+
+
+def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool) -> list[EmbeddingBagConfig]:
+    if embedding_dim % 4:
+        raise ValueError(f"model.embedding_dim={embedding_dim}: FBGEMM kernels need a multiple of 4")
+    normal = partial(nn.init.normal_, mean=0.0, std=init_std)
+    tables = [EmbeddingBagConfig(name=EMB_PREFIX + f, embedding_dim=embedding_dim,
+                                 num_embeddings=spec.table_sizes[f], feature_names=[f],
+                                 pooling=PoolingType.SUM, init_fn=normal)
+              for f in spec.categorical]
+    if wide:
+        tables += [EmbeddingBagConfig(name=WIDE_PREFIX + f, embedding_dim=WIDE_COLUMNS,
+                                      num_embeddings=spec.table_sizes[f], feature_names=[f],
+                                      pooling=PoolingType.SUM, init_fn=nn.init.zeros_)
+                   for f in spec.categorical]
+    return tables
+
+
+class SparseArch(nn.Module):
+    """Looks up all fields: returns embeddings ``[B, F, D]`` and first-order logits ``[B]`` (or None)."""
+
+    def __init__(self, spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.num_fields = len(spec.categorical)
+        self.embedding_dim = embedding_dim
+        self.wide = wide
+        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide), device=device)
+
+    def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pooled = self.ebc(features).values()
+        split = self.num_fields * self.embedding_dim
+        emb = pooled[:, :split].reshape(-1, self.num_fields, self.embedding_dim)
+        if not self.wide:
+            return emb, None
+        first_order = pooled[:, split:].reshape(-1, self.num_fields, WIDE_COLUMNS)[..., 0].sum(dim=1)
+        return emb, first_order
+
+
+def is_embedding_table(name: str) -> bool:
+    """True for the ``emb_<f>`` tables (the ones CowClip clips), false for ``wide_<f>``."""
+    return name.startswith(EMB_PREFIX)
+
+
+def categorical_tables(names: Sequence[str]) -> list[str]:
+    return [n for n in names if is_embedding_table(n)]

@@ -1,0 +1,38 @@
+"""DeepFM (Guo et al., IJCAI 2017): first-order + factorization machine + MLP over shared embeddings.
+
+    logit = b + Σ_f w_f[x_f] + <a, dense> + Σ_{i<j} <e_i, e_j> + MLP([e_1 … e_F, dense])
+
+The dense (integer) features enter the linear part and the MLP input; the FM runs over the
+categorical embeddings.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from modules.embedding import FeatureSpec, SparseArch
+from modules.models.layers import MLP, fm_interaction
+
+
+class DeepFM(nn.Module):
+    def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
+                 dropout: float = 0.0, batch_norm: bool = False, init_std: float = 0.01,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device)
+        n_dense, n_cat = len(spec.dense), len(spec.categorical)
+        self.dense_linear = nn.Linear(n_dense, 1, device=device) if n_dense else None
+        self.mlp = MLP(n_cat * embedding_dim + n_dense, mlp, 1, dropout, batch_norm).to(device)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        emb, first_order = self.sparse_arch(sparse)
+        logit = first_order + fm_interaction(emb)
+        deep_in = emb.flatten(1)
+        if self.dense_linear is not None:
+            logit = logit + self.dense_linear(dense).squeeze(1)
+            deep_in = torch.cat([deep_in, dense], dim=1)
+        return logit + self.mlp(deep_in).squeeze(1)

@@ -1,0 +1,1 @@
+"""Data: synthetic Criteo-format generator, preprocessing into a columnar store, data module."""

@@ -1,0 +1,124 @@
+"""From store arrays to TorchRec batches, each rank reading its own rows.
+
+Global batch ``i`` of an epoch is rows ``perm[i·B : (i+1)·B]`` of the split, with ``perm`` a
+permutation seeded by (seed, epoch) (identity for evaluation); rank ``r`` of ``W`` takes the
+``r``-th slice of ``B / W`` rows. The sequence of global batches therefore does not depend on the
+number of ranks: training on 1 rank with batch B sees the same data as on W ranks with B / W each.
+
+Training drops the last incomplete global batch. Evaluation keeps every row: the last global batch
+is padded (with row 0) so that every rank runs the same number of steps, and ``num_valid`` tells
+how many leading rows of the local batch are real.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torchrec import KeyedJaggedTensor
+from torchrec.datasets.utils import Batch
+
+from pipeline.data.store import SplitArrays
+
+
+@dataclass
+class CTRBatch(Batch):
+    """A torchrec ``Batch`` plus the number of real (non-padding) leading rows."""
+
+    num_valid: int = -1
+
+    def _with(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, labels: torch.Tensor) -> "CTRBatch":
+        return CTRBatch(dense_features=dense, sparse_features=sparse, labels=labels, num_valid=self.num_valid)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "CTRBatch":
+        return self._with(self.dense_features.to(device=device, non_blocking=non_blocking),
+                          self.sparse_features.to(device=device, non_blocking=non_blocking),
+                          self.labels.to(device=device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "CTRBatch":
+        return self._with(self.dense_features.pin_memory(), self.sparse_features.pin_memory(),
+                          self.labels.pin_memory())
+
+    @property
+    def valid_rows(self) -> int:
+        return self.labels.shape[0] if self.num_valid < 0 else self.num_valid
+
+
+def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_valid: int = -1) -> CTRBatch:
+    """Gather ``rows`` and lay them out as dense tensor + one-hot KeyedJaggedTensor + labels."""
+    sparse = arrays.sparse[rows]  # [b, F] int32
+    b, f = sparse.shape
+    values = torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1))
+    kjt = KeyedJaggedTensor(
+        keys=list(keys),
+        values=values,
+        lengths=torch.ones(b * f, dtype=torch.int32),
+        stride=b,
+        length_per_key=[b] * f,
+        offset_per_key=[i * b for i in range(f + 1)],
+    )
+    return CTRBatch(
+        dense_features=torch.from_numpy(np.ascontiguousarray(arrays.dense[rows])),
+        sparse_features=kjt,
+        labels=torch.from_numpy(arrays.label[rows].astype(np.float32)),
+        num_valid=num_valid,
+    )
+
+
+class EpochState:
+    """``set_epoch`` target; Lightning calls ``loader.sampler.set_epoch(epoch)`` before each epoch."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+
+class BatchLoader:
+    """Iterable of this rank's :class:`CTRBatch` es for one split (see module docstring)."""
+
+    def __init__(self, arrays: SplitArrays, keys: Sequence[str], global_batch_size: int, rank: int,
+                 world_size: int, train: bool, seed: int = 0) -> None:
+        if global_batch_size % world_size:
+            raise ValueError(f"batch size {global_batch_size} is not divisible by world size {world_size}")
+        self.arrays = arrays
+        self.keys = list(keys)
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // world_size
+        self.rank = rank
+        self.train = train
+        self.seed = seed
+        self.sampler = EpochState()
+        self.batch_sampler = None  # Lightning inspects DataLoader-like attributes
+        n = len(arrays)
+        self.num_batches = n // global_batch_size if train else -(-n // global_batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def _global_order(self) -> np.ndarray | None:
+        if not self.train:
+            return None
+        rng = np.random.default_rng([self.seed, self.sampler.epoch])
+        return rng.permutation(len(self.arrays)).astype(np.int64)
+
+    def local_rows(self, i: int, order: np.ndarray | None) -> tuple[np.ndarray, int]:
+        """Row numbers of this rank's slice of global batch ``i`` and how many are real."""
+        start = i * self.global_batch_size + self.rank * self.local_batch_size
+        stop = start + self.local_batch_size
+        n = len(self.arrays)
+        if order is not None:
+            return np.sort(order[start:stop]), self.local_batch_size
+        valid = max(0, min(stop, n) - start)
+        rows = np.zeros(self.local_batch_size, dtype=np.int64)
+        rows[:valid] = np.arange(start, start + valid)
+        return rows, valid
+
+    def __iter__(self) -> Iterator[CTRBatch]:
+        order = self._global_order()
+        for i in range(self.num_batches):
+            rows, valid = self.local_rows(i, order)
+            yield make_batch(self.arrays, rows, self.keys, -1 if self.train else valid)

@@ -1,0 +1,54 @@
+"""LightningDataModule over a columnar store: prepares it once per node, serves per-rank batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import lightning as L
+
+from modules.embedding import FeatureSpec
+from pipeline.data.batches import BatchLoader
+from pipeline.data.sources import prepare_store, store_dir
+from pipeline.data.store import ColumnarStore
+
+
+class CTRDataModule(L.LightningDataModule):
+    def __init__(self, data: Mapping[str, Any], cache_dir: str | Path, batch_size: int,
+                 eval_batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.data_cfg = dict(data)
+        self.cache_dir = Path(cache_dir)
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.seed = seed
+        self.prepare_data_per_node = True
+        self.store: ColumnarStore | None = None
+
+    def prepare_data(self) -> None:  # local rank 0 of each node; others wait at a barrier
+        prepare_store(self.data_cfg, self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.store is None:
+            self.store = ColumnarStore(store_dir(self.data_cfg, self.cache_dir))
+
+    @property
+    def feature_spec(self) -> FeatureSpec:
+        assert self.store is not None, "setup() first"
+        return FeatureSpec.from_store_meta(self.store.meta)
+
+    def _loader(self, split: str, train: bool) -> BatchLoader:
+        assert self.store is not None, "setup() first"
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return BatchLoader(self.store.split(split), self.store.categorical_names,
+                           self.batch_size if train else self.eval_batch_size, rank, world, train, self.seed)
+
+    def train_dataloader(self) -> BatchLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> BatchLoader:
+        return self._loader("valid", train=False)
+
+    def test_dataloader(self) -> BatchLoader:
+        return self._loader("test", train=False)

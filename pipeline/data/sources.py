@@ -1,0 +1,87 @@
+"""Where a dataset's raw files come from, and the cached store built from them.
+
+A store lives at ``<cache_dir>/stores/<name>-<fingerprint>``; the fingerprint hashes what
+determines its content (the generator config or the raw files' path/size/mtime, and the
+preprocessing config), so a second run with the same inputs reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipeline.data.preprocess import PreprocessConfig, preprocess
+from pipeline.data.schema import CRITEO, Schema
+from pipeline.data.store import FORMAT_VERSION, ColumnarStore
+from pipeline.data.synthetic import SyntheticConfig, generate
+
+SCHEMAS: dict[str, Schema] = {"criteo": CRITEO}
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _schema(data: Mapping[str, Any]) -> Schema:
+    name = data.get("schema")
+    if name not in SCHEMAS:
+        raise ValueError(f"data.schema={name!r}: expected one of {sorted(SCHEMAS)}")
+    return SCHEMAS[name]
+
+
+def _paths(data: Mapping[str, Any]) -> list[Path]:
+    raw = data.get("path")
+    if raw in (None, "", "???"):
+        raise ValueError(f"data.path is missing: set data.path=<file> (a {data.get('schema')}-format file) "
+                         f"for data={data.get('name')}")
+    paths = [Path(p).expanduser() for p in (raw if isinstance(raw, (list, tuple)) else [raw])]
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"data.path: {p} does not exist or is not a file "
+                                    f"(expected a {data.get('schema')}-format file)")
+    return paths
+
+
+def synthetic_config(data: Mapping[str, Any]) -> SyntheticConfig:
+    return SyntheticConfig.from_mapping(dict(data.get("synthetic") or {}))
+
+
+def raw_fingerprint(data: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies the raw input (without generating or reading it)."""
+    if data.get("name") == "synthetic":
+        return {"synthetic": asdict(synthetic_config(data))}
+    return {"files": [{"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                      for p in _paths(data)]}
+
+
+def store_dir(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> Path:
+    pre = PreprocessConfig.from_mapping(dict(data.get("preprocess") or {}))
+    key = {"format": FORMAT_VERSION, "schema": _schema(data).name, "raw": raw_fingerprint(data), "preprocess": asdict(pre)}
+    return Path(cache_dir) / "stores" / f"{data['name']}-{_digest(key)}"
+
+
+def raw_files(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> tuple[list[Path], dict[str, Any]]:
+    """The raw files (generating the synthetic one if needed) and a provenance record."""
+    if data.get("name") != "synthetic":
+        return _paths(data), raw_fingerprint(data)
+    cfg = synthetic_config(data)
+    path = Path(cache_dir) / "raw" / f"synthetic-{_digest(asdict(cfg))}.tsv"
+    summary_path = Path(str(path) + ".json")
+    if not (path.is_file() and summary_path.is_file()):
+        generate(cfg, path)
+    summary = json.loads(summary_path.read_text())
+    return [path], {"synthetic_file": str(path), **{k: v for k, v in summary.items() if k != "config"}}
+
+
+def prepare_store(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> ColumnarStore:
+    """Return the store for ``data``, building it (and the raw data) on first use."""
+    target = store_dir(data, cache_dir)
+    if (target / "meta.json").is_file():
+        return ColumnarStore(target)
+    files, provenance = raw_files(data, cache_dir)
+    pre = PreprocessConfig.from_mapping(dict(data.get("preprocess") or {}))
+    return preprocess(files, _schema(data), pre, target, provenance={"dataset": data["name"], **provenance})

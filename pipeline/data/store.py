@@ -1,0 +1,130 @@
+"""Columnar binary store: memory-mappable ``.npy`` arrays per split plus ``meta.json``.
+
+Layout of a store directory::
+
+    meta.json               fields, table sizes, split sizes, statistics, provenance
+    vocab/<field>.parquet   kept values and their training counts, most frequent first
+    <split>/label.npy       int8   [N]
+    <split>/dense.npy       float32[N, n_dense]   (already transformed, missing = 0)
+    <split>/sparse.npy      int32  [N, n_cat]     (0 = OOV, 1 = missing, 2.. = vocabulary)
+
+A store is built in ``<dir>.tmp-<pid>`` and renamed into place when complete, so a directory
+with a ``meta.json`` is always a finished store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+OOV_ID = 0
+MISSING_ID = 1
+FIRST_VOCAB_ID = 2
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class SplitArrays:
+    label: np.ndarray
+    dense: np.ndarray
+    sparse: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.label.shape[0])
+
+
+class ColumnarStore:
+    """Read access to a finished store."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        meta_path = self.root / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{self.root} is not a finished columnar store (no meta.json)")
+        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{meta_path}: format_version {self.meta.get('format_version')} != {FORMAT_VERSION}")
+
+    @property
+    def dense_names(self) -> list[str]:
+        return list(self.meta["dense"])
+
+    @property
+    def categorical_names(self) -> list[str]:
+        return list(self.meta["categorical"])
+
+    @property
+    def table_sizes(self) -> dict[str, int]:
+        """Rows per embedding table (vocabulary + OOV + missing)."""
+        return {k: int(v) for k, v in self.meta["table_sizes"].items()}
+
+    def split(self, name: str, mmap: bool = True) -> SplitArrays:
+        if name not in self.meta["splits"]:
+            raise KeyError(f"split {name!r} not in store {self.root} (has {sorted(self.meta['splits'])})")
+        d = self.root / name
+        mode = "r" if mmap else None
+        return SplitArrays(*(np.load(d / f"{a}.npy", mmap_mode=mode) for a in ("label", "dense", "sparse")))
+
+
+class StoreWriter:
+    """Builds a store in a temporary directory; ``commit`` renames it into place."""
+
+    def __init__(self, final_dir: str | os.PathLike, split_rows: dict[str, int], n_dense: int, n_cat: int) -> None:
+        self.final_dir = Path(final_dir)
+        self.tmp_dir = self.final_dir.with_name(self.final_dir.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self.tmp_dir.mkdir(parents=True)
+        self.arrays: dict[str, dict[str, np.ndarray]] = {}
+        self.cursor = dict.fromkeys(split_rows, 0)
+        self.split_rows = dict(split_rows)
+        for split, n in split_rows.items():
+            (self.tmp_dir / split).mkdir()
+            self.arrays[split] = {
+                "label": np.lib.format.open_memmap(self.tmp_dir / split / "label.npy", "w+", np.int8, (n,)),
+                "dense": np.lib.format.open_memmap(self.tmp_dir / split / "dense.npy", "w+", np.float32, (n, n_dense)),
+                "sparse": np.lib.format.open_memmap(self.tmp_dir / split / "sparse.npy", "w+", np.int32, (n, n_cat)),
+            }
+
+    def append(self, split: str, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> None:
+        start = self.cursor[split]
+        end = start + len(label)
+        if end > self.split_rows[split]:
+            raise RuntimeError(f"split {split} overflows its {self.split_rows[split]} planned rows")
+        a = self.arrays[split]
+        a["label"][start:end] = label
+        a["dense"][start:end] = dense
+        a["sparse"][start:end] = sparse
+        self.cursor[split] = end
+
+    @property
+    def vocab_dir(self) -> Path:
+        (self.tmp_dir / "vocab").mkdir(exist_ok=True)
+        return self.tmp_dir / "vocab"
+
+    def commit(self, meta: dict[str, Any]) -> ColumnarStore:
+        for split, n in self.split_rows.items():
+            if self.cursor[split] != n:
+                raise RuntimeError(f"split {split}: wrote {self.cursor[split]} of {n} planned rows")
+            for arr in self.arrays[split].values():
+                arr.flush()
+        self.arrays.clear()
+        meta = {"format_version": FORMAT_VERSION, **meta}
+        (self.tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        try:
+            os.rename(self.tmp_dir, self.final_dir)
+        except OSError:
+            if not (self.final_dir / "meta.json").is_file():  # not a concurrent identical build
+                raise
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        return ColumnarStore(self.final_dir)
+
+    def abort(self) -> None:
+        self.arrays.clear()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -1,0 +1,119 @@
+"""Train and test a CTR model: ``python -m pipeline.train [group=option] [key=value] ...``.
+
+Composes ``conf/`` with Hydra, prepares the data (cached), trains with Lightning on TorchRec
+sharded embeddings (1 process, or as many as ``torchrun`` starts), evaluates on the test split,
+logs everything to MLflow and ends with one line::
+
+    RESULT test_auc=<float> test_logloss=<float> samples_per_s=<float> mlflow_run_id=<id>
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.callbacks import TrainThroughput
+from pipeline.config_check import ConfigError, check_config, world_from_env
+from pipeline.data.datamodule import CTRDataModule
+from pipeline.strategy import TorchRecStrategy
+from pipeline.task import CTRTask
+
+log = logging.getLogger(__name__)
+
+
+def _output_dir() -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # not under @hydra.main (tests compose the config themselves)
+        return Path(tempfile.mkdtemp(prefix="ctr-run-"))
+
+
+def make_logger(cfg: DictConfig) -> MLFlowLogger:
+    return MLFlowLogger(experiment_name=cfg.logger.experiment_name, run_name=cfg.logger.run_name,
+                        tracking_uri=cfg.logger.tracking_uri, log_model=False)
+
+
+def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
+    """Train + test as configured; returns the test metrics, throughput and MLflow run id."""
+    check_config(cfg)
+    world, local_world = world_from_env()
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(int(cfg.trainer.num_threads))
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    output_dir = output_dir or _output_dir()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    config_path = output_dir / "resolved_config.yaml"
+    OmegaConf.save(OmegaConf.create(resolved), config_path)
+
+    datamodule = CTRDataModule(cfg.data, cfg.paths.cache_dir, cfg.trainer.batch_size,
+                               cfg.trainer.eval_batch_size, cfg.seed)
+    task = CTRTask(cfg.model, cfg.optim, cfg.topology)
+    logger = make_logger(cfg)
+    throughput = TrainThroughput()
+    cuda = cfg.topology.compute_device == "cuda"
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=local_world,
+        num_nodes=world // local_world,
+        strategy=TorchRecStrategy(process_group_backend="nccl" if cuda else "gloo"),
+        max_epochs=cfg.trainer.max_epochs,
+        precision=cfg.trainer.precision,
+        logger=logger,
+        callbacks=[throughput],
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        val_check_interval=cfg.trainer.val_check_interval,
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_model_summary=False,
+        default_root_dir=str(output_dir),
+    )
+    trainer.fit(task, datamodule=datamodule)
+    test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
+
+    result = {"test_auc": test["test/auc"], "test_logloss": test["test/logloss"],
+              "samples_per_s": throughput.samples_per_s, "mlflow_run_id": None}
+    if trainer.is_global_zero:
+        logger.log_hyperparams(resolved)
+        meta = datamodule.store.meta
+        extra = {"train/samples_per_s_run": throughput.samples_per_s, "world_size": world,
+                 **{f"data/{k}_rows": v for k, v in meta["splits"].items()}}
+        if "oracle_auc" in meta.get("provenance", {}):
+            extra["data/oracle_auc"] = meta["provenance"]["oracle_auc"]
+        logger.log_metrics(extra)
+        (output_dir / "sharding_plan.txt").write_text(str(task.plan))
+        for artifact in (config_path, output_dir / "sharding_plan.txt"):
+            logger.experiment.log_artifact(logger.run_id, str(artifact))
+        result["mlflow_run_id"] = logger.run_id
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        result = run(cfg)
+    except ConfigError as e:
+        sys.exit(f"Config error: {e}")
+    if result["mlflow_run_id"] is not None:
+        print(f"MLflow run {result['mlflow_run_id']} in experiment '{cfg.logger.experiment_name}' at "
+              f"{cfg.logger.tracking_uri} (browse: mlflow ui --backend-store-uri {cfg.logger.tracking_uri})")
+        print(f"RESULT test_auc={result['test_auc']:.6f} test_logloss={result['test_logloss']:.6f} "
+              f"samples_per_s={result['samples_per_s']:.1f} mlflow_run_id={result['mlflow_run_id']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
