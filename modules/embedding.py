@@ -8,8 +8,9 @@ Per categorical field ``f`` the collection holds
   column count divisible by 4, so the table has 4 columns and only column 0 is used: exactly a
   scalar weight per id for element-wise optimizers (the other columns get zero gradient).
 
-Both tables read the same KeyedJaggedTensor key ``f``; TorchRec renames such duplicates to
-``f@table`` internally and returns the pooled outputs in table order.
+Both tables read the same KeyedJaggedTensor key ``f``; TorchRec names the pooled outputs of such
+shared features ``f@table``. A sharded collection returns its outputs in sharding order, not config
+order, so the outputs are selected by key (``KeyedTensor.regroup``), never by position.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -39,6 +40,15 @@ class FeatureSpec:
     def from_store_meta(cls, meta: dict) -> "FeatureSpec":
         return cls(tuple(meta["dense"]), tuple(meta["categorical"]),
                    {k: int(v) for k, v in meta["table_sizes"].items()})
+
+
+def pooled_keys(tables: Sequence[EmbeddingBagConfig]) -> dict[str, list[str]]:
+    """Output key of each table's pooled embedding (``f@table`` where ``f`` feeds several tables)."""
+    uses: dict[str, int] = {}
+    for t in tables:
+        for f in t.feature_names:
+            uses[f] = uses.get(f, 0) + 1
+    return {t.name: [f"{f}@{t.name}" if uses[f] > 1 else f for f in t.feature_names] for t in tables}
 
 
 def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool) -> list[EmbeddingBagConfig]:
@@ -66,15 +76,19 @@ class SparseArch(nn.Module):
         self.num_fields = len(spec.categorical)
         self.embedding_dim = embedding_dim
         self.wide = wide
-        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide), device=device)
+        tables = table_configs(spec, embedding_dim, init_std, wide)
+        self.ebc = EmbeddingBagCollection(tables=tables, device=device)
+        keys = pooled_keys(tables)
+        self._groups = [[k for f in spec.categorical for k in keys[EMB_PREFIX + f]]]
+        if wide:
+            self._groups.append([k for f in spec.categorical for k in keys[WIDE_PREFIX + f]])
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pooled = self.ebc(features).values()
-        split = self.num_fields * self.embedding_dim
-        emb = pooled[:, :split].reshape(-1, self.num_fields, self.embedding_dim)
+        groups = KeyedTensor.regroup([self.ebc(features)], self._groups)
+        emb = groups[0].reshape(-1, self.num_fields, self.embedding_dim)
         if not self.wide:
             return emb, None
-        first_order = pooled[:, split:].reshape(-1, self.num_fields, WIDE_COLUMNS)[..., 0].sum(dim=1)
+        first_order = groups[1].reshape(-1, self.num_fields, WIDE_COLUMNS)[..., 0].sum(dim=1)
         return emb, first_order
 
 

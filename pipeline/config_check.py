@@ -6,6 +6,7 @@ import os
 from typing import Any, Mapping
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from modules.models import MODELS
 from modules.optimizers import OPTIMIZERS
@@ -31,6 +32,8 @@ def _positive_int(value: Any, key: str) -> int:
 
 
 def check_config(cfg: Mapping[str, Any]) -> None:
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     world, _ = world_from_env()
     model, optim, trainer, data, topo = (cfg[k] for k in ("model", "optim", "trainer", "data", "topology"))
     if model.get("name") not in MODELS:

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from pipeline.strategy import TorchRecStrategy
 from pipeline.task import CTRTask
 
 log = logging.getLogger(__name__)
+warnings.filterwarnings("ignore", message=".*overridden `transfer_batch_to_device`.*")
 
 
 def _output_dir() -> Path:
@@ -61,7 +63,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
     datamodule = CTRDataModule(cfg.data, cfg.paths.cache_dir, cfg.trainer.batch_size,
                                cfg.trainer.eval_batch_size, cfg.seed)
     task = CTRTask(cfg.model, cfg.optim, cfg.topology)
-    logger = make_logger(cfg)
+    # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
+    logger = make_logger(cfg) if int(os.environ.get("RANK", 0)) == 0 else False
     throughput = TrainThroughput()
     cuda = cfg.topology.compute_device == "cuda"
     trainer = L.Trainer(
@@ -87,7 +90,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
 
     result = {"test_auc": test["test/auc"], "test_logloss": test["test/logloss"],
               "samples_per_s": throughput.samples_per_s, "mlflow_run_id": None}
-    if trainer.is_global_zero:
+    if logger:
         logger.log_hyperparams(resolved)
         meta = datamodule.store.meta
         extra = {"train/samples_per_s_run": throughput.samples_per_s, "world_size": world,

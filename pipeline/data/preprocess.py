@@ -88,6 +88,8 @@ def read_blocks(files: Sequence[Path], schema: Schema, block_size: int, desc: st
     types = schema.arrow_schema()
     with tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False) as bar:
         for path in files:
+            if os.path.getsize(path) == 0:
+                raise ValueError(f"{path}: the file is empty (expected {schema.name}-format rows)")
             src = _ProgressFile(Path(path), bar)
             try:
                 reader = pacsv.open_csv(

@@ -1,0 +1,52 @@
+"""Shared fixtures: composed configs and a small synthetic store built once per session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+PYTHON = sys.executable
+SMALL_ROWS = 100_000
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides or []))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra})
+    return env
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def small_overrides(cache_dir: Path) -> list[str]:
+    """A small synthetic dataset (prepared once) and a quick training setup."""
+    from pipeline.data.sources import prepare_store
+
+    overrides = [f"paths.cache_dir={cache_dir}", f"data.synthetic.rows={SMALL_ROWS}",
+                 "trainer.batch_size=1024", "trainer.eval_batch_size=4096", "trainer.max_epochs=2",
+                 "trainer.enable_progress_bar=false", "model.mlp=[64,32]"]
+    cfg = compose_config(overrides)
+    prepare_store(cfg.data, cfg.paths.cache_dir)
+    return overrides

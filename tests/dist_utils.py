@@ -1,0 +1,46 @@
+"""Run a function on N CPU processes joined in a gloo process group (real torch.distributed)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; re-raise failures."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, errors), nprocs=world_size,
+                           join=True, start_method="spawn")
+    except Exception as e:
+        details = []
+        while not errors.empty():
+            details.append(errors.get())
+        raise AssertionError("\n".join(details) or str(e)) from e

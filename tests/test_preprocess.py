@@ -1,0 +1,111 @@
+"""Preprocessing into the columnar store, checked against hand computations and pandas."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.data.preprocess import PreprocessConfig, SplitConfig, preprocess
+from pipeline.data.schema import CRITEO
+from pipeline.data.sources import prepare_store, store_dir
+from pipeline.data.store import ColumnarStore
+from tests.conftest import SHARED_DATA, compose_config
+
+DAC = SHARED_DATA / "criteo_sample" / "dac_sample.tsv"
+
+
+def _row(label, dense, cats):
+    dense = [("" if v is None else str(v)) for v in dense] + [""] * (13 - len(dense))
+    cats = [("" if v is None else v) for v in cats] + ["00000000"] * (26 - len(cats))
+    return "\t".join([str(label), *dense, *cats])
+
+
+def test_round_trip_values_vocab_oov_missing(tmp_path):
+    # C1 values over 8 training rows: aa x3, bb x2, cc x1, missing x2; test rows: aa, dd (unseen), missing, cc
+    train = [("aa", 5), ("bb", None), ("aa", -2), ("cc", 0), (None, 7), ("bb", 1), ("aa", 3), (None, 10)]
+    test = [("aa", 1), ("dd", 2), (None, None), ("cc", 4)]
+    rows = [_row(i % 2, [v, 1], [c, "11111111"]) for i, (c, v) in enumerate(train + test)]
+    path = tmp_path / "t.tsv"
+    path.write_text("\n".join(rows) + "\n")
+    cfg = PreprocessConfig(min_count=2, split=SplitConfig(method="sequential", valid=0.0, test=4 / 12))
+    store = preprocess([path], CRITEO, cfg, tmp_path / "store")
+    assert store.meta["splits"] == {"train": 8, "valid": 0, "test": 4}
+    # vocabulary: count >= 2, most frequent first -> aa=2, bb=3; cc rare -> OOV (0); missing -> 1
+    assert store.table_sizes["C1"] == 2 + 2
+    expect_id = {"aa": 2, "bb": 3, "cc": 0, "dd": 0, None: 1}
+    tr, te = store.split("train"), store.split("test")
+    assert tr.sparse[:, 0].tolist() == [expect_id[c] for c, _ in train]
+    assert te.sparse[:, 0].tolist() == [expect_id[c] for c, _ in test]
+    assert set(tr.sparse[:, 1].tolist()) == {2}  # constant column
+    want_dense = [0.0 if v is None else math.log1p(max(v, 0)) for _, v in train]
+    np.testing.assert_allclose(tr.dense[:, 0], want_dense, rtol=1e-6)
+    np.testing.assert_allclose(tr.dense[:, 1], math.log1p(1), rtol=1e-6)
+    assert tr.dense[:, 2:].max() == 0.0  # all missing
+    assert tr.label.tolist() == [i % 2 for i in range(8)]
+    stats = store.meta["stats"]["C1"]
+    assert stats["distinct_train"] == 3 and stats["kept"] == 2 and stats["occurrences_train"] == 6
+
+
+def test_real_criteo_sample_matches_pandas(tmp_path):
+    cfg = PreprocessConfig(min_count=3, split=SplitConfig(method="random", valid=0.0, test=0.0))
+    store = preprocess([DAC], CRITEO, cfg, tmp_path / "dac")
+    df = pd.read_csv(DAC, sep="\t", header=None, names=list(CRITEO.columns), dtype={c: str for c in CRITEO.categorical})
+    assert store.meta["splits"]["train"] == len(df) == 7577
+    tr = store.split("train")
+    np.testing.assert_array_equal(tr.label, df["label"].to_numpy())
+    for j, c in enumerate(CRITEO.categorical):
+        counts = df[c].value_counts()
+        kept = counts[counts >= 3]
+        order = sorted(kept.index, key=lambda v: (-kept[v], v))
+        ids = {v: i + 2 for i, v in enumerate(order)}
+        want = [1 if pd.isna(v) else ids.get(v, 0) for v in df[c]]
+        assert store.table_sizes[c] == len(order) + 2, c
+        np.testing.assert_array_equal(tr.sparse[:, j], want, err_msg=c)
+    dense = df[list(CRITEO.dense)].to_numpy(dtype=np.float64)
+    np.testing.assert_allclose(tr.dense, np.nan_to_num(np.log1p(np.maximum(dense, 0)), nan=0.0), rtol=1e-6)
+
+
+def test_random_split_is_deterministic_and_independent_of_block_size(tmp_path):
+    cfg = PreprocessConfig(min_count=1, split=SplitConfig(method="random", valid=0.1, test=0.2, seed=5))
+    a = preprocess([DAC], CRITEO, cfg, tmp_path / "a")
+    b = preprocess([DAC], CRITEO, PreprocessConfig(min_count=1, split=cfg.split, block_size=1 << 16), tmp_path / "b")
+    n = a.meta["splits"]
+    assert sum(n.values()) == 7577
+    assert abs(n["valid"] / 7577 - 0.1) < 0.015 and abs(n["test"] / 7577 - 0.2) < 0.015
+    for split in ("train", "valid", "test"):
+        sa, sb = a.split(split), b.split(split)
+        np.testing.assert_array_equal(sa.sparse, sb.sparse)
+        np.testing.assert_array_equal(sa.dense, sb.dense)
+
+
+def test_store_is_cached_and_keyed_by_inputs(cache_dir):
+    cfg = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={DAC}"])
+    first = prepare_store(cfg.data, cfg.paths.cache_dir)
+    stamp = os.stat(first.root / "meta.json").st_mtime_ns
+    again = prepare_store(cfg.data, cfg.paths.cache_dir)
+    assert again.root == first.root and os.stat(again.root / "meta.json").st_mtime_ns == stamp
+    other = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={DAC}",
+                            "data.preprocess.min_count=3"])
+    assert store_dir(other.data, cache_dir) != first.root
+
+
+def test_failed_build_leaves_no_store(tmp_path):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text(_row(0, [1], ["aa"]) + "\n" + "1\tnot-a-number\n")
+    target = tmp_path / "store"
+    with pytest.raises(Exception):
+        preprocess([bad], CRITEO, PreprocessConfig(), target)
+    assert not target.exists()
+    assert not list(tmp_path.glob("store.tmp-*"))
+
+
+def test_empty_file_is_refused_with_its_name(tmp_path):
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    with pytest.raises(Exception, match="empty"):
+        preprocess([empty], CRITEO, PreprocessConfig(), tmp_path / "s")

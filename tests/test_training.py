@@ -1,0 +1,83 @@
+"""End-to-end training through the CLI: 1 process and 2 torchrun processes, runs found in MLflow."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
+
+RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\S+) mlflow_run_id=(\S+)$", re.M)
+MIN_AUC = 0.72  # small data (100k rows, 2 epochs, oracle AUC ≈ 0.90); a model that learns nothing gives 0.5
+
+
+def _train(args: list[str], tracking_uri: str, torchrun: int = 0, timeout: int = 300) -> dict:
+    cmd = [PYTHON, "-m", "pipeline.train", *args, f"logger.tracking_uri={tracking_uri}"]
+    if torchrun:
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
+               "-m", "pipeline.train", *args, f"logger.tracking_uri={tracking_uri}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = RESULT.match(last)
+    assert m, f"last line is not the RESULT line: {last!r}"
+    return {"auc": float(m[1]), "logloss": float(m[2]), "samples_per_s": float(m[3]), "run_id": m[4]}
+
+
+def _check_run(client: MlflowClient, result: dict, epochs: int) -> None:
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    m = run.data.metrics
+    assert abs(m["test/auc"] - result["auc"]) < 1e-6
+    assert abs(m["test/logloss"] - result["logloss"]) < 1e-6
+    assert m["train/samples_per_s"] > 0
+    assert len(client.get_metric_history(run.info.run_id, "val/auc")) == epochs
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) > 1
+    assert run.data.params["model/name"] == "deepfm"
+    assert run.data.params["trainer/batch_size"] == "1024"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"resolved_config.yaml", "sharding_plan.txt"} <= artifacts
+
+
+@pytest.fixture()
+def mlflow_server(tmp_path: Path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art"),
+         "--workers", "1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail("mlflow server did not start")
+            time.sleep(0.5)
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, mlflow_server):
+    result = _train(small_overrides, mlflow_server)
+    assert result["auc"] > MIN_AUC, result
+    _check_run(MlflowClient(tracking_uri=mlflow_server), result, epochs=2)
+
+
+def test_two_process_torchrun_training_logs_to_a_local_store(small_overrides, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = _train(small_overrides, uri, torchrun=2)
+    assert result["auc"] > MIN_AUC, result
+    _check_run(MlflowClient(tracking_uri=uri), result, epochs=2)
