@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# Real CTR samples live beside the checkout (../shared/data); CTR_SHARED_DATA overrides.
+SHARED_DATA = Path(os.environ.get("CTR_SHARED_DATA", ROOT.parent / "shared" / "data"))
 PYTHON = sys.executable
 SMALL_ROWS = 100_000
 
@@ -50,3 +51,11 @@ def small_overrides(cache_dir: Path) -> list[str]:
     cfg = compose_config(overrides)
     prepare_store(cfg.data, cfg.paths.cache_dir)
     return overrides
+
+
+def shared_file(relative: str) -> Path:
+    """A file of the shared real-data samples; skips the test where the samples are not present."""
+    path = SHARED_DATA / relative
+    if not path.exists():
+        pytest.skip(f"shared CTR sample {path} not present (set CTR_SHARED_DATA)")
+    return path

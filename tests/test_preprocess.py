@@ -14,9 +14,12 @@ from pipeline.data.preprocess import PreprocessConfig, SplitConfig, preprocess
 from pipeline.data.schema import CRITEO
 from pipeline.data.sources import prepare_store, store_dir
 from pipeline.data.store import ColumnarStore
-from tests.conftest import SHARED_DATA, compose_config
+from tests.conftest import compose_config, shared_file
 
-DAC = SHARED_DATA / "criteo_sample" / "dac_sample.tsv"
+
+@pytest.fixture()
+def dac():
+    return shared_file("criteo_sample/dac_sample.tsv")
 
 
 def _row(label, dense, cats):
@@ -51,10 +54,10 @@ def test_round_trip_values_vocab_oov_missing(tmp_path):
     assert stats["distinct_train"] == 3 and stats["kept"] == 2 and stats["occurrences_train"] == 6
 
 
-def test_real_criteo_sample_matches_pandas(tmp_path):
+def test_real_criteo_sample_matches_pandas(tmp_path, dac):
     cfg = PreprocessConfig(min_count=3, split=SplitConfig(method="random", valid=0.0, test=0.0))
-    store = preprocess([DAC], CRITEO, cfg, tmp_path / "dac")
-    df = pd.read_csv(DAC, sep="\t", header=None, names=list(CRITEO.columns), dtype={c: str for c in CRITEO.categorical})
+    store = preprocess([dac], CRITEO, cfg, tmp_path / "dac")
+    df = pd.read_csv(dac, sep="\t", header=None, names=list(CRITEO.columns), dtype={c: str for c in CRITEO.categorical})
     assert store.meta["splits"]["train"] == len(df) == 7577
     tr = store.split("train")
     np.testing.assert_array_equal(tr.label, df["label"].to_numpy())
@@ -70,10 +73,10 @@ def test_real_criteo_sample_matches_pandas(tmp_path):
     np.testing.assert_allclose(tr.dense, np.nan_to_num(np.log1p(np.maximum(dense, 0)), nan=0.0), rtol=1e-6)
 
 
-def test_random_split_is_deterministic_and_independent_of_block_size(tmp_path):
+def test_random_split_is_deterministic_and_independent_of_block_size(tmp_path, dac):
     cfg = PreprocessConfig(min_count=1, split=SplitConfig(method="random", valid=0.1, test=0.2, seed=5))
-    a = preprocess([DAC], CRITEO, cfg, tmp_path / "a")
-    b = preprocess([DAC], CRITEO, PreprocessConfig(min_count=1, split=cfg.split, block_size=1 << 16), tmp_path / "b")
+    a = preprocess([dac], CRITEO, cfg, tmp_path / "a")
+    b = preprocess([dac], CRITEO, PreprocessConfig(min_count=1, split=cfg.split, block_size=1 << 16), tmp_path / "b")
     n = a.meta["splits"]
     assert sum(n.values()) == 7577
     assert abs(n["valid"] / 7577 - 0.1) < 0.015 and abs(n["test"] / 7577 - 0.2) < 0.015
@@ -83,13 +86,13 @@ def test_random_split_is_deterministic_and_independent_of_block_size(tmp_path):
         np.testing.assert_array_equal(sa.dense, sb.dense)
 
 
-def test_store_is_cached_and_keyed_by_inputs(cache_dir):
-    cfg = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={DAC}"])
+def test_store_is_cached_and_keyed_by_inputs(cache_dir, dac):
+    cfg = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={dac}"])
     first = prepare_store(cfg.data, cfg.paths.cache_dir)
     stamp = os.stat(first.root / "meta.json").st_mtime_ns
     again = prepare_store(cfg.data, cfg.paths.cache_dir)
     assert again.root == first.root and os.stat(again.root / "meta.json").st_mtime_ns == stamp
-    other = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={DAC}",
+    other = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={dac}",
                             "data.preprocess.min_count=3"])
     assert store_dir(other.data, cache_dir) != first.root
 
