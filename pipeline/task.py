@@ -52,10 +52,9 @@ class CTRTask(L.LightningModule):
         return loss
 
     def _eval_step(self, batch: CTRBatch, metrics: CTRMetrics) -> None:
-        n = batch.valid_rows
-        logits = self(batch)
-        if n:
-            metrics.update(logits[:n], batch.labels[:n])
+        n = batch.valid_rows  # may be 0 on some ranks for the padded last batch: update anyway, so
+        logits = self(batch)   # every rank's metric state is defined when torchmetrics syncs it
+        metrics.update(logits[:n], batch.labels[:n])
 
     def validation_step(self, batch: CTRBatch, batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics)
