@@ -21,7 +21,10 @@ from typing import Sequence
 
 import torch
 from torch import nn
+import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+
+from modules.cowclip import CowClipConfig, apply_cowclip, one_hot_ids
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -68,7 +71,11 @@ def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: 
 
 
 class SparseArch(nn.Module):
-    """Looks up all fields: returns embeddings ``[B, F, D]`` and first-order logits ``[B]`` (or None)."""
+    """Looks up all fields: returns embeddings ``[B, F, D]`` and first-order logits ``[B]`` (or None).
+
+    ``set_local_cowclip`` makes it apply CowClip (and the per-id L2 term) to the listed tables on this
+    rank's pooled outputs, i.e. over the rank's own batch ("local" scope).
+    """
 
     def __init__(self, spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
                  device: torch.device | None = None) -> None:
@@ -77,14 +84,33 @@ class SparseArch(nn.Module):
         self.embedding_dim = embedding_dim
         self.wide = wide
         tables = table_configs(spec, embedding_dim, init_std, wide)
+        self.table_names = [t.name for t in tables]
         self.ebc = EmbeddingBagCollection(tables=tables, device=device)
         keys = pooled_keys(tables)
         self._groups = [[k for f in spec.categorical for k in keys[EMB_PREFIX + f]]]
         if wide:
             self._groups.append([k for f in spec.categorical for k in keys[WIDE_PREFIX + f]])
+        self.fields = list(spec.categorical)
+        self._cowclip: CowClipConfig | None = None
+        self._cowclip_tables: set[str] = set()
+
+    def set_local_cowclip(self, cfg: CowClipConfig | None, tables: set[str]) -> None:
+        self._cowclip = cfg if cfg is not None and tables else None
+        self._cowclip_tables = set(tables)
+
+    def _local_cowclip(self, pooled: torch.Tensor, prefix: str, width: int, ids: torch.Tensor) -> torch.Tensor:
+        blocks = [(j * width, (j + 1) * width, ids[j]) for j, f in enumerate(self.fields)
+                  if prefix + f in self._cowclip_tables]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return apply_cowclip(pooled, blocks, self._cowclip, grad_scale=1.0 / world, l2_share=1.0 / world)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         groups = KeyedTensor.regroup([self.ebc(features)], self._groups)
+        if self._cowclip is not None:
+            ids = one_hot_ids(features)
+            groups[0] = self._local_cowclip(groups[0], EMB_PREFIX, self.embedding_dim, ids)
+            if self.wide:
+                groups[1] = self._local_cowclip(groups[1], WIDE_PREFIX, WIDE_COLUMNS, ids)
         emb = groups[0].reshape(-1, self.num_fields, self.embedding_dim)
         if not self.wide:
             return emb, None

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
 
 
@@ -58,3 +59,46 @@ class TrainThroughput(Callback):
         self._stop()
         if self._epoch_seconds:
             pl_module.log("train/samples_per_s", self._epoch_samples / self._epoch_seconds, sync_dist=True)
+
+
+class RestoreBestWeights(Callback):
+    """Keeps this rank's copy of the weights (its shards) from the best validation epoch and puts
+    them back when fitting ends, so that testing sees the best model (early stopping's usual
+    companion). The copy is in host memory: one more set of weights, no optimizer state."""
+
+    def __init__(self, monitor: str = "val/auc", mode: str = "max") -> None:
+        self.monitor, self.sign = monitor, 1.0 if mode == "max" else -1.0
+        self.best: float | None = None
+        self.best_epoch: int | None = None
+        self._weights: dict[str, Any] | None = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None or trainer.sanity_checking:
+            return
+        value = float(value)
+        if self.best is None or self.sign * value > self.sign * self.best:
+            self.best, self.best_epoch = value, trainer.current_epoch
+            self._weights = {k: _copy(v) for k, v in pl_module.model.state_dict().items()}
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._weights is None:
+            return
+        for k, live in pl_module.model.state_dict().items():
+            _restore(live, self._weights[k])
+        self._weights = None
+
+
+def _copy(t: Any) -> Any:
+    if hasattr(t, "local_shards"):  # ShardedTensor: this rank's shards
+        return [s.tensor.detach().clone() for s in t.local_shards()]
+    return t.detach().clone()
+
+
+def _restore(live: Any, saved: Any) -> None:
+    with torch.no_grad():
+        if hasattr(live, "local_shards"):
+            for shard, value in zip(live.local_shards(), saved):
+                shard.tensor.copy_(value)
+        else:
+            live.copy_(saved)

@@ -1,31 +1,52 @@
-"""The LightningModule: builds the sharded model, trains with BCE, evaluates AUC / logloss."""
+"""The LightningModule: builds the sharded model, trains with BCE, evaluates AUC / logloss.
+
+Hyperparameters come from ``optim`` (tuned for ``scaling.base_batch_size``) rescaled to the run's
+global batch by ``scaling.rule``; CowClip and the per-id embedding L2 term are installed on the
+sharded model; the dense learning rate warms up linearly over ``scaling.warmup_epochs``.
+"""
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from typing import Any, Mapping
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
+from modules.cowclip import CowClipConfig
+from modules.cowclip_placement import install_cowclip
 from modules.models import build_model
 from modules.optimizers import OptimizerChain, OptimizerSpec, build_optimizer
+from modules.scaling_rules import ScaledHyperparameters, scale_hyperparameters, warmup_factor
 from modules.sharding import shard_model
 from pipeline.data.batches import CTRBatch
 from pipeline.metrics import CTRMetrics
 
 
 class CTRTask(L.LightningModule):
-    def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], topology: Mapping[str, Any]) -> None:
+    def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], topology: Mapping[str, Any],
+                 scaling: Mapping[str, Any], batch_size: int) -> None:
         super().__init__()
         self.model_cfg = dict(model)
-        self.dense_optim = OptimizerSpec.from_mapping(optim["dense"], "optim.dense")
-        self.embedding_optim = OptimizerSpec.from_mapping(optim["embedding"], "optim.embedding")
+        dense = OptimizerSpec.from_mapping(optim["dense"], "optim.dense")
+        embedding = OptimizerSpec.from_mapping(optim["embedding"], "optim.embedding")
+        self.scaled: ScaledHyperparameters = scale_hyperparameters(
+            scaling["rule"], batch_size, scaling["base_batch_size"], dense.lr, embedding.lr,
+            float(optim.get("embedding_l2", 0.0)))
+        self.dense_optim = replace(dense, lr=self.scaled.dense_lr)
+        self.embedding_optim = replace(embedding, lr=self.scaled.embedding_lr)
+        self.cowclip = CowClipConfig.from_mapping(scaling["cowclip"], l2=self.scaled.l2)
+        self.warmup_epochs = float(scaling.get("warmup_epochs", 0))
         self.topology = dict(topology)
         self.model: torch.nn.Module | None = None
         self.plan = None
+        self.cowclip_tables: dict[str, set[str]] = {}
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
+
+    def scaled_hyperparameters(self) -> dict[str, float]:
+        return {f"scaled/{k}": v for k, v in asdict(self.scaled).items()}
 
     # -- model -----------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -36,6 +57,7 @@ class CTRTask(L.LightningModule):
         net = build_model(self.model_cfg["name"], spec, params, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device)
+        self.cowclip_tables = install_cowclip(self.model, self.cowclip)
         self.val_metrics.to(device)
         self.test_metrics.to(device)
 
@@ -74,14 +96,24 @@ class CTRTask(L.LightningModule):
         self._log_eval("test", self.test_metrics)
 
     # -- optimizers ------------------------------------------------------------------------------
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        """Dense parameters, plus embedding tables whose optimizer is not fused into the backward."""
+    def configure_optimizers(self) -> dict[str, Any]:
+        """Dense parameters, plus embedding tables whose optimizer is not fused into the backward.
+
+        The warmup schedule scales the dense groups only (embedding LRs stay as the rule set them).
+        """
         dense, embedding = [], []
         for name, p in self.model.named_parameters():
             if getattr(p, "_in_backward_optimizers", None):
                 continue  # updated by FBGEMM inside the backward
             (embedding if ".embedding_bags." in name else dense).append(p)
         dense_opt = build_optimizer(self.dense_optim, dense)
-        if not embedding:
-            return dense_opt
-        return OptimizerChain({"dense": dense_opt, "embedding": build_optimizer(self.embedding_optim, embedding)})
+        optimizer: torch.optim.Optimizer = dense_opt
+        if embedding:
+            optimizer = OptimizerChain({"dense": dense_opt, "embedding": build_optimizer(self.embedding_optim, embedding)})
+        steps_per_epoch = self.trainer.estimated_stepping_batches / max(1, self.trainer.max_epochs)
+        warmup_steps = int(round(self.warmup_epochs * steps_per_epoch))
+        n_dense = len(dense_opt.param_groups)
+        lambdas = [lambda step: warmup_factor(step, warmup_steps)] * n_dense + \
+                  [lambda step: 1.0] * (len(optimizer.param_groups) - n_dense)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -23,7 +23,9 @@ import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.callbacks import TrainThroughput
+from lightning.pytorch.callbacks import EarlyStopping
+
+from pipeline.callbacks import RestoreBestWeights, TrainThroughput
 from pipeline.config_check import ConfigError, check_config, world_from_env
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.strategy import TorchRecStrategy
@@ -62,10 +64,14 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
 
     datamodule = CTRDataModule(cfg.data, cfg.paths.cache_dir, cfg.trainer.batch_size,
                                cfg.trainer.eval_batch_size, cfg.seed)
-    task = CTRTask(cfg.model, cfg.optim, cfg.topology)
+    task = CTRTask(cfg.model, cfg.optim, cfg.topology, cfg.scaling, cfg.trainer.batch_size)
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
     logger = make_logger(cfg) if int(os.environ.get("RANK", 0)) == 0 else False
     throughput = TrainThroughput()
+    callbacks: list[L.Callback] = [throughput]
+    if cfg.trainer.early_stopping_patience is not None:
+        callbacks += [EarlyStopping(monitor="val/auc", mode="max", patience=cfg.trainer.early_stopping_patience),
+                      RestoreBestWeights(monitor="val/auc", mode="max")]
     cuda = cfg.topology.compute_device == "cuda"
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -75,7 +81,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
         max_epochs=cfg.trainer.max_epochs,
         precision=cfg.trainer.precision,
         logger=logger,
-        callbacks=[throughput],
+        callbacks=callbacks,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
@@ -93,10 +99,18 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
     if logger:
         logger.log_hyperparams(resolved)
         meta = datamodule.store.meta
+        logger.log_hyperparams({**task.scaled_hyperparameters(),
+                                "cowclip/global_tables": len(task.cowclip_tables.get("global", ())),
+                                "cowclip/local_tables": len(task.cowclip_tables.get("local", ()))})
         extra = {"train/samples_per_s_run": throughput.samples_per_s, "world_size": world,
+                 "train/epochs": trainer.current_epoch,
                  **{f"data/{k}_rows": v for k, v in meta["splits"].items()}}
         if "oracle_auc" in meta.get("provenance", {}):
             extra["data/oracle_auc"] = meta["provenance"]["oracle_auc"]
+        best = next((c for c in callbacks if isinstance(c, RestoreBestWeights)), None)
+        if best is not None and best.best_epoch is not None:
+            extra["val/best_epoch"] = best.best_epoch
+            extra["val/best_auc"] = best.best
         logger.log_metrics(extra)
         (output_dir / "sharding_plan.txt").write_text(str(task.plan))
         for artifact in (config_path, output_dir / "sharding_plan.txt"):

@@ -81,3 +81,38 @@ def _sharded_forward_worker(rank: int, world_size: int, sharding_type: str) -> N
 def test_sharded_deepfm_matches_unsharded_on_two_ranks():
     for sharding_type in ("table_wise", "row_wise"):
         run_workers(_sharded_forward_worker, 2, sharding_type)
+
+
+def _restore_worker(rank: int, world_size: int) -> None:
+    import lightning as L
+
+    from modules.optimizers import OptimizerSpec
+    from modules.sharding import shard_model
+    from pipeline.callbacks import RestoreBestWeights
+
+    net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))
+    dmp, _ = shard_model(net, OptimizerSpec("adagrad", 0.5), {"compute_device": "cpu", "sharding_types": ["table_wise"]},
+                         torch.device("cpu"))
+    arrays, batch = _batch(n=8, seed=2)
+    before = dmp(batch.dense_features, batch.sparse_features).detach()
+
+    class _Module(L.LightningModule):
+        model = dmp
+
+    class _Trainer:
+        sanity_checking, current_epoch, callback_metrics = False, 0, {"val/auc": torch.tensor(0.7)}
+
+    cb = RestoreBestWeights()
+    cb.on_validation_end(_Trainer(), _Module())
+    dense = torch.optim.SGD([p for p in dmp.parameters() if not getattr(p, "_in_backward_optimizers", None)], lr=0.5)
+    for _ in range(2):  # fused embedding updates + dense updates
+        dmp(batch.dense_features, batch.sparse_features).sum().backward()
+        dense.step()
+        dense.zero_grad()
+    assert not torch.allclose(dmp(batch.dense_features, batch.sparse_features), before)
+    cb.on_fit_end(_Trainer(), _Module())
+    torch.testing.assert_close(dmp(batch.dense_features, batch.sparse_features).detach(), before)
+
+
+def test_restore_best_weights_on_sharded_model():
+    run_workers(_restore_worker, 2)
