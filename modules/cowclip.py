@@ -50,7 +50,7 @@ class CowClipConfig:
     floor: str = "zeta"
     l2: float = 0.0             # λ of the embedding L2 regulariser λ·Σ_k ‖w_k‖² over ids in the batch
     scope: str = "global"       # global: per shard over the global batch; local: per rank's batch
-    clip_wide: bool = False     # also the first-order ("wide_") tables
+    clip_wide: bool = False     # also clip the first-order ("wide_") tables (the L2 term applies to both)
     fields: tuple[str, ...] | None = None  # restrict to these fields (None: all)
 
     def __post_init__(self) -> None:
@@ -68,21 +68,43 @@ class CowClipConfig:
             m["fields"] = tuple(m["fields"])
         return cls(l2=l2, **m)
 
-    @property
-    def active(self) -> bool:
-        return self.enabled or self.l2 > 0
-
-    def applies_to(self, table: str) -> bool:
+    def _field(self, table: str) -> str | None:
         from modules.embedding import EMB_PREFIX, WIDE_PREFIX
 
-        for prefix, on in ((EMB_PREFIX, True), (WIDE_PREFIX, self.clip_wide)):
+        for prefix in (EMB_PREFIX, WIDE_PREFIX):
             if table.startswith(prefix):
-                return on and (self.fields is None or table[len(prefix):] in self.fields)
-        return False
+                field = table[len(prefix):]
+                return field if self.fields is None or field in self.fields else None
+        return None
+
+    def clips(self, table: str) -> bool:
+        """Clipped: the field's embedding table, and its first-order table with ``clip_wide``."""
+        from modules.embedding import WIDE_PREFIX
+
+        return self.enabled and self._field(table) is not None and (self.clip_wide or not table.startswith(WIDE_PREFIX))
+
+    def applies_to(self, table: str) -> bool:
+        """Handled at all: clipped, or given the per-id L2 term (every table of the selected fields)."""
+        return self.clips(table) or (self.l2 > 0 and self._field(table) is not None)
+
+
+class CowClipStats:
+    """Counts of ids seen and ids clipped, accumulated by the backward passes (for logging)."""
+
+    def __init__(self) -> None:
+        self.ids = 0
+        self.clipped = 0
+
+    def take(self) -> float | None:
+        """Fraction of clipped ids since the last call (None if no ids were seen)."""
+        frac = self.clipped / self.ids if self.ids else None
+        self.ids = self.clipped = 0
+        return frac
 
 
 def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cfg: CowClipConfig,
-                    grad_scale: float = 1.0, l2_share: float = 1.0) -> torch.Tensor:
+                    grad_scale: float = 1.0, l2_share: float = 1.0, clip: bool = True,
+                    stats: CowClipStats | None = None) -> torch.Tensor:
     """The per-occurrence gradients whose per-id sums are the clipped per-id gradients.
 
     ``grad``, ``rows``: [N, d] output gradients and looked-up rows of N one-id bags; ``ids``: [N].
@@ -96,11 +118,15 @@ def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, c
     cntf = cnt.to(acc)
     if cfg.l2:
         g = g + (2.0 * cfg.l2 * l2_share) * w
-    if cfg.enabled:
+    if cfg.enabled and clip:
         floor = cfg.zeta if cfg.floor == "zeta" else cfg.r * math.sqrt(d) * cfg.zeta
         threshold = cntf * torch.clamp(cfg.r * w.norm(dim=1), min=floor)
         norm = g.norm(dim=1)
-        factor = torch.where(norm > threshold, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))
+        over = norm > threshold
+        factor = torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))
+        if stats is not None:
+            stats.ids += len(uniq)
+            stats.clipped += int(over.sum())
     else:
         factor = torch.ones(len(uniq), dtype=acc, device=grad.device)
     out = grad.to(acc)
@@ -123,32 +149,41 @@ def one_hot_ids(features: KeyedJaggedTensor) -> torch.Tensor:
     return ids
 
 
+Block = tuple[int, int, torch.Tensor, bool]  # (first column, end column, ids [N], clip?)
+
+
 class _PerIdGradientFn(torch.autograd.Function):
-    """Identity forward; backward rewrites the column blocks ``(start, stop, ids)`` of the gradient."""
+    """Identity forward; backward rewrites the column blocks of the gradient (see ``Block``)."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, blocks: Sequence[tuple[int, int, torch.Tensor]],
-                cfg: CowClipConfig, grad_scale: float, l2_share: float) -> torch.Tensor:
+    def forward(ctx: Any, out: torch.Tensor, blocks: Sequence[Block], cfg: CowClipConfig, grad_scale: float,
+                l2_share: float, stats: CowClipStats | None) -> torch.Tensor:
         ctx.save_for_backward(out.detach())
-        ctx.blocks, ctx.cfg, ctx.grad_scale, ctx.l2_share = blocks, cfg, grad_scale, l2_share
+        ctx.blocks, ctx.cfg, ctx.grad_scale, ctx.l2_share, ctx.stats = blocks, cfg, grad_scale, l2_share, stats
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (out,) = ctx.saved_tensors
         grad = grad.clone()
-        for start, stop, ids in ctx.blocks:
+        for start, stop, ids, clip in ctx.blocks:
             valid = ids >= 0
             if valid.any():
                 sel = valid.nonzero().squeeze(1)
                 grad[sel, start:stop] = per_id_gradient(grad[sel, start:stop], out[sel, start:stop], ids[sel],
-                                                        ctx.cfg, ctx.grad_scale, ctx.l2_share)
-        return grad, None, None, None, None
+                                                        ctx.cfg, ctx.grad_scale, ctx.l2_share, clip, ctx.stats)
+        return grad, None, None, None, None, None
 
 
-def apply_cowclip(out: torch.Tensor, blocks: Sequence[tuple[int, int, torch.Tensor]], cfg: CowClipConfig,
-                  grad_scale: float = 1.0, l2_share: float = 1.0) -> torch.Tensor:
+def table_blocks(layout: Sequence[tuple[str, int, int]], ids: torch.Tensor, cfg: CowClipConfig) -> list[Block]:
+    """Blocks for the tables ``cfg`` handles; ``layout[j]`` = (table, start, stop) of key position j."""
+    return [(start, stop, ids[j], cfg.clips(name)) for j, (name, start, stop) in enumerate(layout)
+            if cfg.applies_to(name)]
+
+
+def apply_cowclip(out: torch.Tensor, blocks: Sequence[Block], cfg: CowClipConfig, grad_scale: float = 1.0,
+                  l2_share: float = 1.0, stats: CowClipStats | None = None) -> torch.Tensor:
     """``out`` unchanged forward; per-id L2 + clipping of the listed column blocks in backward."""
     if not blocks or not torch.is_grad_enabled() or not out.requires_grad:
         return out
-    return _PerIdGradientFn.apply(out, list(blocks), cfg, grad_scale, l2_share)
+    return _PerIdGradientFn.apply(out, list(blocks), cfg, grad_scale, l2_share, stats)

@@ -25,7 +25,7 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
-from modules.cowclip import CowClipConfig, apply_cowclip, one_hot_ids
+from modules.cowclip import CowClipConfig, CowClipStats, apply_cowclip, one_hot_ids, table_blocks
 from modules.embedding import SparseArch
 
 log = logging.getLogger(__name__)
@@ -42,17 +42,15 @@ def _kernel_layout(kernel: nn.Module) -> list[tuple[str, int, int]]:
     return layout
 
 
-def _make_hook(layout: list[tuple[str, int, int]], cfg: CowClipConfig):
-    clipped = [(j, start, stop) for j, (name, start, stop) in enumerate(layout) if cfg.applies_to(name)]
-
+def _make_hook(layout: list[tuple[str, int, int]], cfg: CowClipConfig, stats: CowClipStats):
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-        ids = one_hot_ids(inputs[0])
-        return apply_cowclip(output, [(start, stop, ids[j]) for j, start, stop in clipped], cfg, grad_scale=1.0)
+        return apply_cowclip(output, table_blocks(layout, one_hot_ids(inputs[0]), cfg), cfg, stats=stats)
 
     return hook
 
 
-def attach_global_cowclip(model: nn.Module, cfg: CowClipConfig) -> tuple[list[RemovableHandle], set[str]]:
+def attach_global_cowclip(model: nn.Module, cfg: CowClipConfig,
+                          stats: CowClipStats) -> tuple[list[RemovableHandle], set[str]]:
     """Hook every table-wise / row-wise kernel; returns the handles and the tables left uncovered."""
     if not get_gradient_division():
         raise RuntimeError("global CowClip expects TorchRec's gradient division (set_gradient_division(True))")
@@ -68,7 +66,7 @@ def attach_global_cowclip(model: nn.Module, cfg: CowClipConfig) -> tuple[list[Re
                 if not names:
                     continue
                 if isinstance(sharding, EXACT_SHARDINGS):
-                    handles.append(kernel.register_forward_hook(_make_hook(layout, cfg)))
+                    handles.append(kernel.register_forward_hook(_make_hook(layout, cfg, stats)))
                 else:
                     uncovered |= names
     if uncovered:
@@ -77,15 +75,19 @@ def attach_global_cowclip(model: nn.Module, cfg: CowClipConfig) -> tuple[list[Re
     return handles, uncovered
 
 
-def install_cowclip(model: nn.Module, cfg: CowClipConfig | None) -> dict[str, set[str]]:
-    """Attach CowClip (and the per-id L2 term) to a DMP-wrapped model; returns tables per scope."""
+def install_cowclip(model: nn.Module, cfg: CowClipConfig | None) -> tuple[dict[str, set[str]], CowClipStats]:
+    """Attach CowClip (and the per-id L2 term) to a DMP-wrapped model.
+
+    Returns the tables handled per scope and the statistics object the backward passes fill.
+    """
+    stats = CowClipStats()
     arches = [m for m in model.modules() if isinstance(m, SparseArch)]
     tables = {t for a in arches for t in a.table_names if cfg is not None and cfg.applies_to(t)}
-    if cfg is None or not cfg.active or not tables:
-        return {"global": set(), "local": set()}
+    if not tables:
+        return {"global": set(), "local": set()}, stats
     local = tables
     if cfg.scope == "global":
-        _, local = attach_global_cowclip(model, cfg)
+        _, local = attach_global_cowclip(model, cfg, stats)
     for arch in arches:
-        arch.set_local_cowclip(cfg, local & set(arch.table_names))
-    return {"global": tables - local, "local": local}
+        arch.set_local_cowclip(cfg, local & set(arch.table_names), stats)
+    return {"global": tables - local, "local": local}, stats

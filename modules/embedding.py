@@ -24,7 +24,7 @@ from torch import nn
 import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
 
-from modules.cowclip import CowClipConfig, apply_cowclip, one_hot_ids
+from modules.cowclip import CowClipConfig, CowClipStats, apply_cowclip, one_hot_ids
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -93,16 +93,19 @@ class SparseArch(nn.Module):
         self.fields = list(spec.categorical)
         self._cowclip: CowClipConfig | None = None
         self._cowclip_tables: set[str] = set()
+        self._cowclip_stats: CowClipStats | None = None
 
-    def set_local_cowclip(self, cfg: CowClipConfig | None, tables: set[str]) -> None:
+    def set_local_cowclip(self, cfg: CowClipConfig | None, tables: set[str], stats: CowClipStats | None = None) -> None:
         self._cowclip = cfg if cfg is not None and tables else None
         self._cowclip_tables = set(tables)
+        self._cowclip_stats = stats
 
     def _local_cowclip(self, pooled: torch.Tensor, prefix: str, width: int, ids: torch.Tensor) -> torch.Tensor:
-        blocks = [(j * width, (j + 1) * width, ids[j]) for j, f in enumerate(self.fields)
-                  if prefix + f in self._cowclip_tables]
+        blocks = [(j * width, (j + 1) * width, ids[j], self._cowclip.clips(prefix + f))
+                  for j, f in enumerate(self.fields) if prefix + f in self._cowclip_tables]
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return apply_cowclip(pooled, blocks, self._cowclip, grad_scale=1.0 / world, l2_share=1.0 / world)
+        return apply_cowclip(pooled, blocks, self._cowclip, grad_scale=1.0 / world, l2_share=1.0 / world,
+                             stats=self._cowclip_stats)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         groups = KeyedTensor.regroup([self.ebc(features)], self._groups)

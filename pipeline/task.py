@@ -42,6 +42,7 @@ class CTRTask(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.plan = None
         self.cowclip_tables: dict[str, set[str]] = {}
+        self.cowclip_stats = None
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
 
@@ -57,7 +58,7 @@ class CTRTask(L.LightningModule):
         net = build_model(self.model_cfg["name"], spec, params, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device)
-        self.cowclip_tables = install_cowclip(self.model, self.cowclip)
+        self.cowclip_tables, self.cowclip_stats = install_cowclip(self.model, self.cowclip)
         self.val_metrics.to(device)
         self.test_metrics.to(device)
 
@@ -88,6 +89,11 @@ class CTRTask(L.LightningModule):
         for k, v in metrics.compute().items():
             self.log(f"{prefix}/{k}", v, prog_bar=k == "auc", sync_dist=True)
         metrics.reset()
+
+    def on_train_epoch_end(self) -> None:
+        clipped = self.cowclip_stats.take() if self.cowclip_stats is not None else None
+        if clipped is not None:  # share of (id, step) pairs whose gradient CowClip scaled down
+            self.log("train/cowclip_clipped_fraction", clipped, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val", self.val_metrics)

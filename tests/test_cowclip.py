@@ -85,7 +85,7 @@ class Reference:
         (per_sample[rows].sum() / len(labels)).backward()  # this share of the global-mean loss
         return {k: v.grad for k, v in w.items()}
 
-    def _clip(self, table: str, grad: torch.Tensor, ids: np.ndarray, l2_share: float) -> torch.Tensor:
+    def _clip(self, table: str, grad: torch.Tensor, ids: np.ndarray, l2_share: float, clip: bool) -> torch.Tensor:
         counts = np.bincount(ids, minlength=grad.shape[0])
         out = torch.zeros_like(grad)
         w = self.w[table]
@@ -93,7 +93,9 @@ class Reference:
             g = grad[k] + 2 * self.cfg.l2 * l2_share * w[k]
             threshold = counts[k] * max(self.cfg.r * float(w[k].norm()), self.cfg.zeta)
             n = float(g.norm())
-            if n > threshold:
+            if not clip:
+                pass
+            elif n > threshold:
                 self.clipped += 1
                 g = g * threshold / n
             else:
@@ -108,8 +110,9 @@ class Reference:
         for rows in parts:
             grads = self._grads(ids, labels, rows)
             for j, f in enumerate(SPEC.categorical):
-                total[f"emb_{f}"] += self._clip(f"emb_{f}", grads[f"emb_{f}"], ids[rows, j], 1.0 / len(parts))
-                total[f"wide_{f}"] += grads[f"wide_{f}"]  # first-order tables are not clipped
+                total[f"emb_{f}"] += self._clip(f"emb_{f}", grads[f"emb_{f}"], ids[rows, j], 1.0 / len(parts), True)
+                # first-order tables: the L2 term, no clipping
+                total[f"wide_{f}"] += self._clip(f"wide_{f}", grads[f"wide_{f}"], ids[rows, j], 1.0 / len(parts), False)
         self.t += 1
         for k, g in total.items():
             self._update(k, g)
@@ -145,7 +148,7 @@ def _worker(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> 
     topology = {"compute_device": "cpu", "sharding_types": [sharding_type]}
     dmp, _ = shard_model(net, spec, topology, torch.device("cpu"))
     dmp.load_state_dict(weights)
-    scopes = install_cowclip(dmp, cfg)
+    scopes, stats = install_cowclip(dmp, cfg)
     dense_kernel = [p for p in dmp.parameters() if not getattr(p, "_in_backward_optimizers", None)]
     optimizer = build_optimizer(spec, dense_kernel) if dense_kernel else None
     # tables not hooked on the shards (data-parallel Adam) are clipped per rank: the local reference
@@ -162,6 +165,8 @@ def _worker(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> 
             optimizer.zero_grad()
         reference.step(ids, labels)
     assert reference.clipped > 0 and reference.unclipped > 0, (reference.clipped, reference.unclipped)
+    if world == 1:  # the statistics count exactly the reference's clipped ids
+        assert (stats.clipped, stats.ids) == (reference.clipped, reference.clipped + reference.unclipped)
     for key, value in dmp.state_dict().items():
         want = reference.w[key.split(".")[-2]].float()
         shards = value.local_shards() if hasattr(value, "local_shards") else None

@@ -1,0 +1,150 @@
+"""Batch-scaling report from MLflow: ``python -m pipeline.report --experiment batch_scaling``.
+
+Reads the finished training runs of an experiment (latest run per batch size × scaling rule),
+writes ``<out>/report.md`` (test AUC per batch size and rule, difference to the 1K baseline,
+epochs, throughput) and ``<out>/auc_vs_batch.png`` (one line per rule), and logs both to MLflow
+as a run named ``report`` in the same experiment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+RULE_ORDER = ("none", "sqrt", "linear", "cowclip")
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    batch_size: int
+    rule: str
+    clip: bool
+    test_auc: float
+    test_logloss: float
+    epochs: float | None
+    best_epoch: float | None
+    samples_per_s: float | None
+    start_time: int
+
+    @property
+    def label(self) -> str:
+        return self.rule if self.clip == (self.rule == "cowclip") else f"{self.rule}{'+clip' if self.clip else '-clip'}"
+
+
+def collect_runs(client: MlflowClient, experiment: str) -> list[RunSummary]:
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise SystemExit(f"MLflow experiment {experiment!r} not found at {client.tracking_uri}")
+    latest: dict[tuple[int, str], RunSummary] = {}
+    for run in client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                                  max_results=5000):
+        p, m = run.data.params, run.data.metrics
+        if "test/auc" not in m or "scaling/rule" not in p:
+            continue
+        s = RunSummary(run.info.run_id, int(p["trainer/batch_size"]), p["scaling/rule"],
+                       p.get("scaling/cowclip/enabled", "False") == "True", m["test/auc"], m["test/logloss"],
+                       m.get("train/epochs"), m.get("val/best_epoch"), m.get("train/samples_per_s_run"),
+                       run.info.start_time)
+        key = (s.batch_size, s.label)
+        if key not in latest or latest[key].start_time < s.start_time:
+            latest[key] = s
+    return sorted(latest.values(), key=lambda r: (r.batch_size, r.label))
+
+
+def _labels(runs: list[RunSummary]) -> list[str]:
+    present = {r.label for r in runs}
+    return [x for x in RULE_ORDER if x in present] + sorted(present - set(RULE_ORDER))
+
+
+def markdown_table(runs: list[RunSummary], baseline_rule: str = "none") -> str:
+    labels = _labels(runs)
+    by = {(r.batch_size, r.label): r for r in runs}
+    batches = sorted({r.batch_size for r in runs})
+    base = by.get((batches[0], baseline_rule)) if batches else None
+    lines = [f"Test AUC (Δ vs the {batches[0] if batches else '?'} `{baseline_rule}` run"
+             f"{f' = {base.test_auc:.4f}' if base else ''}); epochs trained (best epoch); samples/s.", "",
+             "| batch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for b in batches:
+        cells = []
+        for lab in labels:
+            r = by.get((b, lab))
+            if r is None:
+                cells.append("–")
+                continue
+            delta = f" ({r.test_auc - base.test_auc:+.4f})" if base else ""
+            cells.append(f"{r.test_auc:.4f}{delta}")
+        lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+    lines += ["", "| batch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for b in batches:
+        cells = []
+        for lab in labels:
+            r = by.get((b, lab))
+            if r is None:
+                cells.append("–")
+                continue
+            ep = "?" if r.epochs is None else f"{r.epochs:.0f}"
+            best = "" if r.best_epoch is None else f" ({r.best_epoch + 1:.0f})"
+            sps = "" if r.samples_per_s is None else f", {r.samples_per_s:,.0f}/s"
+            cells.append(f"{ep}{best}{sps}")
+        lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[RunSummary], path: Path, title: str) -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for lab in _labels(runs):
+        pts = sorted((r.batch_size, r.test_auc) for r in runs if r.label == lab)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
+    base = [r for r in runs if r.label == "none"]
+    if base:
+        b0 = min(base, key=lambda r: r.batch_size)
+        ax.axhspan(b0.test_auc - 0.002, b0.test_auc + 0.002, color="grey", alpha=0.15,
+                   label=f"{b0.batch_size:,} baseline ± 0.002")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel("test AUC")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experiment", default="batch_scaling")
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    parser.add_argument("--out", default=None, help="output folder (default: reports/<experiment>)")
+    parser.add_argument("--no-mlflow", action="store_true", help="do not log the report to MLflow")
+    args = parser.parse_args()
+    client = MlflowClient(tracking_uri=args.tracking_uri)
+    runs = collect_runs(client, args.experiment)
+    if not runs:
+        raise SystemExit(f"no finished training runs in experiment {args.experiment!r}")
+    out = Path(args.out or f"reports/{args.experiment}")
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(runs)
+    (out / "report.md").write_text(table)
+    plot(runs, out / "auc_vs_batch.png", f"{args.experiment}: test AUC vs batch size")
+    print(table)
+    if not args.no_mlflow:
+        exp = client.get_experiment_by_name(args.experiment)
+        run = client.create_run(exp.experiment_id, run_name="report", tags={"report": "true"})
+        for name in ("report.md", "auc_vs_batch.png"):
+            client.log_artifact(run.info.run_id, str(out / name))
+        client.set_terminated(run.info.run_id)
+        print(f"report logged to MLflow run {run.info.run_id}; files in {out}")
+
+
+if __name__ == "__main__":
+    main()
