@@ -10,7 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from modules.models import MODELS
 from modules.optimizers import OPTIMIZERS
-from pipeline.data.sources import SCHEMAS, raw_fingerprint
+from pipeline.data.schema import SCHEMAS
+from pipeline.data.sources import raw_fingerprint
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 

@@ -110,6 +110,9 @@ def plot(runs: list[RunSummary], path: Path, title: str) -> None:
         ax.axhspan(b0.test_auc - 0.002, b0.test_auc + 0.002, color="grey", alpha=0.15,
                    label=f"{b0.batch_size:,} baseline ± 0.002")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r.batch_size for r in runs})
+    ax.set_xticks(ticks, [f"{b // 1024}K" if b % 1024 == 0 else str(b) for b in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("global batch size")
     ax.set_ylabel("test AUC")
     ax.set_title(title)

@@ -42,3 +42,21 @@ def to_normal(h: np.ndarray) -> np.ndarray:
     u1 = to_unit(h)
     u2 = to_unit(splitmix64(h))
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+
+
+def fnv1a64_strings(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """64-bit FNV-1a (Fowler–Noll–Vo) of each byte string ``data[offsets[i]:offsets[i+1]]``:
+    ``h = 0xcbf29ce484222325; for byte: h = (h ^ byte) · 0x100000001b3 (mod 2^64)``.
+    Vectorised over strings, one step per byte position."""
+    starts = offsets[:-1].astype(np.int64)
+    lengths = np.diff(offsets).astype(np.int64)
+    h = np.full(len(starts), _FNV_OFFSET, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for p in range(int(lengths.max()) if len(lengths) else 0):
+            m = lengths > p
+            h[m] = (h[m] ^ data[starts[m] + p].astype(np.uint64)) * _FNV_PRIME
+    return h

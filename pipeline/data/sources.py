@@ -15,11 +15,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pipeline.data.preprocess import PreprocessConfig, preprocess
-from pipeline.data.schema import CRITEO, Schema
-from pipeline.data.store import FORMAT_VERSION, ColumnarStore
+from pipeline.data.schema import SCHEMAS, Schema
+from pipeline.data.store import FORMAT_VERSION, SPLITS, ColumnarStore
 from pipeline.data.synthetic import SyntheticConfig, generate
-
-SCHEMAS: dict[str, Schema] = {"criteo": CRITEO}
 
 
 def _digest(obj: Any) -> str:
@@ -33,17 +31,29 @@ def _schema(data: Mapping[str, Any]) -> Schema:
     return SCHEMAS[name]
 
 
-def _paths(data: Mapping[str, Any]) -> list[Path]:
+def _paths(data: Mapping[str, Any]) -> list[Path] | dict[str, list[Path]]:
+    """``data.path``: a file, a list of files, or a mapping split → file(s) (the dataset's own split)."""
     raw = data.get("path")
-    if raw in (None, "", "???"):
+    if raw in (None, "", "???") or (isinstance(raw, Mapping) and not raw):
         raise ValueError(f"data.path is missing: set data.path=<file> (a {data.get('schema')}-format file) "
                          f"for data={data.get('name')}")
-    paths = [Path(p).expanduser() for p in (raw if isinstance(raw, (list, tuple)) else [raw])]
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"data.path: {p} does not exist or is not a file "
-                                    f"(expected a {data.get('schema')}-format file)")
-    return paths
+
+    def files(value: Any, key: str) -> list[Path]:
+        if value in (None, "", "???"):
+            raise ValueError(f"{key} is missing: expected a {data.get('schema')}-format file")
+        paths = [Path(str(p)).expanduser() for p in (value if isinstance(value, (list, tuple)) else [value])]
+        for p in paths:
+            if not p.is_file():
+                raise FileNotFoundError(f"{key}: {p} does not exist or is not a file "
+                                        f"(expected a {data.get('schema')}-format file)")
+        return paths
+
+    if isinstance(raw, Mapping):
+        unknown = sorted(set(raw) - set(SPLITS))
+        if unknown:
+            raise ValueError(f"data.path: unknown splits {unknown}; expected keys among {list(SPLITS)}")
+        return {split: files(v, f"data.path.{split}") for split, v in raw.items()}
+    return files(raw, "data.path")
 
 
 def synthetic_config(data: Mapping[str, Any]) -> SyntheticConfig:
@@ -54,8 +64,15 @@ def raw_fingerprint(data: Mapping[str, Any]) -> dict[str, Any]:
     """What identifies the raw input (without generating or reading it)."""
     if data.get("name") == "synthetic":
         return {"synthetic": asdict(synthetic_config(data))}
-    return {"files": [{"path": str(p.resolve()), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-                      for p in _paths(data)]}
+    paths = _paths(data)
+    described = {split: [_describe(p) for p in group] for split, group in paths.items()} \
+        if isinstance(paths, dict) else [_describe(p) for p in paths]
+    return {"files": described}
+
+
+def _describe(p: Path) -> dict[str, Any]:
+    st = p.stat()
+    return {"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def store_dir(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> Path:
@@ -64,7 +81,7 @@ def store_dir(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> Path:
     return Path(cache_dir) / "stores" / f"{data['name']}-{_digest(key)}"
 
 
-def raw_files(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> tuple[list[Path], dict[str, Any]]:
+def raw_files(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> tuple[list[Path] | dict[str, list[Path]], dict[str, Any]]:
     """The raw files (generating the synthetic one if needed) and a provenance record."""
     if data.get("name") != "synthetic":
         return _paths(data), raw_fingerprint(data)
