@@ -105,6 +105,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
         extra = {"train/samples_per_s_run": throughput.samples_per_s, "world_size": world,
                  "train/epochs": trainer.current_epoch,
                  **{f"data/{k}_rows": v for k, v in meta["splits"].items()}}
+        extra.update({f"data/skipped_rows/{k}": v for k, v in meta.get("skipped_rows", {}).items()})
         if "oracle_auc" in meta.get("provenance", {}):
             extra["data/oracle_auc"] = meta["provenance"]["oracle_auc"]
         best = next((c for c in callbacks if isinstance(c, RestoreBestWeights)), None)

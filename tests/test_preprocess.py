@@ -15,6 +15,7 @@ from pipeline.data.schema import CRITEO
 from pipeline.data.sources import prepare_store, store_dir
 from pipeline.data.store import ColumnarStore
 from tests.conftest import compose_config, shared_file
+from tests.test_readers import key_of
 
 
 @pytest.fixture()
@@ -64,7 +65,7 @@ def test_real_criteo_sample_matches_pandas(tmp_path, dac):
     for j, c in enumerate(CRITEO.categorical):
         counts = df[c].value_counts()
         kept = counts[counts >= 3]
-        order = sorted(kept.index, key=lambda v: (-kept[v], v))
+        order = sorted(kept.index, key=lambda v: (-kept[v], key_of(v.encode())))
         ids = {v: i + 2 for i, v in enumerate(order)}
         want = [1 if pd.isna(v) else ids.get(v, 0) for v in df[c]]
         assert store.table_sizes[c] == len(order) + 2, c

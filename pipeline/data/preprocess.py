@@ -1,35 +1,44 @@
 """Streaming two-pass preprocessing of raw CTR files into a :mod:`pipeline.data.store`.
 
-Pass 1 reads the files in blocks (:class:`pipeline.data.reader.RawReader`), assigns every row to a
-split, and gathers training statistics: categorical value counts (or hashed-bucket counts) and,
-for min-max scaling, each dense column's range. Pass 2 reads again, encodes and writes:
+Pass 1 parses the files once, in blocks (:class:`pipeline.data.reader.RawReader`): it assigns every
+row to a split, turns every categorical value into a 64-bit key (:func:`pipeline.data.hashing.bytes_keys` of
+its UTF-8 bytes; 0 = missing), spills split code, label, raw dense values and keys to scratch files (ordinary writes),
+and gathers training statistics: key counts (or hashed-bucket counts) and, for min-max scaling,
+each dense column's range. Pass 2 reads the scratch files back in chunks (no re-parsing), encodes
+and writes the store:
 
-* categorical, ``vocab``: values with training count >= ``min_count``, most frequent first, get
-  ids 2..; missing → 1; anything else (rare, or unseen in training) → 0 (OOV);
-* categorical, ``hash``: ``2 + FNV-1a(value) mod buckets`` (no vocabulary); missing → 1;
+* categorical, ``vocab``: values with training count >= ``min_count``, most frequent first (ties by
+  key), get ids 2..; missing → 1; anything else (rare, or unseen in training) → 0 (OOV);
+* categorical, ``hash``: ``2 + key mod buckets`` (no vocabulary); missing → 1;
 * dense: ``log1p(max(x, 0))`` or min-max ``(x - min) / (max - min)`` clipped to [0, 1]; missing → 0;
 * split: ``random`` — a pure function of (seed, row number); ``sequential`` — the last ``test``
   and, before it, the last ``valid`` fractions of the rows; ``given`` — by file (``path`` is a
   mapping split → files).
 
-Memory is bounded by the vocabularies and one block, not by the file size.
+Memory is bounded by the vocabularies and one block, not by the file size. Keys identify values
+(a 64-bit collision among 10^7 distinct values of a field has probability ~3·10^-6); the
+vocabulary file lists each kept key with its count, so new data is encoded by hashing its values.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.data.hashing import fnv1a64_strings, hash_keys, to_unit
-from pipeline.data.reader import RawReader
+from pipeline.data.hashing import hash_keys, string_keys, to_unit
+from pipeline.data.reader import RawReader, open_lines
 from pipeline.data.schema import Schema
 from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID, SPLITS, ColumnarStore, StoreWriter
 
@@ -102,57 +111,46 @@ def assign_splits(row_index: np.ndarray, total_rows: int, cfg: SplitConfig) -> n
 
 def _count_lines(path: Path) -> int:
     n = 0
-    with open(path, "rb") as fh:
+    with open_lines(path) as fh:
         while chunk := fh.read(1 << 24):
             n += chunk.count(b"\n")
     return n
 
 
-def _count_values(column: pa.Array) -> pa.Table:
-    vc = pc.value_counts(column)
-    t = pa.table({"value": vc.field("values"), "count": vc.field("counts")})
-    return t.filter(pc.is_valid(t["value"]))
+def _merge_counts(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Sum the counts of equal keys over several (sorted unique keys, counts) pairs."""
+    if len(parts) == 1:
+        return parts[0]
+    keys, inverse = np.unique(np.concatenate([k for k, _ in parts]), return_inverse=True)
+    return keys, np.bincount(inverse, weights=np.concatenate([c for _, c in parts])).astype(np.int64)
 
 
-def _merge_counts(tables: list[pa.Table]) -> pa.Table:
-    merged = pa.concat_tables(tables).group_by("value").aggregate([("count", "sum")])
-    return merged.rename_columns(["value", "count"])
+def _key_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct non-missing keys and their counts (sort-based: several times faster than hashing
+    64-bit keys with pyarrow's value_counts)."""
+    k, c = np.unique(keys, return_counts=True)
+    if len(k) and k[0] == 0:  # 0 = missing sorts first
+        return k[1:], c[1:]
+    return k, c
 
 
-def hash_bucket(column: pa.Array, buckets: int) -> np.ndarray:
-    """``2 + FNV-1a(value) mod buckets``; missing → 1."""
-    col = pc.cast(column, pa.large_string()).combine_chunks() if isinstance(column, pa.ChunkedArray) \
-        else pc.cast(column, pa.large_string())
-    offsets = np.frombuffer(col.buffers()[1], dtype=np.int64)[col.offset:col.offset + len(col) + 1]
-    data = np.frombuffer(col.buffers()[2], dtype=np.uint8) if col.buffers()[2] is not None else np.zeros(0, np.uint8)
-    ids = (fnv1a64_strings(offsets, data) % np.uint64(buckets)).astype(np.int64) + FIRST_VOCAB_ID
-    if col.null_count:
-        ids[col.is_null().to_numpy(zero_copy_only=False)] = MISSING_ID
-    return ids.astype(np.int32)
-
-
-def encode_categorical(column: pa.Array, vocab: pa.Array) -> np.ndarray:
-    """Map raw values to table ids: vocabulary position + 2, missing → 1, OOV → 0."""
-    idx = pc.index_in(column, value_set=vocab)
-    out = idx.fill_null(-FIRST_VOCAB_ID + OOV_ID).to_numpy(zero_copy_only=False).astype(np.int32) + FIRST_VOCAB_ID
-    if column.null_count:
-        out[column.is_null().to_numpy(zero_copy_only=False)] = MISSING_ID
-    return out
-
-
-def _dense_values(column: pa.Array) -> np.ndarray:
-    return column.to_numpy(zero_copy_only=False).astype(np.float64)  # missing → NaN
-
-
-def transform_dense(x: np.ndarray, cfg: PreprocessConfig, lo: float = 0.0, hi: float = 0.0) -> np.ndarray:
+def transform_dense(x: np.ndarray, cfg: PreprocessConfig, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """[n, d] raw float32 values (NaN = missing) → float32 features (missing → 0). Works in place."""
+    y = np.asarray(x, dtype=np.float32)
     if cfg.dense_transform == "log1p":
-        y = np.log1p(np.maximum(x, 0.0))
+        np.maximum(y, 0.0, out=y)
+        np.log1p(y, out=y)
     else:
-        y = np.clip((x - lo) / (hi - lo), 0.0, 1.0) if hi > lo else np.zeros_like(x)
-    return np.nan_to_num(y, nan=0.0).astype(np.float32)
+        lo32, hi32 = lo.astype(np.float32), hi.astype(np.float32)
+        span = np.where(hi32 > lo32, hi32 - lo32, np.float32(1.0))
+        y -= lo32
+        y /= span
+        np.clip(y, 0.0, 1.0, out=y)
+        y[:, ~(hi32 > lo32)] = 0.0
+    return np.nan_to_num(y, copy=False, nan=0.0)
 
 
-def _field_stats(counts: np.ndarray, kept: int, total_ids: int | None = None) -> dict:
+def _field_stats(counts: np.ndarray, kept: int) -> dict:
     c = np.sort(counts)[::-1]
     total = int(c.sum())
     top = max(1, int(np.ceil(0.01 * len(c)))) if len(c) else 0
@@ -166,6 +164,41 @@ def _field_stats(counts: np.ndarray, kept: int, total_ids: int | None = None) ->
         "top1pct_share": float(c[:top].sum() / total) if total else 0.0,
         "count_histogram": {"edges": edges, "ids": [int(h) for h in hist]},
     }
+
+
+class _Spill:
+    """Pass-1 blocks on disk: split code, label, raw dense values (NaN = missing) and the categorical
+    keys, stored field-major per block ([fields, rows]) so every field's keys are contiguous."""
+
+    SPECS = {"codes": np.int8, "label": np.int8, "dense": np.float32, "keys": np.uint64}
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.blocks: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []  # rows, dense shape, keys shape
+        self.handles = {name: open(folder / f"{name}.bin", "wb") for name in self.SPECS}
+
+    @property
+    def rows(self) -> int:
+        return sum(b[0] for b in self.blocks)
+
+    def append(self, codes: np.ndarray, label: np.ndarray, dense: np.ndarray, keys: np.ndarray) -> None:
+        for name, a in (("codes", codes), ("label", label), ("dense", dense), ("keys", keys)):
+            np.ascontiguousarray(a, dtype=self.SPECS[name]).tofile(self.handles[name])
+        self.blocks.append((len(codes), dense.shape, keys.shape))
+
+    def read(self) -> Iterator[dict[str, np.ndarray]]:
+        for fh in self.handles.values():
+            fh.close()
+        readers = {name: open(self.folder / f"{name}.bin", "rb") for name in self.SPECS}
+        try:
+            for n, dense_shape, keys_shape in self.blocks:
+                shapes = {"codes": (n,), "label": (n,), "dense": dense_shape, "keys": keys_shape}
+                yield {name: np.fromfile(readers[name], dtype=self.SPECS[name],
+                                         count=int(np.prod(shapes[name]))).reshape(shapes[name])
+                       for name in self.SPECS}
+        finally:
+            for fh in readers.values():
+                fh.close()
 
 
 class _Pass:
@@ -197,6 +230,12 @@ class _Pass:
         return out
 
 
+def _dense_raw(table: pa.Table, schema: Schema) -> np.ndarray:
+    if not schema.dense:
+        return np.zeros((table.num_rows, 0), np.float32)
+    return np.stack([table.column(c).to_numpy().astype(np.float32) for c in schema.dense], axis=1)
+
+
 def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]], schema: Schema,
                cfg: PreprocessConfig, out_dir: str | os.PathLike, provenance: dict | None = None) -> ColumnarStore:
     """Build the store for ``files`` at ``out_dir`` (atomically; see :class:`StoreWriter`)."""
@@ -206,69 +245,96 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
     t0 = time.perf_counter()
     total_rows = sum(_count_lines(p) - int(schema.header) for p, _ in sources) if cfg.split.method == "sequential" else -1
     hashed = cfg.categorical == "hash"
-
-    # Pass 1: split sizes, training statistics.
-    split_rows = dict.fromkeys(SPLITS, 0)
-    pending: dict[str, list[pa.Table]] = {c: [] for c in schema.categorical}
-    counts: dict[str, pa.Table] = {}
-    bucket_counts = {c: np.zeros(cfg.hash_buckets + FIRST_VOCAB_ID, np.int64) for c in schema.categorical} if hashed else {}
-    lo = np.full(len(schema.dense), np.inf)
-    hi = np.full(len(schema.dense), -np.inf)
-    first = _Pass(sources, schema, cfg, total_rows, "preprocess pass 1/2")
-    for table, codes in first:
-        for name, code in SPLIT_CODES.items():
-            split_rows[name] += int((codes == code).sum())
-        train = codes == SPLIT_CODES["train"]
-        mask = pa.array(train)
-        for j, c in enumerate(schema.dense):
-            x = _dense_values(table.column(c))[train]
-            if np.isfinite(x).any():
-                lo[j], hi[j] = min(lo[j], np.nanmin(x)), max(hi[j], np.nanmax(x))
-        for c in schema.categorical:
-            col = table.column(c).combine_chunks()
-            if hashed:
-                bucket_counts[c] += np.bincount(hash_bucket(col.filter(mask), cfg.hash_buckets),
-                                                minlength=len(bucket_counts[c]))
-                continue
-            pending[c].append(_count_values(col.filter(mask)))
-            if len(pending[c]) >= 8:
-                counts[c] = _merge_counts(pending[c] + ([counts[c]] if c in counts else []))
-                pending[c] = []
-    if sum(split_rows.values()) == 0:
-        raise ValueError(f"{', '.join(str(p) for p, _ in sources)}: no usable rows to preprocess")
-
-    vocab: dict[str, pa.Array] = {}
-    stats: dict[str, dict] = {}
-    table_sizes: dict[str, int] = {}
-    for c in schema.categorical:
-        if hashed:
-            b = bucket_counts[c][FIRST_VOCAB_ID:]
-            stats[c] = _field_stats(b[b > 0], int((b > 0).sum()))
-            table_sizes[c] = cfg.hash_buckets + FIRST_VOCAB_ID
-            continue
-        merged = _merge_counts(pending[c] + ([counts[c]] if c in counts else []))
-        kept = merged.filter(pc.greater_equal(merged["count"], cfg.min_count))
-        kept = kept.sort_by([("count", "descending"), ("value", "ascending")])
-        vocab[c] = kept["value"].combine_chunks()
-        stats[c] = _field_stats(merged["count"].to_numpy(), kept.num_rows)
-        counts[c] = kept
-        table_sizes[c] = len(vocab[c]) + FIRST_VOCAB_ID
-
-    # Pass 2: encode and write.
-    writer = StoreWriter(out_dir, split_rows, len(schema.dense), len(schema.categorical))
+    n_cat, n_dense = len(schema.categorical), len(schema.dense)
+    writer: StoreWriter | None = None
+    scratch = Path(out_dir).with_name(Path(out_dir).name + f".scratch-{os.getpid()}")
+    scratch.mkdir(parents=True, exist_ok=True)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(n_cat, os.cpu_count() or 1)))
     try:
-        if not hashed:
-            for c in schema.categorical:
-                pq.write_table(counts[c], writer.vocab_dir / f"{c}.parquet")
+        # Pass 1: parse once; spill rows; split sizes and training statistics.
+        spill = _Spill(scratch)
+        split_rows = dict.fromkeys(SPLITS, 0)
+        counts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n_cat)]
+        bucket_counts = np.zeros((n_cat, cfg.hash_buckets), np.int64) if hashed else None
+        lo, hi = np.full(n_dense, np.inf), np.full(n_dense, -np.inf)
+        first = _Pass(sources, schema, cfg, total_rows, "preprocess pass 1/2")
+        for table, codes in first:
+            keys = np.empty((n_cat, table.num_rows), np.uint64)
+            train = codes == SPLIT_CODES["train"]
+            all_train = bool(train.all())
+
+            def field_keys(j: int) -> tuple[np.ndarray, np.ndarray] | None:
+                keys[j] = string_keys(table.column(schema.categorical[j]))
+                k = keys[j] if all_train else keys[j][train]
+                if hashed:
+                    bucket_counts[j] += np.bincount((k[k != 0] % np.uint64(cfg.hash_buckets)).astype(np.int64),
+                                                    minlength=cfg.hash_buckets)
+                    return None
+                return _key_counts(k)
+
+            block_counts = list(pool.map(field_keys, range(n_cat)))
+            dense = _dense_raw(table, schema)
+            label = table.column(schema.label).to_numpy().astype(np.int8)
+            spill.append(codes, label, dense, keys)
+            for name, code in SPLIT_CODES.items():
+                split_rows[name] += int(np.count_nonzero(codes == code))
+            if n_dense and cfg.dense_transform == "minmax" and train.any():
+                with warnings.catch_warnings():  # a column may be all missing in a block
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    lo = np.fmin(lo, np.nanmin(dense[train], axis=0))
+                    hi = np.fmax(hi, np.nanmax(dense[train], axis=0))
+            if hashed:
+                continue
+            for j, kc in enumerate(block_counts):
+                counts[j].append(kc)
+                if len(counts[j]) >= 8:
+                    counts[j] = [_merge_counts(counts[j])]
+        if spill.rows == 0:
+            raise ValueError(f"{', '.join(str(p) for p, _ in sources)}: no usable rows to preprocess")
+
+        vocab_keys: list[np.ndarray] = []
+        stats: dict[str, dict] = {}
+        table_sizes: dict[str, int] = {}
+        vocab_tables: dict[str, pa.Table] = {}
+        for j, c in enumerate(schema.categorical):
+            if hashed:
+                b = bucket_counts[j]
+                stats[c] = _field_stats(b[b > 0], int((b > 0).sum()))
+                table_sizes[c] = cfg.hash_buckets + FIRST_VOCAB_ID
+                continue
+            k, n = _merge_counts(counts[j]) if counts[j] else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
+            keep = n >= cfg.min_count
+            order = np.lexsort((k[keep], -n[keep]))
+            kept_keys, kept_counts = k[keep][order], n[keep][order]
+            vocab_keys.append(kept_keys)
+            vocab_tables[c] = pa.table({"key": pa.array(kept_keys, pa.uint64()), "count": kept_counts})
+            stats[c] = _field_stats(n, len(kept_keys))
+            table_sizes[c] = len(kept_keys) + FIRST_VOCAB_ID
+        lo, hi = np.where(np.isfinite(lo), lo, 0.0), np.where(np.isfinite(hi), hi, 0.0)
+
+        # Pass 2: encode the spilled rows and write the store.
+        writer = StoreWriter(out_dir, split_rows, n_dense, n_cat)
+        for c, t in vocab_tables.items():
+            pq.write_table(t, writer.vocab_dir / f"{c}.parquet")
+        # a pandas Index keeps its hash table between lookups (pc.index_in would rebuild it per chunk)
+        vocab_index = [pd.Index(v, dtype=np.uint64) for v in vocab_keys]
         positives = dict.fromkeys(SPLITS, 0)
-        for table, codes in _Pass(sources, schema, cfg, total_rows, "preprocess pass 2/2"):
-            n = table.num_rows
-            label = table.column(schema.label).to_numpy(zero_copy_only=False).astype(np.int8)
-            dense = np.stack([transform_dense(_dense_values(table.column(c)), cfg, lo[j], hi[j])
-                              for j, c in enumerate(schema.dense)], axis=1) if schema.dense else np.zeros((n, 0), np.float32)
-            sparse = np.stack([hash_bucket(table.column(c).combine_chunks(), cfg.hash_buckets) if hashed
-                               else encode_categorical(table.column(c).combine_chunks(), vocab[c])
-                               for c in schema.categorical], axis=1)
+
+        def encode(j: int, keys: np.ndarray, out: np.ndarray) -> None:
+            k = keys[j]
+            if hashed:
+                ids = (k % np.uint64(cfg.hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
+            else:
+                pos = vocab_index[j].get_indexer(k)  # -1 where not in the vocabulary
+                ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
+            ids[k == 0] = MISSING_ID
+            out[:, j] = ids
+
+        for chunk in spill.read():
+            codes, label, keys = chunk["codes"], chunk["label"], chunk["keys"]
+            dense = transform_dense(chunk["dense"], cfg, lo, hi)
+            sparse = np.empty((len(codes), n_cat), np.int32)
+            list(pool.map(lambda j: encode(j, keys, sparse), range(n_cat)))
             for name, code in SPLIT_CODES.items():
                 m = codes == code
                 if m.any():
@@ -281,7 +347,8 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             "table_sizes": table_sizes,
             "splits": split_rows,
             "positive_rate": {k: positives[k] / split_rows[k] if split_rows[k] else None for k in SPLITS},
-            "dense_range": {c: [float(lo[j]), float(hi[j])] for j, c in enumerate(schema.dense)},
+            **({"dense_range": {c: [float(lo[j]), float(hi[j])] for j, c in enumerate(schema.dense)}}
+               if cfg.dense_transform == "minmax" else {}),
             "skipped_rows": first.skipped(),
             "stats": stats,
             "preprocess": asdict(cfg),
@@ -290,5 +357,9 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         }
         return writer.commit(meta)
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         raise
+    finally:
+        pool.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,27 +1,26 @@
 """Streaming, multi-threaded reading of raw CTR files with a bad-input policy.
 
-Files are parsed in blocks by pyarrow's CSV reader (``.gz`` files are decompressed on the fly),
-every column first as raw bytes; each block is then validated and typed here: label → int8,
-integer (dense) columns → int64, categorical columns → UTF-8 strings (empty = missing).
+Each file (``.gz`` decompressed on the fly) is cut into newline-aligned chunks of about
+``block_size`` bytes; each chunk is parsed by pyarrow's multi-threaded ``read_csv`` straight into
+typed columns — label and integer columns → int64, categorical columns → UTF-8 strings (empty =
+missing). Only a chunk that fails there is parsed again in careful mode (raw bytes, validated
+column by column here). Memory is bounded by one chunk; line numbers are exact (newlines are
+counted per chunk). Quoted fields must not contain newlines.
 
 Bad input — a row with the wrong number of columns, a non-integer in an integer column, bytes
-that are not UTF-8, an empty file — is handled by ``policy``:
+that are not UTF-8, a label other than 0/1, an empty file — is handled by ``policy``:
 
 * ``error`` (default): stop with a :class:`BadInputError` naming the file, the line, the column,
   the offending value and what was expected;
 * ``skip``: drop such rows and count them per reason (:attr:`RawReader.skipped`).
-
-Line numbers are exact: the reader tracks the rows of each file, and only on an error scans the
-file (from the last good row) to find the offending line.
 """
 
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -54,41 +53,13 @@ class SkipCounts:
         return {k: getattr(self, k) for k in ("wrong_column_count", "not_an_integer", "not_utf8", "label_not_0_1")}
 
 
-class _ProgressFile(io.RawIOBase):
-    """Binary file wrapper that reports bytes read to a tqdm bar."""
-
-    def __init__(self, path: Path, bar: tqdm) -> None:
-        self._f = open(path, "rb")
-        self._bar = bar
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:  # type: ignore[override]
-        n = self._f.readinto(b)
-        self._bar.update(n or 0)
-        return n
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-def _open_lines(path: Path):
+def open_lines(path: Path):
+    """Binary file object of a raw file, decompressing ``.gz``."""
     if str(path).endswith(".gz"):
         import gzip
 
         return gzip.open(path, "rb")
     return open(path, "rb")
-
-
-def _scan_for_line(path: Path, start_line: int, bad: Callable[[bytes], bool]) -> tuple[int, bytes] | None:
-    """First line at or after ``start_line`` (1-based) for which ``bad(line)``; slow path for errors."""
-    with _open_lines(path) as fh:
-        for number, line in enumerate(fh, start=1):
-            if number >= start_line and bad(line.rstrip(b"\r\n")):
-                return number, line.rstrip(b"\r\n")
-    return None
 
 
 @dataclass
@@ -142,12 +113,12 @@ class RawReader:
         clean = pc.if_else(pa.array(bad), pa.scalar(None, pa.string()), col) if bad.any() else col
         return pc.cast(clean, pa.int64()), bad
 
-    def _typed(self, path: Path, rows_before: int, batch: pa.RecordBatch) -> tuple[pa.Table, int]:
+    def _typed(self, path: Path, rows_before: int, batch: pa.Table) -> pa.Table:
         s = self.schema
         out: dict[str, pa.Array] = {}
         drop = np.zeros(batch.num_rows, dtype=bool)
         for name in s.read_columns:
-            text, bad = self._as_text(path, rows_before, name, batch.column(name))
+            text, bad = self._as_text(path, rows_before, name, batch.column(name).combine_chunks())
             self.skipped.not_utf8 += int((bad & ~drop).sum())
             drop |= bad
             if name in s.int_columns:
@@ -170,76 +141,129 @@ class RawReader:
         table = pa.table(out)
         if drop.any():
             table = table.filter(pa.array(~drop))
-        return (s.derive(table) if s.derive else table), int(drop.sum())
+        return s.derive(table) if s.derive else table
 
     # -- reading ---------------------------------------------------------------------------------
-    def _file_batches(self, path: Path, bar: tqdm) -> Iterator[pa.Table]:
+    def _chunks(self, path: Path, bar: tqdm) -> Iterator[tuple[memoryview, int]]:
+        """Newline-aligned chunks of the file's data lines, with the byte offset where each starts.
+
+        One reusable buffer: the unfinished last line of a chunk moves to its front, the next read
+        fills the rest. A chunk is only valid until the next one is requested.
+        """
+        buf = bytearray(self.block_size)
+        view = memoryview(buf)
+        filled = 0
+        offset = 0
+        with open_lines(path) as fh:
+            if self.schema.header:
+                offset = len(fh.readline())
+                bar.update(offset)
+            while True:
+                if filled == len(buf):  # a single line longer than the buffer: grow it
+                    buf.extend(bytes(len(buf)))
+                    view = memoryview(buf)
+                got = fh.readinto(view[filled:])
+                bar.update(got or 0)
+                if not got:
+                    if filled:
+                        yield view[:filled], offset
+                    return
+                filled += got
+                cut = buf.rfind(b"\n", 0, filled)
+                if cut < 0:
+                    continue
+                yield view[:cut + 1], offset
+                offset += cut + 1
+                rest = filled - cut - 1
+                buf[:rest] = buf[cut + 1:filled]
+                filled = rest
+
+    @staticmethod
+    def _line_at(path: Path, offset: int) -> int:
+        """Line number of the line starting at byte ``offset`` (only computed for error messages)."""
+        newlines, done = 0, 0
+        with open_lines(path) as fh:
+            while done < offset:
+                data = fh.read(min(1 << 24, offset - done))
+                if not data:
+                    break
+                newlines += data.count(b"\n")
+                done += len(data)
+        return newlines + 1
+
+    def _header(self, path: Path) -> list[str]:
+        with open_lines(path) as fh:
+            first = fh.readline().rstrip(b"\r\n").decode("utf-8", "backslashreplace")
+        names = [n.strip('"') for n in first.split(self.schema.delimiter)]
+        missing = [c for c in self.schema.read_columns if c not in names]
+        if missing:
+            raise BadInputError(f"{path}:1: the header lacks columns {missing}; expected {list(self.schema.columns)}")
+        return names
+
+    def _parse(self, chunk: memoryview, names: list[str], careful: bool, bad_rows: list[str]) -> pa.Table:
+        s = self.schema
+
+        def invalid_row(row: pacsv.InvalidRow) -> str:
+            bad_rows.append(row.text)
+            return "skip"
+
+        types = {c: pa.binary() for c in s.read_columns} if careful else \
+            {c: pa.int64() if c in s.int_columns else pa.string() for c in s.read_columns}
+        return pacsv.read_csv(
+            pa.py_buffer(chunk),
+            read_options=pacsv.ReadOptions(column_names=names, use_threads=True, block_size=1 << 20),
+            parse_options=pacsv.ParseOptions(delimiter=s.delimiter, quote_char=s.quote_char,
+                                             invalid_row_handler=invalid_row, ignore_empty_lines=False),
+            convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(s.read_columns),
+                                                 strings_can_be_null=True))
+
+    def _column_count_error(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError:
+        n = len(self.schema.columns)
+        delim = self.schema.delimiter.encode()
+        for i, text in enumerate(bytes(chunk).split(b"\n")):
+            text = text.rstrip(b"\r")
+            if text.count(delim) + 1 != n:
+                shown = text[:120].decode("utf-8", "backslashreplace")
+                return BadInputError(f"{path}:{first_line + i}: {text.count(delim) + 1} columns, expected {n} "
+                                     f"({self.schema.name} layout); the line reads {shown!r}")
+        return BadInputError(f"{path}: a row has the wrong number of columns (expected {n})")
+
+    def _fast_ok(self, table: pa.Table) -> bool:
+        """A typed chunk needs the careful path if a label is not 0/1 or a required integer is missing."""
+        s = self.schema
+        label = table.column(s.label)
+        if label.null_count or pc.max(label).as_py() > 1 or pc.min(label).as_py() < 0:
+            return False
+        return not any(table.column(c).null_count for c in s.int_columns if c not in s.dense and c != s.label)
+
+    def _file_tables(self, path: Path, bar: tqdm) -> Iterator[pa.Table]:
         s = self.schema
         if os.path.getsize(path) == 0:
             raise BadInputError(f"{path}: the file is empty (expected {s.name}-format rows)")
-        pending_error: list[int] = []
-
-        def invalid_row(row: pacsv.InvalidRow) -> str:
-            if self.policy == "skip":
-                self.skipped.wrong_column_count += 1
-                return "skip"
-            pending_error.append(row.actual_columns)
-            return "error"
-
-        src = _ProgressFile(path, bar)
-        stream: pa.NativeFile = pa.PythonFile(src, mode="r")
-        if str(path).endswith(".gz"):
-            stream = pa.CompressedInputStream(stream, "gzip")
-        rows_before = 0
-        try:
-            if s.header:
-                with _open_lines(path) as fh:
-                    names = fh.readline().rstrip(b"\r\n").decode("utf-8", "backslashreplace").split(s.delimiter)
-                names = [n.strip('"') for n in names]
-                missing = [c for c in s.read_columns if c not in names]
-                if missing:
-                    raise BadInputError(f"{path}:1: the header lacks columns {missing}; expected {list(s.columns)}")
-            reader = pacsv.open_csv(
-                stream,
-                read_options=pacsv.ReadOptions(column_names=None if s.header else list(s.columns),
-                                               block_size=self.block_size, use_threads=True),
-                parse_options=pacsv.ParseOptions(delimiter=s.delimiter, quote_char=s.quote_char,
-                                                 invalid_row_handler=invalid_row, ignore_empty_lines=False),
-                convert_options=pacsv.ConvertOptions(column_types={c: pa.binary() for c in s.read_columns},
-                                                     include_columns=list(s.read_columns), strings_can_be_null=True),
-            )
-            while True:
-                try:
-                    batch = reader.read_next_batch()
-                except StopIteration:
-                    break
-                except pa.ArrowInvalid as e:
-                    if pending_error:
-                        self._raise_column_count(path, rows_before, e)
-                    raise BadInputError(f"{path}: cannot be parsed as {s.name}-format rows: {e}") from e
-                table, _ = self._typed(path, rows_before, batch)
-                rows_before += batch.num_rows
-                yield table
-        except pa.ArrowInvalid as e:
-            if pending_error:
-                self._raise_column_count(path, rows_before, e)
-            raise BadInputError(f"{path}: cannot be parsed as {s.name}-format rows: {e}") from e
-        finally:
-            src.close()
-
-    def _raise_column_count(self, path: Path, rows_before: int, cause: Exception) -> None:
-        n = len(self.schema.columns)
-        delim = self.schema.delimiter.encode()
-        found = _scan_for_line(path, self._line_of(rows_before, 0), lambda line: line.count(delim) + 1 != n)
-        if found is None:
-            raise BadInputError(f"{path}: a row has the wrong number of columns (expected {n}): {cause}") from cause
-        line, text = found
-        shown = text[:120].decode("utf-8", "backslashreplace")
-        raise BadInputError(f"{path}:{line}: {text.count(delim) + 1} columns, expected {n} "
-                            f"({self.schema.name} layout); the line reads {shown!r}") from cause
+        names = self._header(path) if s.header else list(s.columns)
+        for chunk, offset in self._chunks(path, bar):
+            bad_rows: list[str] = []
+            try:
+                table = self._parse(chunk, names, careful=False, bad_rows=bad_rows)
+                careful = not self._fast_ok(table)
+            except pa.ArrowInvalid:
+                careful = True
+            if careful:
+                bad_rows = []
+                table = self._parse(chunk, names, careful=True, bad_rows=bad_rows)
+            if bad_rows:
+                if self.policy == "error":
+                    raise self._column_count_error(path, chunk, self._line_at(path, offset))
+                self.skipped.wrong_column_count += len(bad_rows)
+            if careful:
+                # rows skipped for their column count shift later rows' line numbers only under "skip"
+                table = self._typed(path, self._line_at(path, offset) - 1 - int(s.header), table)
+            elif s.derive:
+                table = s.derive(table)
+            yield table
 
     def __iter__(self) -> Iterator[pa.Table]:
         total = sum(os.path.getsize(f) for f in self.files)
         with tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, leave=False) as bar:
             for path in self.files:
-                yield from self._file_batches(path, bar)
+                yield from self._file_tables(path, bar)

@@ -9,7 +9,8 @@ Layout of a store directory::
     <split>/sparse.npy      int32  [N, n_cat]     (0 = OOV, 1 = missing, 2.. = vocabulary)
 
 A store is built in ``<dir>.tmp-<pid>`` and renamed into place when complete, so a directory
-with a ``meta.json`` is always a finished store.
+with a ``meta.json`` is always a finished store. The writer appends rows to each array file
+(ordinary writes, not a memory map), so its memory does not grow with the data.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class ColumnarStore:
         return SplitArrays(*(np.load(d / f"{a}.npy", mmap_mode=mode) for a in ("label", "dense", "sparse")))
 
 
+ARRAYS = {"label": np.int8, "dense": np.float32, "sparse": np.int32}
+
+
 class StoreWriter:
     """Builds a store in a temporary directory; ``commit`` renames it into place."""
 
@@ -81,27 +85,33 @@ class StoreWriter:
         self.tmp_dir = self.final_dir.with_name(self.final_dir.name + f".tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self.tmp_dir.mkdir(parents=True)
-        self.arrays: dict[str, dict[str, np.ndarray]] = {}
+        self.files: dict[str, dict[str, Any]] = {}
         self.cursor = dict.fromkeys(split_rows, 0)
         self.split_rows = dict(split_rows)
+        widths = {"label": (), "dense": (n_dense,), "sparse": (n_cat,)}
         for split, n in split_rows.items():
             (self.tmp_dir / split).mkdir()
-            self.arrays[split] = {
-                "label": np.lib.format.open_memmap(self.tmp_dir / split / "label.npy", "w+", np.int8, (n,)),
-                "dense": np.lib.format.open_memmap(self.tmp_dir / split / "dense.npy", "w+", np.float32, (n, n_dense)),
-                "sparse": np.lib.format.open_memmap(self.tmp_dir / split / "sparse.npy", "w+", np.int32, (n, n_cat)),
-            }
+            self.files[split] = {}
+            for name, dtype in ARRAYS.items():
+                fh = open(self.tmp_dir / split / f"{name}.npy", "wb")
+                np.lib.format.write_array_header_1_0(
+                    fh, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                         "shape": (n, *widths[name])})
+                self.files[split][name] = fh
 
     def append(self, split: str, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> None:
-        start = self.cursor[split]
-        end = start + len(label)
+        end = self.cursor[split] + len(label)
         if end > self.split_rows[split]:
             raise RuntimeError(f"split {split} overflows its {self.split_rows[split]} planned rows")
-        a = self.arrays[split]
-        a["label"][start:end] = label
-        a["dense"][start:end] = dense
-        a["sparse"][start:end] = sparse
+        for name, values in (("label", label), ("dense", dense), ("sparse", sparse)):
+            np.ascontiguousarray(values, dtype=ARRAYS[name]).tofile(self.files[split][name])
         self.cursor[split] = end
+
+    def _close(self) -> None:
+        for group in self.files.values():
+            for fh in group.values():
+                fh.close()
+        self.files.clear()
 
     @property
     def vocab_dir(self) -> Path:
@@ -112,9 +122,7 @@ class StoreWriter:
         for split, n in self.split_rows.items():
             if self.cursor[split] != n:
                 raise RuntimeError(f"split {split}: wrote {self.cursor[split]} of {n} planned rows")
-            for arr in self.arrays[split].values():
-                arr.flush()
-        self.arrays.clear()
+        self._close()
         meta = {"format_version": FORMAT_VERSION, **meta}
         (self.tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         try:
@@ -126,5 +134,5 @@ class StoreWriter:
         return ColumnarStore(self.final_dir)
 
     def abort(self) -> None:
-        self.arrays.clear()
+        self._close()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""Preprocessing throughput and peak memory: this project's streaming preprocessor vs. pandas.
+
+    python benchmarks/preprocess.py --rows 2000000            # also runs 2× the rows for the memory check
+
+The 2× file is the 1× file written twice: the same vocabulary over twice the rows, so the memory
+check isolates what preprocessing holds besides the vocabulary (which grows with the distinct ids).
+
+For each file size, in one run on the same Criteo-format file (written by the synthetic generator):
+
+* ``project``: ``pipeline.data.preprocess.preprocess`` (two streaming passes, vocabulary with
+  min count 2, log1p, random split, memory-mapped store);
+* ``pandas``: ``pandas.read_csv`` of the whole file (C parser) + ``factorize`` of every categorical
+  column + log1p of the dense columns — the usual in-memory baseline, doing less work (no min count,
+  no splits, nothing written).
+
+Each method runs in a fresh subprocess so its peak RSS (``ru_maxrss``) is its own. Prints a table
+with rows/s, peak memory and the ratio project / pandas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_project(path: str, out: str) -> dict:
+    from pipeline.data.preprocess import PreprocessConfig, preprocess
+    from pipeline.data.schema import CRITEO
+
+    t0 = time.perf_counter()
+    store = preprocess([path], CRITEO, PreprocessConfig(min_count=2), out)
+    return {"seconds": time.perf_counter() - t0, "rows": sum(store.meta["splits"].values())}
+
+
+def run_pandas(path: str, out: str) -> dict:
+    import numpy as np
+    import pandas as pd
+
+    from pipeline.data.schema import CRITEO
+
+    t0 = time.perf_counter()
+    df = pd.read_csv(path, sep="\t", header=None, names=list(CRITEO.columns),
+                     dtype={**{c: "float64" for c in CRITEO.dense}, **{c: "object" for c in CRITEO.categorical}})
+    codes = {c: pd.factorize(df[c])[0] for c in CRITEO.categorical}
+    dense = np.log1p(np.maximum(df[list(CRITEO.dense)].to_numpy(), 0))
+    assert len(codes) == 26 and dense.shape[0] == len(df)
+    return {"seconds": time.perf_counter() - t0, "rows": len(df)}
+
+
+def _child(method: str, path: str, out: str) -> None:
+    result = {"project": run_project, "pandas": run_pandas}[method](path, out)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+
+
+def measure(method: str, path: Path, workdir: Path) -> dict:
+    out = workdir / f"store-{method}"
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run([sys.executable, __file__, "--child", method, str(path), str(out)],
+                          capture_output=True, text=True, check=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="preprocessing benchmark")
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--no-double", action="store_true", help="skip the 2× rows memory check")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(*args.child)
+        return
+    from pipeline.data.synthetic import SyntheticConfig, generate
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-preprocess-"))
+    sizes = [args.rows] if args.no_double else [args.rows, 2 * args.rows]
+    rows = []
+    base = workdir / f"criteo-{args.rows}.tsv"
+    if not base.exists():
+        generate(SyntheticConfig(rows=args.rows, seed=7), base)
+    for n in sizes:
+        path = base if n == args.rows else workdir / f"criteo-{args.rows}-x2.tsv"
+        if not path.exists():
+            with open(path, "wb") as out:
+                for _ in range(2):
+                    out.write(base.read_bytes())
+        mb = path.stat().st_size / 2**20
+        for method in ("pandas", "project"):
+            r = measure(method, path, workdir)
+            rows.append({"rows": n, "file_mb": mb, "method": method, **r})
+            print(f"  {method:8s} {n:>10,} rows: {r['seconds']:.1f} s, peak {r['peak_rss_mb']:.0f} MB", flush=True)
+    print()
+    print("| rows | file MB | method | seconds | rows/s | peak RSS MB | speed vs pandas |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        base = next(x for x in rows if x["rows"] == r["rows"] and x["method"] == "pandas")
+        print(f"| {r['rows']:,} | {r['file_mb']:.0f} | {r['method']} | {r['seconds']:.1f} | {r['rows'] / r['seconds']:,.0f} "
+              f"| {r['peak_rss_mb']:.0f} | {base['seconds'] / r['seconds']:.2f}× |")
+    if len(sizes) == 2:
+        p1, p2 = (next(x for x in rows if x["rows"] == n and x["method"] == "project") for n in sizes)
+        print(f"\nproject peak memory at 2× rows: {p2['peak_rss_mb'] / p1['peak_rss_mb']:.2f}× the 1× run")
+
+
+if __name__ == "__main__":
+    main()
