@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.data.hashing import hash_keys, string_keys, to_unit
+from pipeline.data.prefetch import prefetch
 from pipeline.data.reader import RawReader, open_lines
 from pipeline.data.schema import Schema
 from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID, SPLITS, ColumnarStore, StoreWriter
@@ -258,7 +259,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         bucket_counts = np.zeros((n_cat, cfg.hash_buckets), np.int64) if hashed else None
         lo, hi = np.full(n_dense, np.inf), np.full(n_dense, -np.inf)
         first = _Pass(sources, schema, cfg, total_rows, "preprocess pass 1/2")
-        for table, codes in first:
+        for table, codes in prefetch(first):
             keys = np.empty((n_cat, table.num_rows), np.uint64)
             train = codes == SPLIT_CODES["train"]
             all_train = bool(train.all())
@@ -330,7 +331,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             ids[k == 0] = MISSING_ID
             out[:, j] = ids
 
-        for chunk in spill.read():
+        for chunk in prefetch(spill.read()):
             codes, label, keys = chunk["codes"], chunk["label"], chunk["keys"]
             dense = transform_dense(chunk["dense"], cfg, lo, hi)
             sparse = np.empty((len(codes), n_cat), np.int32)
