@@ -2,7 +2,10 @@
 
 Hyperparameters come from ``optim`` (tuned for ``scaling.base_batch_size``) rescaled to the run's
 global batch by ``scaling.rule``; CowClip and the per-id embedding L2 term are installed on the
-sharded model; the dense learning rate warms up linearly over ``scaling.warmup_epochs``.
+sharded model; the dense learning rate warms up linearly over ``scaling.warmup_epochs``. With
+``plateau_lr_factor``, every validation that does not improve the best AUC multiplies all learning
+rates (dense, data-parallel and fused embedding optimizers) by that factor (FuxiCTR's
+reduce-LR-on-plateau).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pipeline.metrics import CTRMetrics
 
 class CTRTask(L.LightningModule):
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], topology: Mapping[str, Any],
-                 scaling: Mapping[str, Any], batch_size: int) -> None:
+                 scaling: Mapping[str, Any], batch_size: int, plateau_lr_factor: float | None = None) -> None:
         super().__init__()
         self.model_cfg = dict(model)
         dense = OptimizerSpec.from_mapping(optim["dense"], "optim.dense")
@@ -38,6 +41,9 @@ class CTRTask(L.LightningModule):
         self.embedding_optim = replace(embedding, lr=self.scaled.embedding_lr)
         self.cowclip = CowClipConfig.from_mapping(scaling["cowclip"], l2=self.scaled.l2)
         self.warmup_epochs = float(scaling.get("warmup_epochs", 0))
+        self.plateau_lr_factor = plateau_lr_factor
+        self.lr_factor = 1.0
+        self.best_val_auc: float | None = None
         self.topology = dict(topology)
         self.model: torch.nn.Module | None = None
         self.plan = None
@@ -96,7 +102,24 @@ class CTRTask(L.LightningModule):
             self.log("train/cowclip_clipped_fraction", clipped, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
+        auc = self.val_metrics.compute()["auc"]  # identical on every rank (synced)
         self._log_eval("val", self.val_metrics)
+        if self.trainer.sanity_checking:
+            return
+        if self.best_val_auc is None or auc > self.best_val_auc:
+            self.best_val_auc = auc
+        elif self.plateau_lr_factor:
+            self.lr_factor *= self.plateau_lr_factor
+            self._set_fused_lr(self.embedding_optim.lr * self.lr_factor)
+        self.log("train/lr_factor", self.lr_factor, sync_dist=True)
+
+    def _set_fused_lr(self, lr: float) -> None:
+        fused = getattr(self.model, "fused_optimizer", None)
+        if fused is None or not fused.param_groups:
+            return
+        for group in fused.param_groups:
+            group["lr"] = lr
+        fused.step()  # TorchRec's fused optimizers hand the new rate to FBGEMM here
 
     def on_test_epoch_end(self) -> None:
         self._log_eval("test", self.test_metrics)
@@ -119,7 +142,7 @@ class CTRTask(L.LightningModule):
         steps_per_epoch = self.trainer.estimated_stepping_batches / max(1, self.trainer.max_epochs)
         warmup_steps = int(round(self.warmup_epochs * steps_per_epoch))
         n_dense = len(dense_opt.param_groups)
-        lambdas = [lambda step: warmup_factor(step, warmup_steps)] * n_dense + \
-                  [lambda step: 1.0] * (len(optimizer.param_groups) - n_dense)
+        lambdas = [lambda step: warmup_factor(step, warmup_steps) * self.lr_factor] * n_dense + \
+                  [lambda step: self.lr_factor] * (len(optimizer.param_groups) - n_dense)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -64,7 +64,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
 
     datamodule = CTRDataModule(cfg.data, cfg.paths.cache_dir, cfg.trainer.batch_size,
                                cfg.trainer.eval_batch_size, cfg.seed)
-    task = CTRTask(cfg.model, cfg.optim, cfg.topology, cfg.scaling, cfg.trainer.batch_size)
+    task = CTRTask(cfg.model, cfg.optim, cfg.topology, cfg.scaling, cfg.trainer.batch_size,
+                   cfg.trainer.get("plateau_lr_factor"))
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
     logger = make_logger(cfg) if int(os.environ.get("RANK", 0)) == 0 else False
     throughput = TrainThroughput()
