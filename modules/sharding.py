@@ -109,10 +109,13 @@ def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[st
 
 
 def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapping[str, Any],
-                device: torch.device, plan: ShardingPlan | None = None) -> tuple[DistributedModelParallel, ShardingPlan]:
+                device: torch.device, plan: ShardingPlan | None = None,
+                data_parallel: bool = True) -> tuple[DistributedModelParallel, ShardingPlan]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
-    ``model`` should be built on the meta device: DMP materialises each shard on its rank only.
+    ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
+    its rank only. ``data_parallel=False`` leaves the replicated parameters out of DDP (for k-step
+    merging, :mod:`modules.kstep_merging`).
     """
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
     fused = is_fusable(embedding_optim, device.type)
@@ -137,5 +140,6 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapp
             planner = EmbeddingShardingPlanner(topology=build_topology(topology, world, local_world),
                                                constraints=constraints)
             plan = planner.collective_plan(model, sharders, pg)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
+                                   init_data_parallel=data_parallel)
     return dmp, plan

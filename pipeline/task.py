@@ -17,9 +17,13 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from torch.nn.parallel import DistributedDataParallel
+
+from modules.comm_accounting import CommCounter, ddp_counting_hook
 from modules.cowclip import CowClipConfig
 from modules.cowclip_placement import install_cowclip
 from modules.models import build_model
+from modules.kstep_merging import KStepMerger, MergeConfig
 from modules.optimizers import OptimizerChain, OptimizerSpec, build_optimizer
 from modules.scaling_rules import ScaledHyperparameters, scale_hyperparameters, warmup_factor
 from modules.sharding import shard_model
@@ -29,7 +33,8 @@ from pipeline.metrics import CTRMetrics
 
 class CTRTask(L.LightningModule):
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], topology: Mapping[str, Any],
-                 scaling: Mapping[str, Any], batch_size: int, plateau_lr_factor: float | None = None) -> None:
+                 scaling: Mapping[str, Any], batch_size: int, plateau_lr_factor: float | None = None,
+                 merging: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.model_cfg = dict(model)
         dense = OptimizerSpec.from_mapping(optim["dense"], "optim.dense")
@@ -49,6 +54,10 @@ class CTRTask(L.LightningModule):
         self.plan = None
         self.cowclip_tables: dict[str, set[str]] = {}
         self.cowclip_stats = None
+        self.merge_cfg = MergeConfig(**merging) if merging and merging.get("k") else None
+        self.merger: KStepMerger | None = None
+        self.comm = CommCounter()
+        self.comm_steps = 0
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
 
@@ -63,8 +72,15 @@ class CTRTask(L.LightningModule):
         params = {k: v for k, v in self.model_cfg.items() if k != "name"}
         net = build_model(self.model_cfg["name"], spec, params, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
-        self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device)
+        self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
+                                            data_parallel=self.merge_cfg is None)
         self.cowclip_tables, self.cowclip_stats = install_cowclip(self.model, self.cowclip)
+        if self.merge_cfg is not None:
+            replicated = [p for p in self.model.parameters() if not getattr(p, "_in_backward_optimizers", None)]
+            per_node = int(self.topology.get("ranks_per_node") or self.trainer.num_devices)
+            self.merger = KStepMerger(replicated, self.merge_cfg, ranks_per_node=per_node)
+        elif isinstance(self.model._dmp_wrapped_module, DistributedDataParallel):
+            self.model._dmp_wrapped_module.register_comm_hook(None, ddp_counting_hook)
         self.val_metrics.to(device)
         self.test_metrics.to(device)
 
@@ -96,7 +112,37 @@ class CTRTask(L.LightningModule):
             self.log(f"{prefix}/{k}", v, prog_bar=k == "auc", sync_dist=True)
         metrics.reset()
 
+    # -- merging and communication accounting ----------------------------------------------------
+    def on_train_batch_start(self, batch: CTRBatch, batch_idx: int) -> None:
+        self.comm.start()
+
+    def on_train_batch_end(self, outputs: Any, batch: CTRBatch, batch_idx: int) -> None:
+        if self.merger is not None:
+            self.merger.after_step()
+        self.comm.stop()
+        self.comm_steps += 1
+
+    def merge_replicas(self) -> None:
+        """Make the replicated parameters identical on every rank (no-op without k-step merging)."""
+        if self.merger is not None:
+            self.merger.merge_if_dirty()
+
+    def on_validation_start(self) -> None:
+        self.merge_replicas()
+
+    def on_test_start(self) -> None:
+        self.merge_replicas()
+
+    def comm_bytes_per_step(self) -> dict[str, float]:
+        steps = max(1, self.comm_steps)
+        out = {f"comm/{k}_bytes_per_step": v / steps for k, v in self.comm.bytes.items()}
+        out["comm/total_bytes_per_step"] = sum(self.comm.bytes.values()) / steps
+        return out
+
     def on_train_epoch_end(self) -> None:
+        self.merge_replicas()
+        for k, v in self.comm_bytes_per_step().items():
+            self.log(k, v, sync_dist=True)
         clipped = self.cowclip_stats.take() if self.cowclip_stats is not None else None
         if clipped is not None:  # share of (id, step) pairs whose gradient CowClip scaled down
             self.log("train/cowclip_clipped_fraction", clipped, sync_dist=True)
@@ -145,4 +191,6 @@ class CTRTask(L.LightningModule):
         lambdas = [lambda step: warmup_factor(step, warmup_steps) * self.lr_factor] * n_dense + \
                   [lambda step: self.lr_factor] * (len(optimizer.param_groups) - n_dense)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+        if self.merger is not None:
+            self.merger.attach_optimizer(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

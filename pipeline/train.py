@@ -4,7 +4,7 @@ Composes ``conf/`` with Hydra, prepares the data (cached), trains with Lightning
 sharded embeddings (1 process, or as many as ``torchrun`` starts), evaluates on the test split,
 logs everything to MLflow and ends with one line::
 
-    RESULT test_auc=<float> test_logloss=<float> samples_per_s=<float> mlflow_run_id=<id>
+    RESULT test_auc=<float> test_logloss=<float> samples_per_s=<float> comm_bytes_per_step=<float> mlflow_run_id=<id>
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
     datamodule = CTRDataModule(cfg.data, cfg.paths.cache_dir, cfg.trainer.batch_size,
                                cfg.trainer.eval_batch_size, cfg.seed)
     task = CTRTask(cfg.model, cfg.optim, cfg.topology, cfg.scaling, cfg.trainer.batch_size,
-                   cfg.trainer.get("plateau_lr_factor"))
+                   cfg.trainer.get("plateau_lr_factor"), cfg.trainer.get("merging"))
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
     logger = make_logger(cfg) if int(os.environ.get("RANK", 0)) == 0 else False
     throughput = TrainThroughput()
@@ -95,15 +95,17 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
     trainer.fit(task, datamodule=datamodule)
     test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
 
+    comm = task.comm_bytes_per_step()
     result = {"test_auc": test["test/auc"], "test_logloss": test["test/logloss"],
-              "samples_per_s": throughput.samples_per_s, "mlflow_run_id": None}
+              "samples_per_s": throughput.samples_per_s, "comm_bytes_per_step": comm["comm/total_bytes_per_step"],
+              "mlflow_run_id": None}
     if logger:
         logger.log_hyperparams(resolved)
         meta = datamodule.store.meta
         logger.log_hyperparams({**task.scaled_hyperparameters(),
                                 "cowclip/global_tables": len(task.cowclip_tables.get("global", ())),
                                 "cowclip/local_tables": len(task.cowclip_tables.get("local", ()))})
-        extra = {"train/samples_per_s_run": throughput.samples_per_s, "world_size": world,
+        extra = {"train/samples_per_s_run": throughput.samples_per_s, "world_size": world, **comm,
                  "train/epochs": trainer.current_epoch,
                  **{f"data/{k}_rows": v for k, v in meta["splits"].items()}}
         extra.update({f"data/skipped_rows/{k}": v for k, v in meta.get("skipped_rows", {}).items()})
@@ -131,7 +133,8 @@ def main(cfg: DictConfig) -> None:
         print(f"MLflow run {result['mlflow_run_id']} in experiment '{cfg.logger.experiment_name}' at "
               f"{cfg.logger.tracking_uri} (browse: mlflow ui --backend-store-uri {cfg.logger.tracking_uri})")
         print(f"RESULT test_auc={result['test_auc']:.6f} test_logloss={result['test_logloss']:.6f} "
-              f"samples_per_s={result['samples_per_s']:.1f} mlflow_run_id={result['mlflow_run_id']}", flush=True)
+              f"samples_per_s={result['samples_per_s']:.1f} comm_bytes_per_step={result['comm_bytes_per_step']:.0f} "
+              f"mlflow_run_id={result['mlflow_run_id']}", flush=True)
 
 
 if __name__ == "__main__":

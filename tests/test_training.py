@@ -13,7 +13,8 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
 
-RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\S+) mlflow_run_id=(\S+)$", re.M)
+RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\S+) comm_bytes_per_step=(\S+) "
+                    r"mlflow_run_id=(\S+)$", re.M)
 MIN_AUC = 0.72  # small data (100k rows, 2 epochs, oracle AUC ≈ 0.90); a model that learns nothing gives 0.5
 
 
@@ -27,7 +28,8 @@ def _train(args: list[str], tracking_uri: str, torchrun: int = 0, timeout: int =
     last = proc.stdout.strip().splitlines()[-1]
     m = RESULT.match(last)
     assert m, f"last line is not the RESULT line: {last!r}"
-    return {"auc": float(m[1]), "logloss": float(m[2]), "samples_per_s": float(m[3]), "run_id": m[4]}
+    return {"auc": float(m[1]), "logloss": float(m[2]), "samples_per_s": float(m[3]), "comm_bytes": float(m[4]),
+            "run_id": m[5]}
 
 
 def _check_run(client: MlflowClient, result: dict, epochs: int) -> None:
@@ -81,3 +83,27 @@ def test_two_process_torchrun_training_logs_to_a_local_store(small_overrides, tm
     result = _train(small_overrides, uri, torchrun=2)
     assert result["auc"] > MIN_AUC, result
     _check_run(MlflowClient(tracking_uri=uri), result, epochs=2)
+
+
+@pytest.mark.parametrize("model", ["wide_deep", "dcn", "dcnv2"])
+def test_other_models_train(small_overrides, tmp_path, model):
+    extra = ["model.low_rank=8"] if model == "dcnv2" else []
+    result = _train([*small_overrides, f"model={model}", "model.mlp=[64,32]", *extra], f"sqlite:///{tmp_path}/m.db")
+    assert result["auc"] > MIN_AUC, result
+
+
+def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, tmp_path):
+    """Two torchrun agents on 127.0.0.1 stand in for two nodes (c10d rendezvous)."""
+    port = free_port()
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "-m", "pipeline.train", *small_overrides,
+           "trainer.merging.k=4", "trainer.merging.k_intra=2", f"logger.tracking_uri=sqlite:///{tmp_path}/m.db"]
+    agents = [subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    outputs = [a.communicate(timeout=600) for a in agents]
+    for a, (out, err) in zip(agents, outputs):
+        assert a.returncode == 0, out[-2000:] + err[-4000:]
+    results = [m for out, _ in outputs for m in RESULT.finditer(out)]
+    assert len(results) == 1  # printed by global rank 0 only
+    assert float(results[0][1]) > MIN_AUC
+    assert float(results[0][4]) > 0  # communication was counted

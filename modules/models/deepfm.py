@@ -25,8 +25,8 @@ class DeepFM(nn.Module):
         super().__init__()
         self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device)
         n_dense, n_cat = len(spec.dense), len(spec.categorical)
-        self.dense_linear = nn.Linear(n_dense, 1, device=device) if n_dense else None
-        self.mlp = MLP(n_cat * embedding_dim + n_dense, mlp, 1, dropout, batch_norm).to(device)
+        self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
+        self.mlp = MLP(n_cat * embedding_dim + n_dense, mlp, 1, dropout, batch_norm)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb, first_order = self.sparse_arch(sparse)

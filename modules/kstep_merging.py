@@ -1,0 +1,108 @@
+"""k-step model merging (Baidu PaddleBox; Zhao et al., "Communication-efficient TeraByte-scale model
+training framework for online advertising", IEEE BigData 2022, arXiv 2201.05500).
+
+Every worker runs its optimizer (Adam) locally on its own batches; every ``k`` steps the replicated
+parameters — the dense network and data-parallel embedding tables; model-parallel embedding shards
+have one owner and need no merging — are replaced by their mean over all workers:
+
+    θ ← (1/W) Σ_r θ_r            (plain mean, learning rate untouched)
+
+optionally together with Adam's first and second moments m, v (``moments=True``). Hierarchical
+variant: every ``k_intra`` steps the mean is taken inside each node, every ``k`` steps over all
+workers (``k`` a multiple of ``k_intra``). A final merge happens at the end of each epoch and before
+evaluation and checkpoints (:meth:`KStepMerger.merge`), and parameters start identical (broadcast
+from rank 0). The averaging is ``torch.distributed.algorithms.model_averaging.utils.average_parameters``.
+
+With SGD, merging every step (k = 1) is exactly synchronous data parallelism (the mean of the
+locally updated parameters is the update with the mean gradient); with Adam it is not, since
+the second moment is not linear in the gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+from modules.comm_accounting import comm_category
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    k: int
+    k_intra: int | None = None
+    moments: bool = False
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"merging.k={self.k}: expected an integer >= 1")
+        if self.k_intra is not None and (self.k_intra < 1 or self.k % self.k_intra):
+            raise ValueError(f"merging.k_intra={self.k_intra}: expected a divisor of merging.k={self.k}")
+
+
+class KStepMerger:
+    def __init__(self, params: Iterable[torch.nn.Parameter], cfg: MergeConfig,
+                 ranks_per_node: int | None = None) -> None:
+        self.params = [p for p in params]
+        self.cfg = cfg
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.steps = 0
+        self.merges = 0
+        self.dirty = False
+        self.node_group = None
+        world = dist.get_world_size()
+        if cfg.k_intra is not None:
+            per_node = ranks_per_node or world
+            if world % per_node:
+                raise ValueError(f"world size {world} is not a multiple of {per_node} ranks per node")
+            self.node_group, _ = dist.new_subgroups(group_size=per_node)
+        with torch.no_grad(), comm_category("merge"):
+            for p in self.params:  # identical start on every rank
+                dist.broadcast(p.data, src=0)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer whose Adam moments are merged with ``moments=True``."""
+        self.optimizer = optimizer
+
+    def _moments(self) -> list[torch.Tensor]:
+        if not (self.cfg.moments and self.optimizer is not None):
+            return []
+        ids = {id(p) for p in self.params}
+        out = []
+        for p, state in self.optimizer.state.items():
+            if id(p) in ids:
+                out += [state[k] for k in MOMENT_KEYS if k in state and torch.is_tensor(state[k])]
+        return out
+
+    def merge(self, group: dist.ProcessGroup | None = None) -> None:
+        """Average the replicated parameters (and moments) over ``group`` (default: all ranks)."""
+        tensors = self.params + self._moments()
+        if tensors:
+            with torch.no_grad(), comm_category("merge"):
+                average_parameters(iter(tensors), group or dist.group.WORLD)
+        self.merges += 1
+        if group is None or group is dist.group.WORLD:
+            self.dirty = False
+
+    def after_step(self) -> bool:
+        """Call after every optimizer step; merges when the schedule says so. Returns True if it did."""
+        self.steps += 1
+        self.dirty = True
+        if self.steps % self.cfg.k == 0:
+            self.merge()
+            return True
+        if self.node_group is not None and self.steps % self.cfg.k_intra == 0:
+            self.merge(self.node_group)
+            self.dirty = True  # replicas still differ across nodes
+            return True
+        return False
+
+    def merge_if_dirty(self) -> None:
+        """Final merge (end of epoch, before evaluation / checkpoints) unless nothing changed."""
+        if self.dirty:
+            self.merge()

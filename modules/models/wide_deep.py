@@ -1,0 +1,34 @@
+"""Wide & Deep (Cheng et al., DLRS 2016): a linear ("wide") model and an MLP ("deep") trained jointly.
+
+    logit = b + Σ_f w_f[x_f] + <a, dense> + MLP([e_1 … e_F, dense])
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from modules.embedding import FeatureSpec, SparseArch
+from modules.models.layers import MLP
+
+
+class WideDeep(nn.Module):
+    def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
+                 dropout: float = 0.0, batch_norm: bool = False, init_std: float = 0.01,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device)
+        n_dense, n_cat = len(spec.dense), len(spec.categorical)
+        self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
+        self.mlp = MLP(n_cat * embedding_dim + n_dense, mlp, 1, dropout, batch_norm)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        emb, wide = self.sparse_arch(sparse)
+        deep_in = emb.flatten(1)
+        if self.dense_linear is not None:
+            wide = wide + self.dense_linear(dense).squeeze(1)
+            deep_in = torch.cat([deep_in, dense], dim=1)
+        return wide + self.mlp(deep_in).squeeze(1)

@@ -1,0 +1,134 @@
+"""k-step model merging on real DMP models over gloo processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from modules.embedding import FeatureSpec
+from modules.kstep_merging import MergeConfig
+from tests.dist_utils import run_workers
+
+SPEC = FeatureSpec(("I1", "I2"), ("a", "b", "c"), {"a": 10, "b": 7, "c": 20})
+
+
+def _setup(data_parallel: bool, seed: int = 0):
+    from modules.models.deepfm import DeepFM
+    from modules.optimizers import OptimizerSpec
+    from modules.sharding import shard_model
+
+    torch.manual_seed(seed)
+    net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
+    topology = {"compute_device": "cpu", "sharding_types": ["table_wise"]}
+    dmp, _ = shard_model(net, OptimizerSpec("sgd", 0.05), topology, torch.device("cpu"), data_parallel=data_parallel)
+    return dmp
+
+
+def _batch(step: int, rank: int, n: int = 8):
+    from pipeline.data.batches import make_batch
+    from pipeline.data.store import SplitArrays
+
+    rng = np.random.default_rng(1000 * step + rank)  # different data on every rank
+    arrays = SplitArrays(rng.integers(0, 2, n).astype(np.int8), rng.normal(size=(n, 2)).astype(np.float32),
+                         np.stack([rng.integers(0, s, n) for s in (10, 7, 20)], 1).astype(np.int32))
+    return make_batch(arrays, np.arange(n), list(SPEC.categorical))
+
+
+def _train_step(model, optimizer, step: int, rank: int) -> None:
+    b = _batch(step, rank)
+    loss = F.binary_cross_entropy_with_logits(model(b.dense_features, b.sparse_features), b.labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _replicated(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if not getattr(p, "_in_backward_optimizers", None)]
+
+
+def _same_everywhere(tensors: list[torch.Tensor], group=None) -> bool:
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _k4_worker(rank: int, world: int, moments: bool) -> None:
+    from modules.comm_accounting import CommCounter
+    from modules.kstep_merging import KStepMerger
+
+    model = _setup(data_parallel=False, seed=rank)  # different init on purpose: the merger broadcasts
+    params = _replicated(model)
+    merger = KStepMerger(params, MergeConfig(k=4, moments=moments))
+    assert _same_everywhere(params)
+    optimizer = torch.optim.Adam(params, lr=0.01)
+    merger.attach_optimizer(optimizer)
+    counter = CommCounter()
+    for step in range(1, 10):
+        _train_step(model, optimizer, step, rank)
+        counter.start()
+        merged = merger.after_step()
+        counter.stop()
+        assert merged == (step % 4 == 0)
+        assert _same_everywhere(params) == merged, step
+        moments_state = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        assert _same_everywhere(moments_state) == (merged and moments), step
+    payload = sum(p.numel() * p.element_size() for p in params)
+    if moments:
+        payload *= 3  # parameters + exp_avg + exp_avg_sq
+    assert counter.bytes["merge"] == 2 * payload  # two merges in 9 steps
+
+
+@pytest.mark.parametrize("moments", [False, True])
+def test_k4_identical_after_merges_and_different_between(moments):
+    run_workers(_k4_worker, 2, moments)
+
+
+def _k1_worker(rank: int, world: int) -> None:
+    from modules.kstep_merging import KStepMerger
+
+    sync = _setup(data_parallel=True)      # DDP: gradient all-reduce every step
+    local = _setup(data_parallel=False)    # local SGD + parameter averaging every step
+    local.load_state_dict(sync.state_dict())
+    merger = KStepMerger(_replicated(local), MergeConfig(k=1))
+    opt_sync = torch.optim.SGD(_replicated(sync), lr=0.1)
+    opt_local = torch.optim.SGD(_replicated(local), lr=0.1)
+    for step in range(5):
+        _train_step(sync, opt_sync, step, rank)
+        _train_step(local, opt_local, step, rank)
+        merger.after_step()
+    for a, b in zip(_replicated(sync), _replicated(local)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    sd_sync, sd_local = sync.state_dict(), local.state_dict()
+    for key, value in sd_sync.items():  # the sharded tables saw the same gradients too
+        if hasattr(value, "local_shards"):
+            for x, y in zip(value.local_shards(), sd_local[key].local_shards()):
+                torch.testing.assert_close(x.tensor, y.tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_k1_with_sgd_equals_synchronous_data_parallelism():
+    run_workers(_k1_worker, 2)
+
+
+def _hierarchical_worker(rank: int, world: int) -> None:
+    from modules.kstep_merging import KStepMerger
+
+    model = _setup(data_parallel=False)
+    params = _replicated(model)
+    merger = KStepMerger(params, MergeConfig(k=4, k_intra=2), ranks_per_node=2)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    node_group = merger.node_group
+    for step in range(1, 5):
+        _train_step(model, optimizer, step, rank)
+        merger.after_step()
+        if step == 2:
+            assert _same_everywhere(params, node_group) and not _same_everywhere(params)
+        if step == 4:
+            assert _same_everywhere(params)
+
+
+def test_hierarchical_merging_two_nodes_of_two():
+    run_workers(_hierarchical_worker, 4)
