@@ -1,9 +1,10 @@
-"""Planning and applying TorchRec sharding: topology → planner → DistributedModelParallel.
+"""Planning and applying TorchRec sharding: topology → placement → planner → DistributedModelParallel.
 
-The planner (``EmbeddingShardingPlanner``) receives a ``Topology`` built from the run's topology
-config and per-table ``ParameterConstraints`` (allowed sharding types and compute kernel). The
-kernel follows the embedding optimizer: ``fused`` (optimizer in FBGEMM's backward) when the device
-has it, otherwise ``dense`` with data-parallel sharding (see :mod:`modules.optimizers`).
+Each table's memory tier and compute kernel come from :mod:`modules.placement` (GPU memory, UVM
+caching, SSD, or host memory on CPU; the embedding optimizer decides between ``fused`` and ``dense``
+on CPU, see :mod:`modules.optimizers`). The planner (``EmbeddingShardingPlanner``) receives a
+``Topology`` built from the topology config and per-table ``ParameterConstraints`` (allowed sharding
+types, that kernel, the cache size) and chooses the sharding types and ranks.
 
 TorchRec's planner does not propose row-wise or column-wise sharding on CPU although both run
 there; when a CPU run asks for them (``topology.planner=manual``, or a table forced to one), the
@@ -14,6 +15,7 @@ greedily to the least-loaded rank (largest first).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -32,52 +34,69 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ShardingPlan, ShardingType
+from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
+from modules.placement import Placement, TableInfo, TopologySpec, place_tables
 
 GB = 1024**3
+GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
 SHARDING_TYPES = {t.value for t in ShardingType}
+CPU_UNPLANNED = {ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value}
 
 
 def build_topology(topology: Mapping[str, Any], world_size: int, local_world_size: int) -> Topology:
-    """TorchRec planner topology from a ``conf/topology`` entry (capacities in GiB)."""
+    """TorchRec planner topology from a ``conf/topology`` entry (capacities in GiB, bandwidths in GB/s)."""
 
     def gib(key: str) -> int | None:
         v = topology.get(key)
         return None if v is None else int(float(v) * GB)
 
-    hardware = HardwareConfig(hbm_cap_bytes=gib("hbm_cap_gb"), ddr_cap_bytes=gib("ddr_cap_gb"),
-                              ssd_cap_bytes=gib("ssd_cap_gb"))
+    ssd = topology.get("ssd") or {}
+    bw = dict(topology.get("bandwidth_gbps") or {})
+
+    def rate(key: str) -> float | None:
+        return None if bw.get(key) is None else float(bw[key]) * GBPS_TO_BYTES_PER_MS
+
+    hardware = HardwareConfig(
+        hbm_cap_bytes=gib("hbm_cap_gb"), ddr_cap_bytes=gib("ddr_cap_gb"),
+        ssd_cap_bytes=int(float(ssd["cap_gb"]) * GB) if ssd.get("cap_gb") else None,
+        hbm_mem_bw=rate("hbm"), ddr_mem_bw=rate("host_memory"), hbm_to_ddr_mem_bw=rate("host_link"),
+        intra_host_bw=rate("intra_node"), inter_host_bw=rate("inter_node"), ssd_mem_bw=rate("ssd"))
     trainer = TrainerConfig(world_size=world_size, local_world_size=local_world_size)
     return TopologyFactory.create_topology(trainer_config=trainer, hardware_config=hardware,
                                            kernel_config=KernelConfig(compute_device=topology["compute_device"]))
 
 
-def table_constraints(ebc: EmbeddingBagCollection, kernel: str, sharding_types: list[str],
+def table_infos(ebc: EmbeddingBagCollection, coverage: Mapping[str, Mapping[float, int]] | None = None) -> list[TableInfo]:
+    """Tables of a collection with the id-coverage statistics of the field each reads."""
+    coverage = coverage or {}
+    return [TableInfo(t.name, t.num_embeddings, t.embedding_dim, coverage.get(t.feature_names[0], {}))
+            for t in ebc.embedding_bag_configs()]
+
+
+def table_constraints(placements: Mapping[str, Placement], sharding_types: list[str],
                       overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, ParameterConstraints]:
-    """Per-table planner constraints; ``overrides[table]`` may set ``sharding_type`` / ``compute_kernel``."""
+    """Per-table planner constraints: the placement's kernel (and cache size), allowed sharding types."""
     overrides = dict(overrides or {})
-    names = [t.name for t in ebc.embedding_bag_configs()]
-    unknown = sorted(set(overrides) - set(names))
+    unknown = sorted(set(overrides) - set(placements))
     if unknown:
-        raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {names}")
+        raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {sorted(placements)}")
     for st in sharding_types:
         if st not in SHARDING_TYPES:
             raise ValueError(f"topology.sharding_types: {st!r} is not one of {sorted(SHARDING_TYPES)}")
     out = {}
-    for name in names:
+    for name, p in placements.items():
         o = overrides.get(name, {})
-        k = o.get("compute_kernel", kernel)
         types = [o["sharding_type"]] if "sharding_type" in o else list(sharding_types)
-        if k == EmbeddingComputeKernel.DENSE.value:
+        if p.kernel == EmbeddingComputeKernel.DENSE.value:
             types = [ShardingType.DATA_PARALLEL.value]
-        out[name] = ParameterConstraints(sharding_types=types, compute_kernels=[k])
+        elif ShardingType.DATA_PARALLEL.value in types and len(types) > 1:
+            types = [t for t in types if t != ShardingType.DATA_PARALLEL.value]  # fused kernels are model-parallel
+        cache = CacheParams(load_factor=p.cache_load_factor) if p.cache_load_factor else None
+        out[name] = ParameterConstraints(sharding_types=types, compute_kernels=[p.kernel], cache_params=cache)
     return out
-
-
-CPU_UNPLANNED = {ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value}
 
 
 def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[str, ParameterConstraints],
@@ -108,38 +127,55 @@ def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[st
     return ShardingPlan(plan=plans)
 
 
+@dataclass
+class PlanResult:
+    plan: ShardingPlan
+    placements: dict[str, Placement]
+    planner: EmbeddingShardingPlanner | None  # None for a manual plan
+
+
+def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapping[str, Any], world_size: int,
+               local_world_size: int, coverage: Mapping[str, Mapping[float, int]] | None = None,
+               collective: bool = False) -> PlanResult:
+    """Place every table on a tier and plan its sharding; ``collective`` plans on rank 0 and broadcasts."""
+    ebcs = {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+    spec = TopologySpec.from_mapping(topology, world_size, local_world_size)
+    fusable = is_fusable(embedding_optim, spec.compute_device)
+    placements: dict[str, Placement] = {}
+    constraints: dict[str, ParameterConstraints] = {}
+    for ebc in ebcs.values():
+        p = place_tables(table_infos(ebc, coverage), spec, embedding_optim.name, topology.get("table_overrides"), fusable)
+        placements.update(p)
+        constraints.update(table_constraints(p, list(topology["sharding_types"]), topology.get("table_overrides")))
+    forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
+    if topology.get("planner", "auto") == "manual" or (spec.compute_device == "cpu" and forced_unplanned):
+        return PlanResult(manual_plan(ebcs, constraints, world_size, local_world_size, spec.compute_device),
+                          placements, None)
+    planner = EmbeddingShardingPlanner(topology=build_topology(topology, world_size, local_world_size),
+                                       constraints=constraints)
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if collective \
+        else planner.plan(model, sharders)
+    return PlanResult(plan, placements, planner)
+
+
 def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapping[str, Any],
-                device: torch.device, plan: ShardingPlan | None = None,
-                data_parallel: bool = True) -> tuple[DistributedModelParallel, ShardingPlan]:
+                device: torch.device, data_parallel: bool = True,
+                coverage: Mapping[str, Mapping[float, int]] | None = None) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
     its rank only. ``data_parallel=False`` leaves the replicated parameters out of DDP (for k-step
     merging, :mod:`modules.kstep_merging`).
     """
-    ebcs = {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
-    fused = is_fusable(embedding_optim, device.type)
-    if fused:
-        for ebc in ebcs.values():
+    ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    if is_fusable(embedding_optim, device.type):
+        for ebc in ebcs:
             apply_optimizer_in_backward(OPTIMIZERS[embedding_optim.name], ebc.parameters(),
                                         embedding_optim.fused_kwargs())
-    kernel = EmbeddingComputeKernel.FUSED.value if fused else EmbeddingComputeKernel.DENSE.value
-    sharders = [EmbeddingBagCollectionSharder()]
-    if plan is None:
-        pg = dist.GroupMember.WORLD
-        world = dist.get_world_size(pg)
-        local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        constraints: dict[str, ParameterConstraints] = {}
-        for ebc in ebcs.values():
-            constraints.update(table_constraints(ebc, kernel, list(topology["sharding_types"]),
-                                                 topology.get("table_overrides")))
-        forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
-        if topology.get("planner", "auto") == "manual" or (device.type == "cpu" and forced_unplanned):
-            plan = manual_plan(ebcs, constraints, world, local_world, device.type)
-        else:
-            planner = EmbeddingShardingPlanner(topology=build_topology(topology, world, local_world),
-                                               constraints=constraints)
-            plan = planner.collective_plan(model, sharders, pg)
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
+    world = dist.get_world_size()
+    local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    result = plan_model(model, embedding_optim, topology, world, local_world, coverage, collective=True)
+    dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[EmbeddingBagCollectionSharder()],
                                    init_data_parallel=data_parallel)
-    return dmp, plan
+    return dmp, result

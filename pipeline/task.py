@@ -3,9 +3,9 @@
 Hyperparameters come from ``optim`` (tuned for ``scaling.base_batch_size``) rescaled to the run's
 global batch by ``scaling.rule``; CowClip and the per-id embedding L2 term are installed on the
 sharded model; the dense learning rate warms up linearly over ``scaling.warmup_epochs``. With
-``plateau_lr_factor``, every validation that does not improve the best AUC multiplies all learning
-rates (dense, data-parallel and fused embedding optimizers) by that factor (FuxiCTR's
-reduce-LR-on-plateau).
+``plateau_lr_factor``, every ``plateau_patience`` validations in a row that do not improve the best
+AUC multiply all learning rates (dense, data-parallel and fused embedding optimizers) by that
+factor (FuxiCTR's reduce-LR-on-plateau has patience 1).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pipeline.metrics import CTRMetrics
 class CTRTask(L.LightningModule):
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], topology: Mapping[str, Any],
                  scaling: Mapping[str, Any], batch_size: int, plateau_lr_factor: float | None = None,
-                 merging: Mapping[str, Any] | None = None) -> None:
+                 merging: Mapping[str, Any] | None = None, plateau_patience: int = 1) -> None:
         super().__init__()
         self.model_cfg = dict(model)
         dense = OptimizerSpec.from_mapping(optim["dense"], "optim.dense")
@@ -47,6 +47,8 @@ class CTRTask(L.LightningModule):
         self.cowclip = CowClipConfig.from_mapping(scaling["cowclip"], l2=self.scaled.l2)
         self.warmup_epochs = float(scaling.get("warmup_epochs", 0))
         self.plateau_lr_factor = plateau_lr_factor
+        self.plateau_patience = max(1, int(plateau_patience))
+        self.stale_validations = 0
         self.lr_factor = 1.0
         self.best_val_auc: float | None = None
         self.topology = dict(topology)
@@ -73,7 +75,8 @@ class CTRTask(L.LightningModule):
         net = build_model(self.model_cfg["name"], spec, params, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
-                                            data_parallel=self.merge_cfg is None)
+                                            data_parallel=self.merge_cfg is None,
+                                            coverage=self.trainer.datamodule.coverage)
         self.cowclip_tables, self.cowclip_stats = install_cowclip(self.model, self.cowclip)
         if self.merge_cfg is not None:
             replicated = [p for p in self.model.parameters() if not getattr(p, "_in_backward_optimizers", None)]
@@ -153,9 +156,12 @@ class CTRTask(L.LightningModule):
         if self.trainer.sanity_checking:
             return
         if self.best_val_auc is None or auc > self.best_val_auc:
-            self.best_val_auc = auc
-        elif self.plateau_lr_factor:
+            self.best_val_auc, self.stale_validations = auc, 0
+            return self.log("train/lr_factor", self.lr_factor, sync_dist=True)
+        self.stale_validations += 1
+        if self.plateau_lr_factor and self.stale_validations >= self.plateau_patience:
             self.lr_factor *= self.plateau_lr_factor
+            self.stale_validations = 0
             self._set_fused_lr(self.embedding_optim.lr * self.lr_factor)
         self.log("train/lr_factor", self.lr_factor, sync_dist=True)
 

@@ -28,6 +28,8 @@ from lightning.pytorch.callbacks import EarlyStopping
 from pipeline.callbacks import RestoreBestWeights, TrainThroughput
 from pipeline.config_check import ConfigError, check_config, world_from_env
 from pipeline.data.datamodule import CTRDataModule
+from pipeline.numa import bind_to_gpu_numa_node
+from pipeline.plan import format_plan
 from pipeline.strategy import TorchRecStrategy
 from pipeline.task import CTRTask
 
@@ -53,6 +55,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
     """Train + test as configured; returns the test metrics, throughput and MLflow run id."""
     check_config(cfg)
     world, local_world = world_from_env()
+    if cfg.topology.compute_device == "cuda":
+        bind_to_gpu_numa_node(int(os.environ.get("LOCAL_RANK", 0)), cfg.topology.get("numa"))
     if cfg.trainer.num_threads:
         torch.set_num_threads(int(cfg.trainer.num_threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -65,7 +69,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
     datamodule = CTRDataModule(cfg.data, cfg.paths.cache_dir, cfg.trainer.batch_size,
                                cfg.trainer.eval_batch_size, cfg.seed)
     task = CTRTask(cfg.model, cfg.optim, cfg.topology, cfg.scaling, cfg.trainer.batch_size,
-                   cfg.trainer.get("plateau_lr_factor"), cfg.trainer.get("merging"))
+                   cfg.trainer.get("plateau_lr_factor"), cfg.trainer.get("merging"),
+                   cfg.trainer.get("plateau_patience", 1))
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
     logger = make_logger(cfg) if int(os.environ.get("RANK", 0)) == 0 else False
     throughput = TrainThroughput()
@@ -116,7 +121,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
             extra["val/best_epoch"] = best.best_epoch
             extra["val/best_auc"] = best.best
         logger.log_metrics(extra)
-        (output_dir / "sharding_plan.txt").write_text(str(task.plan))
+        (output_dir / "sharding_plan.txt").write_text(
+            format_plan(task.plan, task.embedding_optim.name, world) + "\n" + str(task.plan.plan))
         for artifact in (config_path, output_dir / "sharding_plan.txt"):
             logger.experiment.log_artifact(logger.run_id, str(artifact))
         result["mlflow_run_id"] = logger.run_id

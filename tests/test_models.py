@@ -74,7 +74,7 @@ def _sharded_forward_worker(rank: int, world_size: int, sharding_type: str) -> N
     got = dmp(local.dense_features, local.sparse_features)
     want = reference(batch.dense_features, batch.sparse_features)[half]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    kinds = {p.sharding_type for p in plan.plan["sparse_arch.ebc"].values()}
+    kinds = {p.sharding_type for p in plan.plan.plan["sparse_arch.ebc"].values()}
     assert kinds == {sharding_type}, kinds
 
 

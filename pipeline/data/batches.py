@@ -81,7 +81,7 @@ class BatchLoader:
     """Iterable of this rank's :class:`CTRBatch` es for one split (see module docstring)."""
 
     def __init__(self, arrays: SplitArrays, keys: Sequence[str], global_batch_size: int, rank: int,
-                 world_size: int, train: bool, seed: int = 0) -> None:
+                 world_size: int, train: bool, seed: int = 0, pin_memory: bool = False) -> None:
         if global_batch_size % world_size:
             raise ValueError(f"batch size {global_batch_size} is not divisible by world size {world_size}")
         self.arrays = arrays
@@ -91,6 +91,7 @@ class BatchLoader:
         self.rank = rank
         self.train = train
         self.seed = seed
+        self.pin_memory = pin_memory  # page-locked batches: asynchronous host → GPU copies
         self.sampler = EpochState()
         self.batch_sampler = None  # Lightning inspects DataLoader-like attributes
         n = len(arrays)
@@ -121,4 +122,5 @@ class BatchLoader:
         order = self._global_order()
         for i in range(self.num_batches):
             rows, valid = self.local_rows(i, order)
-            yield make_batch(self.arrays, rows, self.keys, -1 if self.train else valid)
+            batch = make_batch(self.arrays, rows, self.keys, -1 if self.train else valid)
+            yield batch.pin_memory() if self.pin_memory else batch

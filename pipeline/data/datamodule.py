@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import lightning as L
+import torch
 
 from modules.embedding import FeatureSpec
 from pipeline.data.batches import BatchLoader
@@ -37,12 +38,21 @@ class CTRDataModule(L.LightningDataModule):
         assert self.store is not None, "setup() first"
         return FeatureSpec.from_store_meta(self.store.meta)
 
+    @property
+    def coverage(self) -> dict[str, dict[float, int]]:
+        """Per field: how many of the hottest ids carry each share of the training occurrences."""
+        assert self.store is not None, "setup() first"
+        return {f: {float(q): int(n) for q, n in s.get("coverage_rows", {}).items()}
+                for f, s in self.store.meta["stats"].items()}
+
     def _loader(self, split: str, train: bool) -> BatchLoader:
         assert self.store is not None, "setup() first"
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         return BatchLoader(self.store.split(split), self.store.categorical_names,
-                           self.batch_size if train else self.eval_batch_size, rank, world, train, self.seed)
+                           self.batch_size if train else self.eval_batch_size, rank, world, train, self.seed,
+                           pin_memory=torch.cuda.is_available() and trainer is not None
+                           and trainer.strategy.root_device.type == "cuda")
 
     def train_dataloader(self) -> BatchLoader:
         return self._loader("train", train=True)

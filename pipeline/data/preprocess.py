@@ -151,10 +151,17 @@ def transform_dense(x: np.ndarray, cfg: PreprocessConfig, lo: np.ndarray, hi: np
     return np.nan_to_num(y, copy=False, nan=0.0)
 
 
+COVERAGE_LEVELS = (0.5, 0.8, 0.9, 0.95, 0.99)
+
+
 def _field_stats(counts: np.ndarray, kept: int) -> dict:
+    """Cardinality, count histogram, top-1 % share and ``coverage_rows``: how many of the most
+    frequent ids carry each share of the occurrences (what an embedding cache must hold)."""
     c = np.sort(counts)[::-1]
     total = int(c.sum())
     top = max(1, int(np.ceil(0.01 * len(c)))) if len(c) else 0
+    cum = np.cumsum(c)
+    coverage = {str(q): int(np.searchsorted(cum, q * total) + 1) if total else 0 for q in COVERAGE_LEVELS}
     edges = [1, 2, 5, 10, 100, 1000, 10_000, 100_000]
     hist = np.histogram(c, bins=edges + [np.inf])[0] if len(c) else np.zeros(len(edges), dtype=np.int64)
     return {
@@ -164,6 +171,7 @@ def _field_stats(counts: np.ndarray, kept: int) -> dict:
         "kept_share": float(c[:kept].sum() / total) if total else 0.0,
         "top1pct_share": float(c[:top].sum() / total) if total else 0.0,
         "count_histogram": {"edges": edges, "ids": [int(h) for h in hist]},
+        "coverage_rows": coverage,
     }
 
 

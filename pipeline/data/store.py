@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: vocabulary keyed by 64-bit value keys; coverage statistics
 OOV_ID = 0
 MISSING_ID = 1
 FIRST_VOCAB_ID = 2

@@ -1,0 +1,200 @@
+"""Hardware-aware placement of embedding tables on memory tiers, from a topology config.
+
+Tiers and the TorchRec/FBGEMM compute kernels that implement them:
+
+=============  ====================  ==============================================================
+tier           kernel                where the table lives
+=============  ====================  ==============================================================
+``hbm``        ``fused``             GPU memory (the optimizer fused into the backward)
+``uvm_cache``  ``fused_uvm_caching``  host memory, with a GPU cache of its hottest rows
+``ssd``        ``key_value``          SSD (FBGEMM SSD TBE), with a GPU cache
+``host``       ``fused`` / ``dense``  CPU training: host memory
+=============  ====================  ==============================================================
+
+Rule (per table, weights + optimizer state): everything goes to GPU memory while it fits the HBM
+budget (``hbm_cap_gb`` per GPU × GPUs × (1 − ``hbm_reserve``), the rest left to dense layers and
+activations); otherwise the largest tables move to UVM caching, each with a cache that holds the
+rows carrying ``cache_coverage`` of the id occurrences (from the id-frequency statistics measured
+at preprocessing, or a Zipf model for shape-only data): ``cache_load_factor = rows_cover / rows``.
+If the host memory of the nodes (``ddr_cap_gb`` × nodes × (1 − ``ddr_reserve``)) cannot hold the
+UVM tables, the largest move to SSD. If the caches alone still overflow GPU memory, they shrink
+proportionally (not below ``min_cache_load_factor``). Tables can be forced to a tier in ``table_overrides``. When
+nothing fits, :class:`PlacementError` says what is needed and what the topology offers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+GB = 1024**3
+KERNELS = {
+    "hbm": EmbeddingComputeKernel.FUSED.value,
+    "uvm_cache": EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
+    "ssd": EmbeddingComputeKernel.KEY_VALUE.value,
+    "host": EmbeddingComputeKernel.FUSED.value,
+}
+TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
+OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
+    "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
+}
+
+
+class PlacementError(ValueError):
+    """The embedding tables cannot be placed on the topology; the message gives the numbers."""
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    name: str
+    rows: int
+    dim: int
+    coverage_rows: Mapping[float, int] = field(default_factory=dict)  # share of occurrences → hottest rows
+
+    def bytes(self, optimizer: str) -> int:
+        per, per_col = OPTIMIZER_STATE_PER_ROW.get(optimizer, (2, True))
+        return self.rows * 4 * (self.dim + (per * self.dim if per_col else per))
+
+    def rows_covering(self, share: float) -> int:
+        if not self.coverage_rows:
+            return self.rows
+        levels = sorted(self.coverage_rows)
+        q = next((x for x in levels if x >= share), levels[-1])
+        return min(self.rows, int(self.coverage_rows[q]))
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    compute_device: str
+    name: str = "unnamed"
+    nodes: int = 1
+    ranks_per_node: int = 1
+    hbm_cap_gb: float = 0.0
+    ddr_cap_gb: float = 0.0        # host memory per node
+    ssd_cap_gb: float = 0.0        # per node
+    hbm_reserve: float = 0.25
+    ddr_reserve: float = 0.25
+    cache_coverage: float = 0.9
+    min_cache_load_factor: float = 0.01
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any], world_size: int | None = None,
+                     ranks_per_node: int | None = None) -> "TopologySpec":
+        names = set(cls.__dataclass_fields__)
+        kw = {k: v for k, v in m.items() if k in names and v is not None}
+        if isinstance(m.get("ssd"), Mapping):
+            kw["ssd_cap_gb"] = float(m["ssd"].get("cap_gb") or 0.0)
+        per_node = ranks_per_node or int(m.get("ranks_per_node") or 1)
+        kw["ranks_per_node"] = per_node
+        if world_size is not None:
+            kw["nodes"] = max(1, world_size // per_node)
+        return cls(**kw)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def budgets(self) -> dict[str, float]:
+        return {
+            "hbm": self.world_size * self.hbm_cap_gb * GB * (1 - self.hbm_reserve),
+            "host": self.nodes * self.ddr_cap_gb * GB * (1 - self.ddr_reserve),
+            "ssd": self.nodes * self.ssd_cap_gb * GB,
+        }
+
+
+@dataclass(frozen=True)
+class Placement:
+    table: str
+    tier: str
+    kernel: str
+    bytes: int
+    rows: int
+    dim: int
+    cache_load_factor: float | None = None
+    forced: bool = False
+
+    @property
+    def hbm_bytes(self) -> float:
+        if self.tier == "hbm":
+            return self.bytes
+        return self.bytes * (self.cache_load_factor or 0.0) if self.tier in ("uvm_cache", "ssd") else 0.0
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.1f} GB"
+
+
+def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
+                 overrides: Mapping[str, Mapping[str, Any]] | None = None, fusable: bool = True) -> dict[str, Placement]:
+    """Choose each table's tier (see the module docstring)."""
+    overrides = dict(overrides or {})
+    if topology.compute_device != "cuda":
+        kernel = KERNELS["host"] if fusable else EmbeddingComputeKernel.DENSE.value
+        return {t.name: Placement(t.name, "host", overrides.get(t.name, {}).get("compute_kernel", kernel),
+                                  t.bytes(optimizer), t.rows, t.dim) for t in tables}
+    by_name = {t.name: t for t in tables}
+
+    def cache_lf(t: TableInfo) -> float:
+        return min(1.0, max(topology.min_cache_load_factor, t.rows_covering(topology.cache_coverage) / max(1, t.rows)))
+
+    place: dict[str, Placement] = {}
+    for t in tables:
+        o = overrides.get(t.name, {})
+        tier = TIER_OF_KERNEL.get(o.get("compute_kernel"), o.get("tier", "hbm"))
+        if tier not in ("hbm", "uvm_cache", "ssd"):
+            raise ValueError(f"topology.table_overrides.{t.name}: tier {tier!r} is not one of hbm, uvm_cache, ssd")
+        lf = o.get("cache_load_factor", cache_lf(t) if tier != "hbm" else None)
+        place[t.name] = Placement(t.name, tier, KERNELS[tier], t.bytes(optimizer), t.rows, t.dim, lf, forced=bool(o))
+
+    budget = topology.budgets()
+    use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
+    hbm_use = lambda: sum(p.hbm_bytes for p in place.values())  # noqa: E731
+
+    def movable(tier: str) -> list[Placement]:
+        return sorted((p for p in place.values() if p.tier == tier and not p.forced), key=lambda p: -p.bytes)
+
+    while hbm_use() > budget["hbm"] and movable("hbm"):
+        p = movable("hbm")[0]
+        place[p.table] = replace(p, tier="uvm_cache", kernel=KERNELS["uvm_cache"],
+                                 cache_load_factor=cache_lf(by_name[p.table]))
+    while use("uvm_cache") > budget["host"] and movable("uvm_cache"):
+        p = movable("uvm_cache")[0]
+        place[p.table] = replace(p, tier="ssd", kernel=KERNELS["ssd"])
+    cached = [p for p in place.values() if p.tier in ("uvm_cache", "ssd") and not p.forced]
+    cache_bytes = sum(p.hbm_bytes for p in cached)
+    if hbm_use() > budget["hbm"] and cache_bytes:
+        room = budget["hbm"] - (hbm_use() - cache_bytes)
+        shrink = max(0.0, room) / cache_bytes
+        for p in cached:
+            place[p.table] = replace(p, cache_load_factor=max(topology.min_cache_load_factor,
+                                                              p.cache_load_factor * shrink))
+
+    needs = {"hbm": hbm_use(), "host": use("uvm_cache"), "ssd": use("ssd")}
+    over = [tier for tier in needs if needs[tier] > budget[tier]]
+    if over:
+        total = sum(t.bytes(optimizer) for t in tables)
+        largest = max(tables, key=lambda t: t.bytes(optimizer))
+        detail = "; ".join(f"{tier}: needs {_gb(needs[tier])}, has {_gb(budget[tier])}" for tier in needs)
+        raise PlacementError(
+            f"the embedding tables ({_gb(total)} with {optimizer} state; largest {largest.name} "
+            f"{_gb(largest.bytes(optimizer))}) do not fit topology '{topology.name}' "
+            f"({topology.nodes} node(s) × {topology.ranks_per_node} GPU(s)): {detail}. "
+            f"Use a larger topology, fewer/smaller tables (data.preprocess.min_count, hashing), "
+            f"a smaller model.embedding_dim, or an optimizer with less state.")
+    return place
+
+
+def zipf_coverage(rows: int, exponent: float, levels: Sequence[float] = (0.5, 0.8, 0.9, 0.95, 0.99)) -> dict[float, int]:
+    """Hottest rows carrying each share of the accesses when ids follow a bounded Zipf law
+    (continuous approximation, as in the synthetic generator): F(x) = (x^(1-a) - 1)/((n+1)^(1-a) - 1)."""
+    out = {}
+    for q in levels:
+        if abs(exponent - 1.0) < 1e-9:
+            x = math.exp(q * math.log(rows + 1.0))
+        else:
+            x = ((math.pow(rows + 1.0, 1 - exponent) - 1.0) * q + 1.0) ** (1 / (1 - exponent))
+        out[q] = min(rows, max(1, math.ceil(x - 1)))
+    return out

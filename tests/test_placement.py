@@ -1,0 +1,117 @@
+"""Tier placement from topologies, the plan command, and NUMA binding (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from modules.placement import GB, PlacementError, TableInfo, TopologySpec, place_tables, zipf_coverage
+from pipeline.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
+from tests.conftest import PYTHON, ROOT, subprocess_env
+
+MB = 2**20
+
+
+def _gpu(hbm_gb: float, ddr_gb: float = 64, ssd_gb: float = 0, gpus: int = 1) -> TopologySpec:
+    return TopologySpec(name="t", compute_device="cuda", nodes=1, ranks_per_node=gpus, hbm_cap_gb=hbm_gb,
+                        ddr_cap_gb=ddr_gb, ssd_cap_gb=ssd_gb, hbm_reserve=0.0, ddr_reserve=0.0, cache_coverage=0.9)
+
+
+def _tables() -> list[TableInfo]:
+    # sgd: 4 bytes per value; big = 1 GiB, mid = 256 MiB, small = 1 MiB
+    return [TableInfo("big", 2**26, 4, {0.5: 2**18, 0.9: 2**21, 0.99: 2**24}),
+            TableInfo("mid", 2**24, 4, {0.9: 2**20}),
+            TableInfo("small", 2**16, 4)]
+
+
+def test_everything_fits_in_gpu_memory():
+    place = place_tables(_tables(), _gpu(hbm_gb=2), "sgd")
+    assert {p.tier for p in place.values()} == {"hbm"}
+    assert {p.kernel for p in place.values()} == {"fused"}
+    assert place["big"].bytes == 1 * GB and place["mid"].bytes == 256 * MB
+
+
+def test_gpu_memory_too_small_moves_the_largest_table_to_uvm_with_a_statistics_sized_cache():
+    place = place_tables(_tables(), _gpu(hbm_gb=0.5), "sgd")
+    assert place["big"].tier == "uvm_cache" and place["big"].kernel == "fused_uvm_caching"
+    assert place["big"].cache_load_factor == pytest.approx(2**21 / 2**26)  # rows carrying 90 % / rows
+    assert place["mid"].tier == "hbm" and place["small"].tier == "hbm"
+    assert sum(p.hbm_bytes for p in place.values()) <= 0.5 * GB
+
+
+def test_host_memory_too_small_moves_tables_to_ssd():
+    place = place_tables(_tables(), _gpu(hbm_gb=0.2, ddr_gb=0.5, ssd_gb=10), "sgd")
+    assert place["big"].tier == "ssd" and place["big"].kernel == "key_value"
+    assert place["mid"].tier == "uvm_cache"
+    assert place["small"].tier == "hbm"
+
+
+def test_override_is_respected():
+    place = place_tables(_tables(), _gpu(hbm_gb=2, ssd_gb=1), "sgd",
+                         {"small": {"tier": "uvm_cache", "cache_load_factor": 0.5}, "mid": {"compute_kernel": "key_value"}})
+    assert (place["small"].tier, place["small"].cache_load_factor) == ("uvm_cache", 0.5)
+    assert place["mid"].tier == "ssd" and place["big"].tier == "hbm"
+
+
+def test_optimizer_state_counts():
+    t = TableInfo("t", 1000, 8)
+    assert (t.bytes("sgd"), t.bytes("rowwise_adagrad"), t.bytes("adagrad"), t.bytes("adam")) == \
+        (32_000, 36_000, 64_000, 96_000)
+
+
+def test_impossible_fit_gives_the_numbers():
+    with pytest.raises(PlacementError) as err:
+        place_tables(_tables(), _gpu(hbm_gb=0.01, ddr_gb=0.1, ssd_gb=0.2), "adam")
+    msg = str(err.value)
+    assert "do not fit topology 't'" in msg and "largest big 3.0 GB" in msg
+    assert "host: needs" in msg and "ssd: needs" in msg
+
+
+def test_zipf_coverage_is_monotone_and_bounded():
+    cov = zipf_coverage(10_000_000, 1.1)
+    values = [cov[q] for q in sorted(cov)]
+    assert values == sorted(values) and 1 <= values[0] and values[-1] <= 10_000_000
+    assert cov[0.5] < 1000  # half the traffic on a few hundred ids: a small cache serves it
+
+
+def test_cpu_topology_keeps_tables_in_host_memory():
+    spec = TopologySpec(name="cpu", compute_device="cpu")
+    assert {p.tier for p in place_tables(_tables(), spec, "rowwise_adagrad").values()} == {"host"}
+    assert {p.kernel for p in place_tables(_tables(), spec, "adam", fusable=False).values()} == {"dense"}
+
+
+def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
+    proc = subprocess.run([PYTHON, "-m", "pipeline.plan", "topology=8gpu_node", "data=criteo_kaggle_shape"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| table | rows | dim | bytes | sharding | tier | kernel | cache load factor | ranks |" in out
+    assert "| emb_C3 | 10,131,229 | 16 |" in out and out.count("| emb_C") == 26 and out.count("| wide_C") == 26
+    assert "| rank | HBM GiB | host DDR GiB | SSD GiB |" in out and "\n| 7 |" in out
+
+
+def test_plan_command_refuses_an_impossible_model():
+    proc = subprocess.run([PYTHON, "-m", "pipeline.plan", "topology=1gpu", "data=criteo_kaggle_shape",
+                           "model.embedding_dim=65536", "optim=reference"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "do not fit topology '1gpu'" in proc.stderr
+
+
+def test_numa_lookup_from_sysfs(tmp_path):
+    dev = tmp_path / "bus" / "pci" / "devices" / "0000:1b:00.0"
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("1\n")
+    node = tmp_path / "devices" / "system" / "node" / "node1"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text("16-19,48\n")
+    assert gpu_numa_node("0000:1B:00.0", tmp_path) == 1
+    assert node_cpus(1, tmp_path) == {16, 17, 18, 19, 48}
+    assert parse_cpulist("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+
+
+def test_numa_binding_does_nothing_without_cuda():
+    before = os.sched_getaffinity(0)
+    assert bind_to_gpu_numa_node(0, numa=[0], cuda_available=False) is None
+    assert os.sched_getaffinity(0) == before
