@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -102,3 +104,35 @@ def _restore(live: Any, saved: Any) -> None:
                 shard.tensor.copy_(value)
         else:
             live.copy_(saved)
+
+
+class ShardedCheckpoint(Callback):
+    """Checkpoints every ``every_n_steps`` training steps and at the end of every epoch, keeping the
+    newest ``keep`` (see :mod:`pipeline.checkpointing`). Replicas are merged first (k-step merging)."""
+
+    def __init__(self, dirpath: str, every_n_steps: int | None = None, keep: int = 2) -> None:
+        self.dirpath, self.every_n_steps, self.keep = dirpath, every_n_steps, max(1, keep)
+
+    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from pathlib import Path
+
+        from pipeline.checkpointing import complete_checkpoints
+
+        pl_module.merge_replicas()
+        path = Path(self.dirpath) / f"step-{trainer.global_step:09d}"
+        trainer.save_checkpoint(str(path))
+        if trainer.is_global_zero:
+            for old in complete_checkpoints(self.dirpath)[:-self.keep]:
+                trainer.strategy.checkpoint_io.remove_checkpoint(old)
+        trainer.strategy.barrier("checkpoint pruning")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            self._save(trainer, pl_module)
+        kill = getattr(pl_module, "debug", {}).get("kill_rank_at_step")
+        if kill and trainer.global_step == kill[1] and trainer.global_rank == kill[0] and not pl_module.resumed:
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: a process dies mid-epoch (never after a resume)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer, pl_module)

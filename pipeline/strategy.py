@@ -4,6 +4,8 @@ Lightning's ``DDPStrategy`` gives process-group setup (torchrun / single process
 metric reduction. What it must not do with a ``DistributedModelParallel`` model (see DESIGN §4):
 wrap it in DDP (DMP already wraps the dense part), move it (DMP placed every shard on its device),
 or broadcast rank 0's parameters before evaluation (the embedding shards differ per rank).
+Checkpoints are written by every rank (each holds its own shards; see
+:mod:`pipeline.checkpointing`), not by rank 0 alone.
 """
 
 from __future__ import annotations
@@ -32,3 +34,23 @@ class TorchRecStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         """DMP wraps the dense modules in DDP itself."""
+
+    def save_checkpoint(self, checkpoint: dict, filepath: str, storage_options: object = None) -> None:
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
+        """Through DMP's own ``load_state_dict``: a parent module's would see DMP's wrapper prefixes."""
+        module = self.lightning_module
+        state = checkpoint["state_dict"]
+        module.model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")},
+                                     strict=strict)
+        rest = {k: v for k, v in state.items() if not k.startswith("model.")}
+        if rest:
+            missing, unexpected = module.load_state_dict(rest, strict=False)
+            if strict and unexpected:
+                raise RuntimeError(f"unexpected keys in the checkpoint: {unexpected}")
+
+    def remove_checkpoint(self, filepath: str) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+        self.barrier("remove_checkpoint")

@@ -34,7 +34,8 @@ from pipeline.metrics import CTRMetrics
 class CTRTask(L.LightningModule):
     def __init__(self, model: Mapping[str, Any], optim: Mapping[str, Any], topology: Mapping[str, Any],
                  scaling: Mapping[str, Any], batch_size: int, plateau_lr_factor: float | None = None,
-                 merging: Mapping[str, Any] | None = None, plateau_patience: int = 1) -> None:
+                 merging: Mapping[str, Any] | None = None, plateau_patience: int = 1, nonfinite: str = "stop",
+                 debug: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.model_cfg = dict(model)
         dense = OptimizerSpec.from_mapping(optim["dense"], "optim.dense")
@@ -51,6 +52,14 @@ class CTRTask(L.LightningModule):
         self.stale_validations = 0
         self.lr_factor = 1.0
         self.best_val_auc: float | None = None
+        if nonfinite not in ("stop", "skip"):
+            raise ValueError(f"trainer.nonfinite={nonfinite!r}: expected 'stop' or 'skip'")
+        self.nonfinite = nonfinite
+        self.skipped_nonfinite = 0
+        self._skip_step = False
+        self.debug = dict(debug or {})
+        self.data_position = (0, 0)  # (epoch, next batch) consumed by training
+        self.resumed = False
         self.topology = dict(topology)
         self.model: torch.nn.Module | None = None
         self.plan = None
@@ -62,6 +71,69 @@ class CTRTask(L.LightningModule):
         self.comm_steps = 0
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
+
+    # -- checkpoint state (pipeline.checkpointing) ------------------------------------------------
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint must match to be loaded into this run."""
+        tables = {name: [p.rows, p.dim] for name, p in sorted(self.plan.placements.items())} if self.plan else {}
+        return {"model": {k: v for k, v in self.model_cfg.items()}, "tables": tables,
+                "world_size": self.trainer.world_size, "merging": self.merge_cfg is not None}
+
+    def _fused_state(self) -> dict[str, Any]:
+        fused = getattr(self.model, "fused_optimizer", None)
+        return fused.state_dict()["state"] if fused is not None and fused.param_groups else {}
+
+    def checkpoint_tensors(self) -> dict[str, Any]:
+        """The live tensors a checkpoint is loaded into (model and fused-optimizer state)."""
+        from pipeline.checkpointing import split_tensors
+
+        live: dict[str, Any] = {}
+        split_tensors(self.state_dict(), "state_dict", live)
+        split_tensors(self._fused_state(), "fused_optimizer", live)
+        return live
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        import random
+
+        import numpy as np
+
+        checkpoint["fused_optimizer"] = self._fused_state()
+        logger = self.logger
+        checkpoint["pipeline"] = {
+            "layout": self.layout(), "lr_factor": self.lr_factor, "best_val_auc": self.best_val_auc,
+            "stale_validations": self.stale_validations, "skipped_nonfinite": self.skipped_nonfinite,
+            "merger": None if self.merger is None else {"steps": self.merger.steps, "merges": self.merger.merges},
+            "data_position": list(self.data_position),
+            "mlflow_run_id": getattr(logger, "run_id", None) if logger else None,
+            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(np.random.get_state()),
+                    "python": _python_rng_state(random.getstate())},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        import random
+
+        import numpy as np
+
+        from pipeline.checkpointing import CheckpointMismatchError
+
+        state = checkpoint["pipeline"]
+        self.resumed = True
+        differs = _differences(state["layout"], self.layout())
+        if differs:
+            raise CheckpointMismatchError("the checkpoint does not match this run: " + "; ".join(differs))
+        fused = getattr(self.model, "fused_optimizer", None)
+        if fused is not None and checkpoint.get("fused_optimizer"):
+            sd = fused.state_dict()
+            sd["state"] = checkpoint["fused_optimizer"]
+            fused.load_state_dict(sd)
+        self.trainer.datamodule.resume_position = tuple(state["data_position"])
+        self.lr_factor, self.best_val_auc = state["lr_factor"], state["best_val_auc"]
+        self.stale_validations, self.skipped_nonfinite = state["stale_validations"], state["skipped_nonfinite"]
+        if self.merger is not None and state["merger"]:
+            self.merger.steps, self.merger.merges = state["merger"]["steps"], state["merger"]["merges"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(tuple(state["rng"]["numpy"]))
+        random.setstate(_python_rng_from(state["rng"]["python"]))
 
     def scaled_hyperparameters(self) -> dict[str, float]:
         return {f"scaled/{k}": v for k, v in asdict(self.scaled).items()}
@@ -95,9 +167,51 @@ class CTRTask(L.LightningModule):
 
     # -- steps -----------------------------------------------------------------------------------
     def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
-        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        self.data_position = (self.current_epoch, batch_idx + 1)
+        logits = self(batch)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        if self.debug.get("inject_nan_at_step") == self.global_step:
+            loss = loss * float("nan")
+        self._skip_step = False
+        if self._anywhere(~torch.isfinite(loss)):
+            self._non_finite(f"the loss is {loss.item()} at step {self.global_step} (epoch {self.current_epoch}, "
+                             f"batch {batch_idx})")
+            return (logits * 0.0).sum()  # zero gradients: every rank still runs the same collectives
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
         return loss
+
+    def _anywhere(self, flag: torch.Tensor) -> bool:
+        """True if ``flag`` holds on any rank (all ranks must take the same branch)."""
+        flag = flag.detach().to(torch.float32).reshape(1)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def _non_finite(self, what: str) -> None:
+        if self.nonfinite == "stop":
+            raise FloatingPointError(f"Non-finite training: {what}. Set trainer.nonfinite=skip to skip such steps "
+                                     f"(they are counted as train/skipped_nonfinite_steps).")
+        self.skipped_nonfinite += 1
+        self._skip_step = True
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Closure (forward + backward), then the step — skipped for non-finite values — and k-step
+        merging. Everything a step changes is done here, before any callback (checkpoints) runs."""
+        optimizer_closure()
+        if not self._skip_step:
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any() if grads else torch.tensor(False)
+            if self._anywhere(bad):
+                self._non_finite(f"non-finite dense gradients at step {self.global_step} (epoch {epoch}, "
+                                 f"batch {batch_idx}); embedding tables were already updated in the backward")
+        if self._skip_step:
+            optimizer.zero_grad()
+        else:
+            optimizer.step()
+        if self.merger is not None:
+            self.merger.after_step()
+        self.comm.stop()
+        self.comm_steps += 1
 
     def _eval_step(self, batch: CTRBatch, metrics: CTRMetrics) -> None:
         n = batch.valid_rows  # may be 0 on some ranks for the padded last batch: update anyway, so
@@ -119,12 +233,6 @@ class CTRTask(L.LightningModule):
     def on_train_batch_start(self, batch: CTRBatch, batch_idx: int) -> None:
         self.comm.start()
 
-    def on_train_batch_end(self, outputs: Any, batch: CTRBatch, batch_idx: int) -> None:
-        if self.merger is not None:
-            self.merger.after_step()
-        self.comm.stop()
-        self.comm_steps += 1
-
     def merge_replicas(self) -> None:
         """Make the replicated parameters identical on every rank (no-op without k-step merging)."""
         if self.merger is not None:
@@ -144,6 +252,7 @@ class CTRTask(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         self.merge_replicas()
+        self.log("train/skipped_nonfinite_steps", float(self.skipped_nonfinite), sync_dist=True)
         for k, v in self.comm_bytes_per_step().items():
             self.log(k, v, sync_dist=True)
         clipped = self.cowclip_stats.take() if self.cowclip_stats is not None else None
@@ -200,3 +309,35 @@ class CTRTask(L.LightningModule):
         if self.merger is not None:
             self.merger.attach_optimizer(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _numpy_rng_state(state: tuple) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+
+
+def _python_rng_state(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, torch.tensor(internal, dtype=torch.int64), gauss]
+
+
+def _python_rng_from(state: list) -> tuple:
+    version, internal, gauss = state
+    return version, tuple(int(x) for x in internal.tolist()), gauss
+
+
+def _differences(saved: Any, current: Any, path: str = "") -> list[str]:
+    """Human-readable differences between two nested layouts."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for k in sorted(set(saved) | set(current), key=str):
+            if k not in current:
+                out.append(f"{path}{k} only in the checkpoint")
+            elif k not in saved:
+                out.append(f"{path}{k} only in this run")
+            else:
+                out += _differences(saved[k], current[k], f"{path}{k}.")
+        return out
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)):
+        saved, current = list(saved), list(current)
+    return [] if saved == current else [f"{path.rstrip('.')}: checkpoint {saved!r}, this run {current!r}"]

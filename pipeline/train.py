@@ -25,7 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning.pytorch.callbacks import EarlyStopping
 
-from pipeline.callbacks import RestoreBestWeights, TrainThroughput
+from mlflow.exceptions import MlflowException
+
+from pipeline.callbacks import RestoreBestWeights, ShardedCheckpoint, TrainThroughput
+from pipeline.checkpointing import DCPCheckpointIO, complete_checkpoints, read_rank0_state
 from pipeline.config_check import ConfigError, check_config, world_from_env
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.numa import bind_to_gpu_numa_node
@@ -46,9 +49,26 @@ def _output_dir() -> Path:
         return Path(tempfile.mkdtemp(prefix="ctr-run-"))
 
 
-def make_logger(cfg: DictConfig) -> MLFlowLogger:
+def make_logger(cfg: DictConfig, run_id: str | None = None) -> MLFlowLogger:
     return MLFlowLogger(experiment_name=cfg.logger.experiment_name, run_name=cfg.logger.run_name,
-                        tracking_uri=cfg.logger.tracking_uri, log_model=False)
+                        tracking_uri=cfg.logger.tracking_uri, log_model=False, run_id=run_id)
+
+
+def resume_checkpoint(cfg: DictConfig) -> tuple[str | None, str | None]:
+    """(checkpoint to resume from, its MLflow run id) for ``trainer.resume`` = null | auto | <path>."""
+    resume = cfg.trainer.get("resume")
+    if not resume:
+        return None, None
+    if resume == "auto":
+        folder = cfg.trainer.checkpoint.dir
+        found = complete_checkpoints(folder) if folder else []
+        if not found:
+            return None, None
+        path = found[-1]
+    else:
+        path = Path(resume)
+    state = read_rank0_state(path)
+    return str(path), (state.get("pipeline") or {}).get("mlflow_run_id")
 
 
 def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
@@ -68,13 +88,19 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
 
     datamodule = CTRDataModule(cfg.data, cfg.paths.cache_dir, cfg.trainer.batch_size,
                                cfg.trainer.eval_batch_size, cfg.seed)
-    task = CTRTask(cfg.model, cfg.optim, cfg.topology, cfg.scaling, cfg.trainer.batch_size,
-                   cfg.trainer.get("plateau_lr_factor"), cfg.trainer.get("merging"),
-                   cfg.trainer.get("plateau_patience", 1))
+    plain = resolved  # plain Python containers (checkpoints store them as JSON)
+    task = CTRTask(plain["model"], plain["optim"], plain["topology"], plain["scaling"], cfg.trainer.batch_size,
+                   cfg.trainer.get("plateau_lr_factor"), plain["trainer"].get("merging"),
+                   cfg.trainer.get("plateau_patience", 1), cfg.trainer.get("nonfinite", "stop"),
+                   plain["trainer"].get("debug"))
+    ckpt_path, run_id = resume_checkpoint(cfg)
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
-    logger = make_logger(cfg) if int(os.environ.get("RANK", 0)) == 0 else False
+    logger = make_logger(cfg, run_id) if int(os.environ.get("RANK", 0)) == 0 else False
     throughput = TrainThroughput()
     callbacks: list[L.Callback] = [throughput]
+    if cfg.trainer.checkpoint.dir:
+        callbacks.append(ShardedCheckpoint(cfg.trainer.checkpoint.dir, cfg.trainer.checkpoint.every_n_steps,
+                                           cfg.trainer.checkpoint.keep))
     if cfg.trainer.early_stopping_patience is not None:
         callbacks += [EarlyStopping(monitor="val/auc", mode="max", patience=cfg.trainer.early_stopping_patience),
                       RestoreBestWeights(monitor="val/auc", mode="max")]
@@ -85,6 +111,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
         num_nodes=world // local_world,
         strategy=TorchRecStrategy(process_group_backend="nccl" if cuda else "gloo"),
         max_epochs=cfg.trainer.max_epochs,
+        max_steps=cfg.trainer.get("max_steps", -1),
         precision=cfg.trainer.precision,
         logger=logger,
         callbacks=callbacks,
@@ -96,8 +123,9 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
         enable_progress_bar=cfg.trainer.enable_progress_bar,
         enable_model_summary=False,
         default_root_dir=str(output_dir),
+        plugins=[DCPCheckpointIO(task.checkpoint_tensors)],
     )
-    trainer.fit(task, datamodule=datamodule)
+    trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
     test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
 
     comm = task.comm_bytes_per_step()
@@ -105,7 +133,10 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> dict[str, Any]:
               "samples_per_s": throughput.samples_per_s, "comm_bytes_per_step": comm["comm/total_bytes_per_step"],
               "mlflow_run_id": None}
     if logger:
-        logger.log_hyperparams(resolved)
+        try:
+            logger.log_hyperparams(resolved)
+        except MlflowException as e:  # a resumed run with changed settings: parameters are immutable
+            log.warning("MLflow kept the run's first parameters: %s", e)
         meta = datamodule.store.meta
         logger.log_hyperparams({**task.scaled_hyperparameters(),
                                 "cowclip/global_tables": len(task.cowclip_tables.get("global", ())),

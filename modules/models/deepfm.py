@@ -20,13 +20,13 @@ from modules.models.layers import MLP, fm_interaction
 
 class DeepFM(nn.Module):
     def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
-                 dropout: float = 0.0, batch_norm: bool = False, init_std: float = 0.01,
+                 dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01,
                  device: torch.device | None = None) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device)
         n_dense, n_cat = len(spec.dense), len(spec.categorical)
         self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
-        self.mlp = MLP(n_cat * embedding_dim + n_dense, mlp, 1, dropout, batch_norm)
+        self.mlp = MLP(n_cat * embedding_dim + n_dense, mlp, 1, dropout, batch_norm, bn_momentum)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb, first_order = self.sparse_arch(sparse)

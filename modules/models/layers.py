@@ -12,13 +12,13 @@ class MLP(nn.Sequential):
     """Linear → [BatchNorm] → ReLU → [Dropout] per hidden size; optional final Linear to ``out_dim``."""
 
     def __init__(self, in_dim: int, hidden: Sequence[int], out_dim: int | None = 1,
-                 dropout: float = 0.0, batch_norm: bool = False) -> None:
+                 dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1) -> None:
         layers: list[nn.Module] = []
         d = in_dim
         for h in hidden:
             layers.append(nn.Linear(d, h))
             if batch_norm:
-                layers.append(nn.BatchNorm1d(h))
+                layers.append(nn.BatchNorm1d(h, momentum=bn_momentum))
             layers.append(nn.ReLU())
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))

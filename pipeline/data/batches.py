@@ -97,8 +97,18 @@ class BatchLoader:
         n = len(arrays)
         self.num_batches = n // global_batch_size if train else -(-n // global_batch_size)
 
+        self._resume: tuple[int, int] | None = None
+
     def __len__(self) -> int:
         return self.num_batches
+
+    def resume_at(self, epoch: int, batch: int) -> None:
+        """Mid-epoch resumption: the next iteration, if it is of ``epoch``, starts at ``batch``.
+
+        The position comes from the batches training consumed (recorded in the checkpoint), not from
+        this iterator, which the trainer's data fetcher runs ahead of training.
+        """
+        self._resume = (int(epoch), int(batch))
 
     def _global_order(self) -> np.ndarray | None:
         if not self.train:
@@ -120,7 +130,9 @@ class BatchLoader:
 
     def __iter__(self) -> Iterator[CTRBatch]:
         order = self._global_order()
-        for i in range(self.num_batches):
+        start = self._resume[1] if self._resume and self._resume[0] == self.sampler.epoch else 0
+        self._resume = None
+        for i in range(start, self.num_batches):
             rows, valid = self.local_rows(i, order)
             batch = make_batch(self.arrays, rows, self.keys, -1 if self.train else valid)
             yield batch.pin_memory() if self.pin_memory else batch

@@ -25,6 +25,7 @@ class CTRDataModule(L.LightningDataModule):
         self.seed = seed
         self.prepare_data_per_node = True
         self.store: ColumnarStore | None = None
+        self.resume_position: tuple[int, int] | None = None  # (epoch, next batch) from a checkpoint
 
     def prepare_data(self) -> None:  # local rank 0 of each node; others wait at a barrier
         prepare_store(self.data_cfg, self.cache_dir)
@@ -55,7 +56,10 @@ class CTRDataModule(L.LightningDataModule):
                            and trainer.strategy.root_device.type == "cuda")
 
     def train_dataloader(self) -> BatchLoader:
-        return self._loader("train", train=True)
+        loader = self._loader("train", train=True)
+        if self.resume_position is not None:
+            loader.resume_at(*self.resume_position)
+        return loader
 
     def val_dataloader(self) -> BatchLoader:
         return self._loader("valid", train=False)

@@ -1,0 +1,205 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), atomic and pickle-free on load.
+
+A Lightning checkpoint dict is split into tensors and the rest:
+
+* tensors — the model state (sharded embedding tables as ``ShardedTensor``, dense weights), the
+  fused embedding-optimizer state, each rank's dense-optimizer state, RNG state — go through DCP,
+  every rank writing its shards in parallel. Rank-local entries (everything but the model and fused
+  optimizer state) are stored under ``rank<r>/`` so each rank gets its own back;
+* everything else (loop progress, counters, config, MLflow run id) goes to one JSON file per rank,
+  with placeholders ``{"__tensor__": key, "shape": ..., "dtype": ...}`` where tensors were.
+
+Writing goes to ``<name>.tmp-<id>`` and, once every rank is done, rank 0 renames it to ``<name>``:
+a checkpoint directory without the ``.tmp-`` suffix is always complete. Loading reads tensors with
+``weights_only`` and DCP's metadata file through an unpickler that accepts only DCP's own metadata
+classes and plain containers — no arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+STATE_FILE = "trainer_state.rank{rank}.json"
+GLOBAL_KEYS = ("state_dict", "fused_optimizer")  # sharded or replicated: one copy in the checkpoint
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                    "torch.distributed.checkpoint._extension", "torch.distributed.checkpoint.planner",
+                    "torch.distributed.checkpoint.storage", "torch.distributed._shard.metadata",
+                    "torch.distributed._shard.sharded_tensor.metadata", "torch.distributed._shard.sharding_spec")
+_ALLOWED_BUILTINS = {("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str",
+                                               "bytes", "bool", "slice", "NoneType", "getattr")}
+_ALLOWED_TORCH = {("torch", "Size"), ("torch", "device"), ("torch", "memory_format"), ("torch", "layout"),
+                  ("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
+                  ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path")}
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint written for another model, table layout or world size."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def split_tensors(obj: Any, prefix: str, tensors: dict[str, Any]) -> Any:
+    """Replace tensors (and ShardedTensors) in a nested structure by placeholders; collect them."""
+    if torch.is_tensor(obj) or hasattr(obj, "local_shards"):
+        tensors[prefix] = obj
+        shape = list(obj.size()) if hasattr(obj, "size") else list(obj.shape)
+        return {"__tensor__": prefix, "shape": shape, "dtype": str(obj.dtype).removeprefix("torch."),
+                "sharded": hasattr(obj, "local_shards")}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, (str, int)) for k in obj):
+            raise TypeError(f"{prefix}: checkpoint dict keys must be str or int")
+        return {"__dict__": [[k, split_tensors(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [split_tensors(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"{prefix}: cannot store a {type(obj).__name__} in a checkpoint (only tensors, "
+                    f"numbers, strings and containers)")
+
+
+def join_tensors(obj: Any, tensors: dict[str, Any]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {k: join_tensors(v, tensors) for k, v in obj["__dict__"]}
+        if "__tuple__" in obj:
+            return tuple(join_tensors(v, tensors) for v in obj["__tuple__"])
+        return {k: join_tensors(v, tensors) for k, v in obj.items()}  # the top level
+    if isinstance(obj, list):
+        return [join_tensors(v, tensors) for v in obj]
+    return obj
+
+
+def _placeholders(obj: Any) -> list[dict]:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return [obj]
+        values = [v for _, v in obj["__dict__"]] if "__dict__" in obj else obj.get("__tuple__", list(obj.values()))
+        return [p for v in values for p in _placeholders(v)]
+    if isinstance(obj, list):
+        return [p for v in obj for p in _placeholders(v)]
+    return []
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_BUILTINS | _ALLOWED_TORCH or module.startswith(_ALLOWED_MODULES) \
+                or (module == "torch" and name.endswith("Storage")) or (module == "torch" and name in dir(torch)
+                                                                           and isinstance(getattr(torch, name), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP reader whose metadata unpickling admits only DCP metadata classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class DCPCheckpointIO(CheckpointIO):
+    """Lightning CheckpointIO writing/reading DCP checkpoint directories (called on every rank).
+
+    ``live_tensors()`` returns the module's current sharded tensors (model + fused optimizer state),
+    which DCP fills in place on load.
+    """
+
+    def __init__(self, live_tensors: Callable[[], dict[str, Any]]) -> None:
+        self.live_tensors = live_tensors
+
+    @staticmethod
+    def _split(checkpoint: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
+        tensors: dict[str, Any] = {}
+        rank = _rank()
+        skeleton = {k: split_tensors(v, k if k in GLOBAL_KEYS else f"rank{rank}/{k}", tensors)
+                    for k, v in checkpoint.items()}
+        return skeleton, tensors
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        final = Path(path)
+        token = [uuid.uuid4().hex[:8] if _rank() == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(token, src=0)
+        tmp = final.with_name(f"{final.name}.tmp-{token[0]}")
+        skeleton, tensors = self._split(checkpoint)
+        if _rank() == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp)))
+        (tmp / STATE_FILE.format(rank=_rank())).write_text(json.dumps(skeleton))
+        _barrier()
+        if _rank() == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        _barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(path)
+        state_file = path / STATE_FILE.format(rank=_rank())
+        if not state_file.is_file():
+            raise CheckpointMismatchError(f"{path} has no state for rank {_rank()}: written by fewer processes?")
+        skeleton = json.loads(state_file.read_text())
+        live = self.live_tensors()
+        tensors: dict[str, Any] = {}
+        for p in _placeholders(skeleton):
+            key = p["__tensor__"]
+            if key in live:
+                tensors[key] = live[key]
+            elif not p.get("sharded"):
+                tensors[key] = torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
+            else:
+                raise CheckpointMismatchError(f"{path}: sharded tensor {key} has no counterpart in this model")
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+        return join_tensors(skeleton, tensors)
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def complete_checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """Finished checkpoint directories in ``folder``, oldest first (by training step, then time)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and ".tmp-" not in p.name and (p / ".metadata").is_file()
+             and (p / STATE_FILE.format(rank=0)).is_file()]
+
+    def step(p: Path) -> tuple[int, float]:
+        state = json.loads((p / STATE_FILE.format(rank=0)).read_text())
+        return int(dict(state["__dict__"]).get("global_step", 0)) if "__dict__" in state else 0, p.stat().st_mtime
+
+    return sorted(found, key=step)
+
+
+def read_rank0_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON (non-tensor) part of rank 0's checkpoint state, tensors left as placeholders."""
+    skeleton = json.loads((Path(path) / STATE_FILE.format(rank=0)).read_text())
+    return join_tensors(skeleton, {p["__tensor__"]: None for p in _placeholders(skeleton)})

@@ -1,0 +1,164 @@
+"""Sharded checkpoints: exact resume, elastic restart after SIGKILL, atomic writes, NaN policy, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.checkpointing import (SafeFileSystemReader, complete_checkpoints, join_tensors, read_rank0_state,
+                                    split_tensors)
+from tests.conftest import PYTHON, ROOT, subprocess_env
+from tests.test_training import RESULT
+
+STEPS_PER_EPOCH = 20  # 100k rows → 85k training rows / batch 4096
+
+
+@pytest.fixture(scope="module")
+def ckpt_overrides(small_overrides):
+    return [o for o in small_overrides if not o.startswith(("trainer.batch_size", "trainer.max_epochs"))] + \
+        ["trainer.batch_size=4096", "trainer.max_epochs=2", "trainer.checkpoint.every_n_steps=10",
+         "trainer.checkpoint.keep=5"]
+
+
+def _run(args: list[str], tmp: Path, nproc: int = 2, extra: list[str] | None = None, check: bool = True):
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []),
+           "-m", "pipeline.train", *args, f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a DCP checkpoint as full tensors (converted offline, loaded weights-only)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint), str(out))
+    return torch.load(out, weights_only=True)
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: tuple[str, ...]) -> None:
+    keys = [k for k in a if k.startswith(prefix)]
+    assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
+    for k in keys:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def straight_run(ckpt_overrides, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("straight")
+    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={tmp}/ckpt"], tmp)
+    final = complete_checkpoints(tmp / "ckpt")[-1]
+    assert final.name == f"step-{2 * STEPS_PER_EPOCH:09d}"
+    return RESULT.search(proc.stdout), _tensors(final)
+
+
+def test_stop_and_resume_mid_epoch_gives_identical_parameters_and_metrics(ckpt_overrides, straight_run, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # the process is stopped (killed) at step 33, mid-epoch 2; the last checkpoint is step 30
+    stopped = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.debug.kill_rank_at_step=[0,33]"],
+                   tmp_path, check=False)
+    assert stopped.returncode != 0
+    first = complete_checkpoints(ckpt)[-1]
+    assert first.name == "step-000000030"
+    run_id = read_rank0_state(first)["pipeline"]["mlflow_run_id"]
+    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path)
+    resumed = RESULT.search(proc.stdout)
+    straight, straight_tensors = straight_run
+    assert resumed[1] == straight[1] and resumed[2] == straight[2]  # test AUC and logloss, all digits
+    assert resumed[5] == run_id  # the same MLflow run continued
+    final = _tensors(complete_checkpoints(ckpt)[-1])
+    _assert_same(final, straight_tensors, ("state_dict/", "fused_optimizer/"))
+
+
+def test_sigkill_of_one_process_restarts_and_resumes(ckpt_overrides, straight_run, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto",
+                 "trainer.debug.kill_rank_at_step=[1,25]"], tmp_path, extra=["--max-restarts=1"])
+    assert re.search(r"restart|Restarting|failed", proc.stderr, re.I), "the job was expected to restart"
+    final = _tensors(complete_checkpoints(ckpt)[-1])
+    # the restarted job resumed from step 20: steps 21-25 of the killed attempt are not in the weights
+    _assert_same(final, straight_run[1], ("state_dict/", "fused_optimizer/"))
+    assert RESULT.search(proc.stdout)[1] == straight_run[0][1]
+
+
+KILL_DURING_SAVE = r'''
+import os, signal, sys, torch, torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from pipeline.checkpointing import DCPCheckpointIO
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+io = DCPCheckpointIO(lambda: {})
+io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 10}, sys.argv[1] + "/step-000000010")
+original = FileSystemWriter.write_data
+def dying(self, plan, planner):
+    os.kill(os.getpid(), signal.SIGKILL)  # dies in the middle of writing the next checkpoint
+FileSystemWriter.write_data = dying
+io.save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "global_step": 20}, sys.argv[1] + "/step-000000020")
+'''
+
+
+def test_kill_during_checkpoint_write_leaves_the_previous_one_newest(tmp_path):
+    from tests.conftest import free_port
+
+    proc = subprocess.run([PYTHON, "-c", KILL_DURING_SAVE, str(tmp_path), str(free_port())], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert any(".tmp-" in p.name for p in tmp_path.iterdir())  # the interrupted write is there...
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000000010"]  # ...but not complete
+    assert torch.equal(_tensors(tmp_path / "step-000000010")["state_dict/w"], torch.ones(4))
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_injected_nan_stops_or_is_skipped_and_counted(small_overrides, tmp_path, policy):
+    proc = _run([*small_overrides, "trainer.debug.inject_nan_at_step=3", f"trainer.nonfinite={policy}"],
+                tmp_path, nproc=1, check=False)
+    if policy == "stop":
+        assert proc.returncode != 0
+        assert "Non-finite training: the loss is nan at step 3" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = RESULT.search(proc.stdout)[5]
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).data.metrics
+    assert metrics["train/skipped_nonfinite_steps"] == 1.0
+
+
+def test_checkpoint_of_another_model_is_refused(ckpt_overrides, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.max_steps=10"], tmp_path)
+    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto", "model=wide_deep",
+                 "model.mlp=[64,32]"], tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "the checkpoint does not match this run" in proc.stderr and "model.name: checkpoint 'deepfm'" in proc.stderr
+
+
+def test_metadata_unpickling_refuses_arbitrary_objects(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        SafeFileSystemReader(str(tmp_path)).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_split_and_join_round_trip():
+    obj = {"a": torch.arange(3), "b": [1, 2.5, "x", None, (torch.ones(2), True)], 3: {"c": torch.zeros(1)}}
+    tensors: dict = {}
+    skeleton = split_tensors(obj, "root", tensors)
+    assert json.loads(json.dumps(skeleton)) == skeleton and len(tensors) == 3
+    back = join_tensors(skeleton, tensors)
+    assert back["b"][:4] == [1, 2.5, "x", None] and isinstance(back["b"][4], tuple) and torch.equal(back["a"], obj["a"])
+    assert torch.equal(back[3]["c"], obj[3]["c"])
