@@ -59,7 +59,7 @@ def straight_run(ckpt_overrides, tmp_path_factory):
     proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={tmp}/ckpt"], tmp)
     final = complete_checkpoints(tmp / "ckpt")[-1]
     assert final.name == f"step-{2 * STEPS_PER_EPOCH:09d}"
-    return RESULT.search(proc.stdout), _tensors(final)
+    return RESULT.search(proc.stdout), _tensors(final), tmp / "ckpt"
 
 
 def test_stop_and_resume_mid_epoch_gives_identical_parameters_and_metrics(ckpt_overrides, straight_run, tmp_path):
@@ -73,7 +73,7 @@ def test_stop_and_resume_mid_epoch_gives_identical_parameters_and_metrics(ckpt_o
     run_id = read_rank0_state(first)["pipeline"]["mlflow_run_id"]
     proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path)
     resumed = RESULT.search(proc.stdout)
-    straight, straight_tensors = straight_run
+    straight, straight_tensors, _ = straight_run
     assert resumed[1] == straight[1] and resumed[2] == straight[2]  # test AUC and logloss, all digits
     assert resumed[5] == run_id  # the same MLflow run continued
     final = _tensors(complete_checkpoints(ckpt)[-1])
@@ -134,9 +134,8 @@ def test_injected_nan_stops_or_is_skipped_and_counted(small_overrides, tmp_path,
     assert metrics["train/skipped_nonfinite_steps"] == 1.0
 
 
-def test_checkpoint_of_another_model_is_refused(ckpt_overrides, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.max_steps=10"], tmp_path)
+def test_checkpoint_of_another_model_is_refused(ckpt_overrides, straight_run, tmp_path):
+    ckpt = straight_run[2]  # written by DeepFM
     proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto", "model=wide_deep",
                  "model.mlp=[64,32]"], tmp_path, check=False)
     assert proc.returncode != 0

@@ -134,7 +134,12 @@ class Reference:
             w -= lr * mhat / (vhat.sqrt() + 1e-8)
 
 
-def _worker(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> None:
+def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: str, scope: str) -> None:
+    for opt in optimizers:
+        _check(rank, world, opt, sharding_type, scope)
+
+
+def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> None:
     from modules.cowclip_placement import install_cowclip
     from modules.optimizers import OptimizerSpec, build_optimizer
     from modules.sharding import shard_model
@@ -178,23 +183,21 @@ def _worker(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> 
             torch.testing.assert_close(shard.tensor, want[r0:r0 + nr, c0:c0 + nc], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+# One spawn per (world, sharding, scope); each worker checks several optimizers in turn.
 @pytest.mark.parametrize("scope", ["global", "local"])
-def test_single_process(opt, scope):
-    run_workers(_worker, 1, opt, "table_wise", scope)
+def test_single_process_every_optimizer(scope):
+    run_workers(_worker, 1, ("sgd", "adagrad", "rowwise_adagrad", "adam"), "table_wise", scope)
 
 
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
 @pytest.mark.parametrize("scope", ["global", "local"])
-@pytest.mark.parametrize("opt", ["adagrad", "rowwise_adagrad"])
-def test_two_ranks(opt, sharding_type, scope):
-    run_workers(_worker, 2, opt, sharding_type, scope)
+def test_two_ranks(sharding_type, scope):
+    run_workers(_worker, 2, ("adagrad", "rowwise_adagrad"), sharding_type, scope)
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adam"])
-def test_two_ranks_other_optimizers(opt):
+def test_two_ranks_other_optimizers():
     # Adam on CPU means data-parallel tables: CowClip falls back to local scope, checked as such
-    run_workers(_worker, 2, opt, "table_wise", "global")
+    run_workers(_worker, 2, ("sgd", "adam"), "table_wise", "global")
 
 
 def test_per_id_gradient_formula_in_float64():

@@ -1,0 +1,105 @@
+"""A plain PyTorch DeepFM — the baseline ``benchmarks/throughput.py`` runs beside the project.
+
+Same model sizes as the project's DeepFM (per-field embedding of dim D, first-order weights, FM,
+MLP 400-400-400, dense features into the linear part and the MLP), written the usual way:
+``nn.Embedding(sparse=True)`` tables updated by ``SparseAdam``, the dense part by ``Adam``, batches
+sliced from the same preprocessed arrays (numpy → torch), no framework around the loop.
+
+    python benchmarks/reference_deepfm.py <store dir> --batch 8192 --epochs 1 --dim 16
+prints one JSON line: samples_per_s (training only), test_auc, test_logloss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class PlainDeepFM(nn.Module):
+    def __init__(self, table_sizes: list[int], n_dense: int, dim: int, mlp: list[int]) -> None:
+        super().__init__()
+        self.emb = nn.ModuleList(nn.Embedding(n, dim, sparse=True) for n in table_sizes)
+        self.first = nn.ModuleList(nn.Embedding(n, 1, sparse=True) for n in table_sizes)
+        for e in self.emb:
+            nn.init.normal_(e.weight, std=0.01)
+        for e in self.first:
+            nn.init.zeros_(e.weight)
+        self.linear = nn.Linear(n_dense, 1)
+        layers, d = [], len(table_sizes) * dim + n_dense
+        for h in mlp:
+            layers += [nn.Linear(d, h), nn.ReLU()]
+            d = h
+        self.mlp = nn.Sequential(*layers, nn.Linear(d, 1))
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        emb = torch.stack([e(sparse[:, j]) for j, e in enumerate(self.emb)], 1)  # [B, F, D]
+        first = torch.cat([e(sparse[:, j]) for j, e in enumerate(self.first)], 1).sum(1)
+        fm = 0.5 * (emb.sum(1).pow(2) - emb.pow(2).sum(1)).sum(1)
+        deep = self.mlp(torch.cat([emb.flatten(1), dense], 1)).squeeze(1)
+        return first + self.linear(dense).squeeze(1) + fm + deep
+
+
+def main() -> None:
+    from torchmetrics.functional.classification import binary_auroc
+
+    from pipeline.data.store import ColumnarStore
+
+    p = argparse.ArgumentParser()
+    p.add_argument("store")
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    store = ColumnarStore(args.store)
+    train, test = store.split("train", mmap=False), store.split("test", mmap=False)
+    sizes = [store.table_sizes[c] for c in store.categorical_names]
+    model = PlainDeepFM(sizes, len(store.dense_names), args.dim, [400, 400, 400])
+    sparse_params = [p for m in (*model.emb, *model.first) for p in m.parameters()]
+    ids = {id(p) for p in sparse_params}
+    dense_opt = torch.optim.Adam([p for p in model.parameters() if id(p) not in ids], lr=args.lr)
+    sparse_opt = torch.optim.SparseAdam(sparse_params, lr=args.lr)
+    dense_t, sparse_t = torch.from_numpy(train.dense), torch.from_numpy(train.sparse.astype(np.int64))
+    label_t = torch.from_numpy(train.label.astype(np.float32))
+    n = len(train) // args.batch * args.batch
+    seconds = 0.0
+    for epoch in range(args.epochs):
+        order = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(train)))
+        t0 = time.perf_counter()
+        for start in range(0, n, args.batch):
+            rows = order[start:start + args.batch]
+            loss = F.binary_cross_entropy_with_logits(model(dense_t[rows], sparse_t[rows]), label_t[rows])
+            dense_opt.zero_grad()
+            sparse_opt.zero_grad()
+            loss.backward()
+            dense_opt.step()
+            sparse_opt.step()
+        seconds += time.perf_counter() - t0
+    model.eval()
+    with torch.no_grad():
+        logits = torch.cat([model(torch.from_numpy(test.dense[i:i + 65536]),
+                                  torch.from_numpy(test.sparse[i:i + 65536].astype(np.int64)))
+                            for i in range(0, len(test), 65536)])
+    y = torch.from_numpy(test.label.astype(np.int64))
+    print(json.dumps({"samples_per_s": n * args.epochs / seconds,
+                      "test_auc": float(binary_auroc(torch.sigmoid(logits), y)),
+                      "test_logloss": float(F.binary_cross_entropy_with_logits(logits, y.float()))}))
+
+
+if __name__ == "__main__":
+    main()

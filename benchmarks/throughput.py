@@ -1,0 +1,98 @@
+"""Training throughput: the project's pipeline vs. a plain PyTorch DeepFM, same data, one run.
+
+    python benchmarks/throughput.py --rows 2000000 --batch 8192 --epochs 1 [--precision bf16-mixed]
+
+Both train DeepFM (embedding dim 16, MLP 400-400-400, Adam for the dense part) on the same
+preprocessed synthetic Criteo-format data, each in its own subprocess with the same number of
+threads; the project through ``python -m pipeline.train`` (TorchRec, Lightning, its data path,
+FBGEMM's fused row-wise Adagrad for the tables), the reference by ``benchmarks/reference_deepfm.py``
+(``nn.Embedding(sparse=True)`` + SparseAdam). Prints samples/s (training only), peak RSS, test AUC
+and the ratio project / reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\S+) ", re.M)
+
+
+def _run_measured(cmd: list[str], env: dict[str, str]) -> tuple[str, float]:
+    """Run a child under /usr/bin/time-like accounting: fork, exec, wait4 for its rusage."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.dup2(w, 1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.chdir(ROOT)
+        os.execvpe(cmd[0], cmd, env)
+    os.close(w)
+    chunks = []
+    with os.fdopen(r) as fh:
+        chunks.append(fh.read())
+    _, status, usage = os.wait4(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} failed (exit {os.waitstatus_to_exitcode(status)})")
+    return "".join(chunks), usage.ru_maxrss / 1024
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows generated (85 %% train)")
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", default="32-true", help="project's trainer.precision (e.g. bf16-mixed)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "data"))
+    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for the project run")
+    args = p.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.data.sources import prepare_store
+
+    data_overrides = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=data_overrides)
+    store = prepare_store(cfg.data, cfg.paths.cache_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
+    tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    rows = []
+    project_cmd = [sys.executable, "-m", "pipeline.train", *data_overrides, f"trainer.batch_size={args.batch}",
+                   f"trainer.max_epochs={args.epochs}", f"trainer.precision={args.precision}",
+                   f"trainer.num_threads={args.threads}", "model.embedding_dim=16", "trainer.enable_progress_bar=false",
+                   f"topology={'1gpu' if args.device == 'cuda' else 'cpu'}", f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db",
+                   "logger.experiment_name=throughput", *args.extra]
+    out, rss = _run_measured(project_cmd, env)
+    m = RESULT.search(out)
+    rows.append(("project (TorchRec + Lightning)", float(m[3]), rss, float(m[1])))
+    if not args.skip_reference:
+        out, rss = _run_measured([sys.executable, str(ROOT / "benchmarks" / "reference_deepfm.py"), str(store.root),
+                                  "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads",
+                                  str(args.threads)], env)
+        r = json.loads(out.strip().splitlines()[-1])
+        rows.append(("plain PyTorch reference", r["samples_per_s"], rss, r["test_auc"]))
+    base = rows[-1][1]
+    print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
+          f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {args.precision}\n")
+    print("| run | samples/s | peak RSS MiB | test AUC | speed vs reference |")
+    print("|---|---:|---:|---:|---:|")
+    for name, sps, rss, auc in rows:
+        print(f"| {name} | {sps:,.0f} | {rss:,.0f} | {auc:.4f} | {sps / base:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
