@@ -4,13 +4,16 @@ Reads the finished training runs of an experiment (latest run per batch size × 
 writes ``<out>/report.md`` (test AUC per batch size and rule, difference to the 1K baseline,
 epochs, throughput) and ``<out>/auc_vs_batch.png`` (one line per rule), and logs both to MLflow
 as a run named ``report`` in the same experiment.
+
+At the base batch size (scale s = 1) the rules ``none``, ``sqrt`` and ``linear`` set identical
+hyperparameters, so one unclipped run there stands for all three; such filled-in cells are marked †.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 RULE_ORDER = ("none", "sqrt", "linear", "cowclip")
+SAME_AT_SCALE_1 = ("none", "sqrt", "linear")  # identical hyperparameters at the base batch size
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class RunSummary:
     best_epoch: float | None
     samples_per_s: float | None
     start_time: int
+    scale: float = 0.0
+    shared: bool = False  # filled in from the equivalent s = 1 run of another rule
 
     @property
     def label(self) -> str:
@@ -53,10 +59,14 @@ def collect_runs(client: MlflowClient, experiment: str) -> list[RunSummary]:
         s = RunSummary(run.info.run_id, int(p["trainer/batch_size"]), p["scaling/rule"],
                        p.get("scaling/cowclip/enabled", "False") == "True", m["test/auc"], m["test/logloss"],
                        m.get("train/epochs"), m.get("val/best_epoch"), m.get("train/samples_per_s_run"),
-                       run.info.start_time)
+                       run.info.start_time, float(p.get("scaled/scale", "nan")))
         key = (s.batch_size, s.label)
         if key not in latest or latest[key].start_time < s.start_time:
             latest[key] = s
+    for r in list(latest.values()):
+        if r.scale == 1.0 and not r.clip and not r.shared:
+            for rule in SAME_AT_SCALE_1:
+                latest.setdefault((r.batch_size, rule), replace(r, rule=rule, shared=rule != r.rule))
     return sorted(latest.values(), key=lambda r: (r.batch_size, r.label))
 
 
@@ -81,8 +91,10 @@ def markdown_table(runs: list[RunSummary], baseline_rule: str = "none") -> str:
                 cells.append("–")
                 continue
             delta = f" ({r.test_auc - base.test_auc:+.4f})" if base else ""
-            cells.append(f"{r.test_auc:.4f}{delta}")
+            cells.append(f"{r.test_auc:.4f}{delta}{' †' if r.shared else ''}")
         lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+    if any(r.shared for r in runs):
+        lines += ["", "† the same run as the unclipped rule trained at s = 1 (identical hyperparameters)."]
     lines += ["", "| batch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for b in batches:
         cells = []
