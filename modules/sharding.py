@@ -14,9 +14,10 @@ greedily to the least-loaded rank (largest first).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
+from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
@@ -127,6 +129,27 @@ def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[st
     return ShardingPlan(plan=plans)
 
 
+# The planner's storage estimate counts optimizer state from a tensor attribute that
+# ``apply_optimizer_in_backward`` sets; fused optimizers given through the sharder are invisible to it.
+_STATE_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam,
+    "rowwise_adagrad": RowWiseAdagrad}
+
+
+@contextlib.contextmanager
+def planner_sees_optimizer(ebcs: Mapping[str, EmbeddingBagCollection], optimizer: str) -> Iterator[None]:
+    """Let the planner's storage estimates include the embedding optimizer's state, while planning only."""
+    weights = [p for ebc in ebcs.values() for p in ebc.parameters()]
+    cls = _STATE_CLASSES.get(optimizer)
+    for w in weights:
+        w._optimizer_classes = [cls]  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for w in weights:
+            del w._optimizer_classes  # type: ignore[attr-defined]
+
+
 @dataclass
 class PlanResult:
     plan: ShardingPlan
@@ -154,8 +177,9 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mappi
     planner = EmbeddingShardingPlanner(topology=build_topology(topology, world_size, local_world_size),
                                        constraints=constraints)
     sharders = [EmbeddingBagCollectionSharder()]
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if collective \
-        else planner.plan(model, sharders)
+    with planner_sees_optimizer(ebcs, embedding_optim.name):
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if collective \
+            else planner.plan(model, sharders)
     return PlanResult(plan, placements, planner)
 
 

@@ -92,6 +92,27 @@ def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
     assert "| rank | HBM GiB | host DDR GiB | SSD GiB |" in out and "\n| 7 |" in out
 
 
+def test_plan_command_on_one_gpu_uses_every_tier_and_counts_optimizer_state():
+    """Dim 512 with Adam (~195 GiB) on one 80 GB GPU: big tables to UVM caching, a forced one to SSD."""
+    proc = subprocess.run([PYTHON, "-m", "pipeline.plan", "topology=1gpu", "data=criteo_kaggle_shape",
+                           "model.embedding_dim=512", "optim=reference", "+topology.table_overrides.emb_C12.tier=ssd"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {cells[0]: cells for line in proc.stdout.splitlines() if line.startswith("| emb_")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    mib = {name: float(c[3].removesuffix(" MiB").replace(",", "")) for name, c in rows.items()}
+    assert rows["emb_C12"][5:7] == ["ssd", "key_value"]
+    uvm = [name for name, c in rows.items() if c[5] == "uvm_cache"]
+    assert "emb_C3" in uvm and all(0 < float(rows[n][7]) < 1 for n in uvm)
+    rank0 = next(line for line in proc.stdout.splitlines() if line.startswith("| 0 |"))
+    hbm, ddr, ssd = (float(x) for x in rank0.strip("|").split("|")[1:4])
+    # TorchRec's estimates per tier include Adam's two moments (3× the weights), as the table's bytes do
+    assert ssd * 1024 >= 0.95 * mib["emb_C12"]
+    assert ddr * 1024 >= 0.95 * sum(mib[n] for n in uvm)
+    assert hbm * 1024 >= 0.95 * sum(m for n, m in mib.items() if rows[n][5] == "hbm")
+    assert hbm <= 80
+
+
 def test_plan_command_refuses_an_impossible_model():
     proc = subprocess.run([PYTHON, "-m", "pipeline.plan", "topology=1gpu", "data=criteo_kaggle_shape",
                            "model.embedding_dim=65536", "optim=reference"],
