@@ -36,7 +36,6 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
-from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
@@ -129,18 +128,17 @@ def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[st
     return ShardingPlan(plan=plans)
 
 
-# The planner's storage estimate counts optimizer state from a tensor attribute that
-# ``apply_optimizer_in_backward`` sets; fused optimizers given through the sharder are invisible to it.
-_STATE_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam,
-    "rowwise_adagrad": RowWiseAdagrad}
-
-
 @contextlib.contextmanager
 def planner_sees_optimizer(ebcs: Mapping[str, EmbeddingBagCollection], optimizer: str) -> Iterator[None]:
-    """Let the planner's storage estimates include the embedding optimizer's state, while planning only."""
-    weights = [p for ebc in ebcs.values() for p in ebc.parameters()]
-    cls = _STATE_CLASSES.get(optimizer)
+    """Let the planner's storage estimates include the embedding optimizer's state, while planning only.
+
+    The estimator reads the optimizer class from the tensor attribute ``apply_optimizer_in_backward``
+    sets; without it (``python -m pipeline.plan``, data-parallel Adam on CPU) it counts weights only.
+
+    Tables that already carry an in-backward optimizer (:func:`shard_model`) are left as they are.
+    """
+    weights = [p for ebc in ebcs.values() for p in ebc.parameters() if not hasattr(p, "_optimizer_classes")]
+    cls = OPTIMIZERS[optimizer]
     for w in weights:
         w._optimizer_classes = [cls]  # type: ignore[attr-defined]
     try:
