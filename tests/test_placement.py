@@ -136,3 +136,17 @@ def test_numa_binding_does_nothing_without_cuda():
     before = os.sched_getaffinity(0)
     assert bind_to_gpu_numa_node(0, numa=[0], cuda_available=False) is None
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf" / "topology").glob("*.yaml")))
+def test_every_topology_config_composes_into_a_spec(name):
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+
+    cfg = OmegaConf.to_container(compose_config([f"topology={name}"]).topology, resolve=True)
+    spec = TopologySpec.from_mapping(cfg, world_size=cfg["nodes"] * (cfg["ranks_per_node"] or 1))
+    assert spec.name == name and spec.nodes >= 1
+    if spec.compute_device == "cuda":
+        assert spec.hbm_cap_gb > 0 and len(cfg["numa"]) == cfg["ranks_per_node"]
+        assert set(cfg["bandwidth_gbps"]) >= {"hbm", "host_link", "intra_node", "inter_node"}
