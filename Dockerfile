@@ -1,7 +1,7 @@
 # CUDA image: torch 2.11 (CUDA 13) + fbgemm-gpu 1.6.0 + torchrec 1.6.0, the project installed.
 #   docker build -t ctr-pipeline .
 #   docker run --gpus all --rm ctr-pipeline                                  # 1 GPU, synthetic default
-#   docker run --gpus all --rm ctr-pipeline torchrun --nproc_per_node=8 -m pipeline.train topology=1gpu
+#   docker run --gpus all --rm ctr-pipeline torchrun --nproc_per_node=8 -m pipeline.train topology=8gpu_node
 FROM nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
 
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
