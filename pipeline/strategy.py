@@ -6,11 +6,20 @@ wrap it in DDP (DMP already wraps the dense part), move it (DMP placed every sha
 or broadcast rank 0's parameters before evaluation (the embedding shards differ per rank).
 Checkpoints are written by every rank (each holds its own shards; see
 :mod:`pipeline.checkpointing`), not by rank 0 alone.
+
+Under ``torchrun --max-restarts``, the agent keeps one TCP store for every attempt and the
+process group's keys carry no attempt prefix, so a restarted rank can read the address of a
+peer from the killed attempt and fail to connect (a race: it works only if the new peer
+publishes first). The process group here gets its own ``attempt_<TORCHELASTIC_RESTART_COUNT>``
+namespace in that store.
 """
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
+import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -28,6 +37,17 @@ class TorchRecStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def setup_distributed(self) -> None:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+            self.set_world_ranks()
+            agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                        is_master=False, timeout=self._timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(self._get_process_group_backend(), timeout=self._timeout,
+                                    store=dist.PrefixStore(f"attempt_{attempt}/", agent_store),
+                                    rank=self.global_rank, world_size=self.world_size)
+        super().setup_distributed()  # seeds and ranks; the process group, if not made above
 
     def model_to_device(self) -> None:
         """The LightningModule builds its DMP on ``root_device`` in ``configure_model``."""

@@ -50,6 +50,16 @@ def _output_dir() -> Path:
 
 
 def make_logger(cfg: DictConfig, run_id: str | None = None) -> MLFlowLogger:
+    """The MLflow logger; ``run_id`` (from a resumed checkpoint) is continued if the store has it."""
+    if run_id is not None:
+        from mlflow.tracking import MlflowClient
+
+        try:
+            MlflowClient(cfg.logger.tracking_uri).get_run(run_id)
+        except MlflowException:
+            log.warning("The checkpoint's MLflow run %s is not in %s (logger.tracking_uri); logging to a new run",
+                        run_id, cfg.logger.tracking_uri)
+            run_id = None
     return MLFlowLogger(experiment_name=cfg.logger.experiment_name, run_name=cfg.logger.run_name,
                         tracking_uri=cfg.logger.tracking_uri, log_model=False, run_id=run_id)
 
