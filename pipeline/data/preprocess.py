@@ -2,10 +2,12 @@
 
 Pass 1 parses the files once, in blocks (:class:`pipeline.data.reader.RawReader`): it assigns every
 row to a split, turns every categorical value into a 64-bit key (:func:`pipeline.data.hashing.bytes_keys` of
-its UTF-8 bytes; 0 = missing), spills split code, label, raw dense values and keys to scratch files (ordinary writes),
-and gathers training statistics: key counts (or hashed-bucket counts) and, for min-max scaling,
-each dense column's range. Pass 2 reads the scratch files back in chunks (no re-parsing), encodes
-and writes the store:
+its UTF-8 bytes; 0 = missing) and factorizes each field's keys within the block (hash-based: the
+block's distinct keys plus a 32-bit code per row). It spills split code, label, raw dense values,
+codes and distinct keys to scratch files (ordinary writes) and gathers training statistics: key
+counts (or hashed-bucket counts) and, for min-max scaling, each dense column's range. Pass 2 reads
+the scratch files back in chunks (no re-parsing), looks up only each block's distinct keys in the
+vocabulary, gathers the ids by code, and writes the store:
 
 * categorical, ``vocab``: values with training count >= ``min_count``, most frequent first (ties by
   key), get ids 2..; missing → 1; anything else (rare, or unseen in training) → 0 (OOV);
@@ -126,13 +128,17 @@ def _merge_counts(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     return keys, np.bincount(inverse, weights=np.concatenate([c for _, c in parts])).astype(np.int64)
 
 
-def _key_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct non-missing keys and their counts (sort-based: several times faster than hashing
-    64-bit keys with pyarrow's value_counts)."""
-    k, c = np.unique(keys, return_counts=True)
-    if len(k) and k[0] == 0:  # 0 = missing sorts first
-        return k[1:], c[1:]
-    return k, c
+def factorize_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 code per row, distinct keys): ``keys == distinct[codes]``."""
+    codes, distinct = pd.factorize(keys)
+    return codes.astype(np.int32), np.asarray(distinct, dtype=np.uint64)
+
+
+def train_counts(codes: np.ndarray, distinct: np.ndarray, train: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Non-missing keys seen in training rows (``train`` mask; None = all) and their counts."""
+    c = np.bincount(codes if train is None else codes[train], minlength=len(distinct))
+    seen = (c > 0) & (distinct != 0)
+    return distinct[seen], c[seen].astype(np.int64)
 
 
 def transform_dense(x: np.ndarray, cfg: PreprocessConfig, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -176,35 +182,43 @@ def _field_stats(counts: np.ndarray, kept: int) -> dict:
 
 
 class _Spill:
-    """Pass-1 blocks on disk: split code, label, raw dense values (NaN = missing) and the categorical
-    keys, stored field-major per block ([fields, rows]) so every field's keys are contiguous."""
+    """Pass-1 blocks on disk: split code, label, raw dense values (NaN = missing), each field's
+    per-row codes (field-major, [fields, rows]) and each field's distinct keys (concatenated)."""
 
-    SPECS = {"codes": np.int8, "label": np.int8, "dense": np.float32, "keys": np.uint64}
+    SPECS = {"split": np.int8, "label": np.int8, "dense": np.float32, "codes": np.int32, "distinct": np.uint64}
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.blocks: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []  # rows, dense shape, keys shape
+        self.blocks: list[tuple[int, int, tuple[int, ...]]] = []  # rows, dense width, distinct keys per field
         self.handles = {name: open(folder / f"{name}.bin", "wb") for name in self.SPECS}
 
     @property
     def rows(self) -> int:
         return sum(b[0] for b in self.blocks)
 
-    def append(self, codes: np.ndarray, label: np.ndarray, dense: np.ndarray, keys: np.ndarray) -> None:
-        for name, a in (("codes", codes), ("label", label), ("dense", dense), ("keys", keys)):
+    def append(self, split: np.ndarray, label: np.ndarray, dense: np.ndarray, codes: np.ndarray,
+               distinct: list[np.ndarray]) -> None:
+        arrays = {"split": split, "label": label, "dense": dense, "codes": codes,
+                  "distinct": np.concatenate(distinct) if distinct else np.zeros(0, np.uint64)}
+        for name, a in arrays.items():
             np.ascontiguousarray(a, dtype=self.SPECS[name]).tofile(self.handles[name])
-        self.blocks.append((len(codes), dense.shape, keys.shape))
+        self.blocks.append((len(split), dense.shape[1], tuple(len(d) for d in distinct)))
 
-    def read(self) -> Iterator[dict[str, np.ndarray]]:
+    def read(self) -> Iterator[dict[str, Any]]:
         for fh in self.handles.values():
             fh.close()
         readers = {name: open(self.folder / f"{name}.bin", "rb") for name in self.SPECS}
+
+        def take(name: str, count: int) -> np.ndarray:
+            return np.fromfile(readers[name], dtype=self.SPECS[name], count=count)
+
         try:
-            for n, dense_shape, keys_shape in self.blocks:
-                shapes = {"codes": (n,), "label": (n,), "dense": dense_shape, "keys": keys_shape}
-                yield {name: np.fromfile(readers[name], dtype=self.SPECS[name],
-                                         count=int(np.prod(shapes[name]))).reshape(shapes[name])
-                       for name in self.SPECS}
+            for n, width, sizes in self.blocks:
+                distinct = take("distinct", sum(sizes))
+                yield {"split": take("split", n), "label": take("label", n),
+                       "dense": take("dense", n * width).reshape(n, width),
+                       "codes": take("codes", n * len(sizes)).reshape(len(sizes), n),
+                       "distinct": np.split(distinct, np.cumsum(sizes)[:-1]) if sizes else []}
         finally:
             for fh in readers.values():
                 fh.close()
@@ -267,26 +281,25 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         bucket_counts = np.zeros((n_cat, cfg.hash_buckets), np.int64) if hashed else None
         lo, hi = np.full(n_dense, np.inf), np.full(n_dense, -np.inf)
         first = _Pass(sources, schema, cfg, total_rows, "preprocess pass 1/2")
-        for table, codes in prefetch(first):
-            keys = np.empty((n_cat, table.num_rows), np.uint64)
-            train = codes == SPLIT_CODES["train"]
-            all_train = bool(train.all())
+        for table, split in prefetch(first):
+            codes = np.empty((n_cat, table.num_rows), np.int32)
+            train = split == SPLIT_CODES["train"]
+            train_rows = None if train.all() else train
 
-            def field_keys(j: int) -> tuple[np.ndarray, np.ndarray] | None:
-                keys[j] = string_keys(table.column(schema.categorical[j]))
-                k = keys[j] if all_train else keys[j][train]
+            def field_keys(j: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+                codes[j], distinct = factorize_keys(string_keys(table.column(schema.categorical[j])))
+                k, c = train_counts(codes[j], distinct, train_rows)
                 if hashed:
-                    bucket_counts[j] += np.bincount((k[k != 0] % np.uint64(cfg.hash_buckets)).astype(np.int64),
-                                                    minlength=cfg.hash_buckets)
-                    return None
-                return _key_counts(k)
+                    bucket_counts[j] += np.bincount((k % np.uint64(cfg.hash_buckets)).astype(np.int64), weights=c,
+                                                    minlength=cfg.hash_buckets).astype(np.int64)
+                return distinct, (k, c)
 
-            block_counts = list(pool.map(field_keys, range(n_cat)))
+            per_field = list(pool.map(field_keys, range(n_cat)))
             dense = _dense_raw(table, schema)
             label = table.column(schema.label).to_numpy().astype(np.int8)
-            spill.append(codes, label, dense, keys)
+            spill.append(split, label, dense, codes, [d for d, _ in per_field])
             for name, code in SPLIT_CODES.items():
-                split_rows[name] += int(np.count_nonzero(codes == code))
+                split_rows[name] += int(np.count_nonzero(split == code))
             if n_dense and cfg.dense_transform == "minmax" and train.any():
                 with warnings.catch_warnings():  # a column may be all missing in a block
                     warnings.simplefilter("ignore", RuntimeWarning)
@@ -294,7 +307,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
                     hi = np.fmax(hi, np.nanmax(dense[train], axis=0))
             if hashed:
                 continue
-            for j, kc in enumerate(block_counts):
+            for j, (_, kc) in enumerate(per_field):
                 counts[j].append(kc)
                 if len(counts[j]) >= 8:
                     counts[j] = [_merge_counts(counts[j])]
@@ -329,23 +342,23 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         vocab_index = [pd.Index(v, dtype=np.uint64) for v in vocab_keys]
         positives = dict.fromkeys(SPLITS, 0)
 
-        def encode(j: int, keys: np.ndarray, out: np.ndarray) -> None:
-            k = keys[j]
+        def encode(j: int, chunk: dict[str, Any], out: np.ndarray) -> None:
+            k = chunk["distinct"][j]  # only the block's distinct keys are looked up
             if hashed:
                 ids = (k % np.uint64(cfg.hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
             else:
                 pos = vocab_index[j].get_indexer(k)  # -1 where not in the vocabulary
                 ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
             ids[k == 0] = MISSING_ID
-            out[:, j] = ids
+            out[:, j] = ids[chunk["codes"][j]]
 
         for chunk in prefetch(spill.read()):
-            codes, label, keys = chunk["codes"], chunk["label"], chunk["keys"]
+            split, label = chunk["split"], chunk["label"]
             dense = transform_dense(chunk["dense"], cfg, lo, hi)
-            sparse = np.empty((len(codes), n_cat), np.int32)
-            list(pool.map(lambda j: encode(j, keys, sparse), range(n_cat)))
+            sparse = np.empty((len(split), n_cat), np.int32)
+            list(pool.map(lambda j: encode(j, chunk, sparse), range(n_cat)))
             for name, code in SPLIT_CODES.items():
-                m = codes == code
+                m = split == code
                 if m.any():
                     writer.append(name, label[m], dense[m], sparse[m])
                     positives[name] += int(label[m].sum())
