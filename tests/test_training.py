@@ -107,3 +107,18 @@ def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, t
     assert len(results) == 1  # printed by global rank 0 only
     assert float(results[0][1]) > MIN_AUC
     assert float(results[0][4]) > 0  # communication was counted
+
+
+def test_resumed_run_id_missing_from_the_store_starts_a_new_run(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pipeline.train import make_logger
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = OmegaConf.create({"logger": {"experiment_name": "resume", "run_name": None, "tracking_uri": uri}})
+    first = make_logger(cfg)
+    kept = make_logger(cfg, first.run_id)  # a checkpoint's run id that this store has: continued
+    assert kept.run_id == first.run_id
+    fresh = make_logger(cfg, "0123456789abcdef0123456789abcdef")  # one from another store
+    assert fresh.run_id != "0123456789abcdef0123456789abcdef"
+    assert MlflowClient(uri).get_run(fresh.run_id).info.experiment_id == first.experiment_id
