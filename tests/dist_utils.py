@@ -30,9 +30,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         dist.destroy_process_group()
         raise
-    # Every check has passed on this rank. Leave without interpreter teardown: now and then a
-    # background thread of the gloo/TorchRec stack aborted the process while it was being torn
-    # down ("terminate called without an active exception", ~1 run in 12), after the test's work.
+    # Every check has passed on this rank. Leave without interpreter teardown: about 1 run in 12
+    # aborted after the worker's last step ("terminate called without an active exception", no
+    # Python error on either rank), most likely in the gloo/TorchRec stack's teardown.
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
