@@ -16,12 +16,11 @@ namespace in that store.
 
 from __future__ import annotations
 
-import atexit
 import os
 
 import lightning as L
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,14 +45,10 @@ class TorchRecStrategy(DDPStrategy):
             agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                         is_master=False, timeout=self._timeout)
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            backend = self._get_process_group_backend()
-            dist.init_process_group(backend, timeout=self._timeout,
-                                    store=dist.PrefixStore(f"attempt_{attempt}/", agent_store),
-                                    rank=self.global_rank, world_size=self.world_size,
-                                    device_id=self.root_device if self.root_device.type != "cpu" else None)
-            if backend == "nccl":  # what Lightning's own setup registers
-                atexit.register(_destroy_dist_connection)
-        super().setup_distributed()  # seeds and ranks; the process group, if not made above
+            _init_dist_connection(self.cluster_environment, self._get_process_group_backend(), timeout=self._timeout,
+                                  device_id=self.root_device if self.root_device.type != "cpu" else None,
+                                  store=dist.PrefixStore(f"attempt_{attempt}/", agent_store))
+        super().setup_distributed()  # seeds and ranks; Lightning's own process group if none was made above
 
     def model_to_device(self) -> None:
         """The LightningModule builds its DMP on ``root_device`` in ``configure_model``."""
