@@ -33,6 +33,7 @@ from pipeline.config_check import ConfigError, check_config, world_from_env
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.numa import bind_to_gpu_numa_node
 from pipeline.plan import format_plan
+from pipeline.process_exit import exit_now, leave_process_group
 from pipeline.strategy import TorchRecStrategy
 from pipeline.task import CTRTask
 
@@ -176,6 +177,8 @@ def main(cfg: DictConfig) -> None:
         result = run(cfg)
     except ConfigError as e:
         sys.exit(f"Config error: {e}")
+    finally:
+        leave_process_group()
     if result["mlflow_run_id"] is not None:
         print(f"MLflow run {result['mlflow_run_id']} in experiment '{cfg.logger.experiment_name}' at "
               f"{cfg.logger.tracking_uri} (browse: mlflow ui --backend-store-uri {cfg.logger.tracking_uri})")
@@ -186,3 +189,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # a finished run: no interpreter teardown (see pipeline.process_exit)

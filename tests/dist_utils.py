@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pipeline.process_exit import exit_now, leave_process_group
 
 
 def _free_port() -> int:
@@ -28,15 +29,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         fn(rank, world_size, *args)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        dist.destroy_process_group()
+        leave_process_group()
         raise
-    # Every check has passed on this rank. Leave without interpreter teardown: about 1 run in 12
-    # aborted after the worker's last step ("terminate called without an active exception", no
-    # Python error on either rank), most likely in the gloo/TorchRec stack's teardown.
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()
+    exit_now(0)  # every check passed; no interpreter teardown (see pipeline.process_exit)
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
