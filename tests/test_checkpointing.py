@@ -120,7 +120,8 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_newest(tmp_path):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_injected_nan_stops_or_is_skipped_and_counted(small_overrides, tmp_path, policy):
-    proc = _run([*small_overrides, "trainer.debug.inject_nan_at_step=3", f"trainer.nonfinite={policy}"],
+    proc = _run([*small_overrides, "trainer.debug.inject_nan_at_step=3", f"trainer.nonfinite={policy}",
+                 "trainer.max_steps=10"],
                 tmp_path, nproc=1, check=False)
     if policy == "stop":
         assert proc.returncode != 0

@@ -9,7 +9,8 @@ import pytest
 
 from modules.placement import GB, PlacementError, TableInfo, TopologySpec, place_tables, zipf_coverage
 from pipeline.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
-from tests.conftest import PYTHON, ROOT, subprocess_env
+from pipeline.plan import plan_for_config
+from tests.conftest import PYTHON, ROOT, compose_config, subprocess_env
 
 MB = 2**20
 
@@ -92,19 +93,17 @@ def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
     assert "| rank | HBM GiB | host DDR GiB | SSD GiB |" in out and "\n| 7 |" in out
 
 
-def test_plan_command_on_one_gpu_uses_every_tier_and_counts_optimizer_state():
+def test_plan_on_one_gpu_uses_every_tier_and_counts_optimizer_state():
     """Dim 512 with Adam (~195 GiB) on one 80 GB GPU: big tables to UVM caching, a forced one to SSD."""
-    proc = subprocess.run([PYTHON, "-m", "pipeline.plan", "topology=1gpu", "data=criteo_kaggle_shape",
-                           "model.embedding_dim=512", "optim=reference", "+topology.table_overrides.emb_C12.tier=ssd"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {cells[0]: cells for line in proc.stdout.splitlines() if line.startswith("| emb_")
+    out = plan_for_config(compose_config(["topology=1gpu", "data=criteo_kaggle_shape", "model.embedding_dim=512",
+                                          "optim=reference", "+topology.table_overrides.emb_C12.tier=ssd"]))
+    rows = {cells[0]: cells for line in out.splitlines() if line.startswith("| emb_")
             for cells in [[c.strip() for c in line.strip("|").split("|")]]}
     mib = {name: float(c[3].removesuffix(" MiB").replace(",", "")) for name, c in rows.items()}
     assert rows["emb_C12"][5:7] == ["ssd", "key_value"]
     uvm = [name for name, c in rows.items() if c[5] == "uvm_cache"]
     assert "emb_C3" in uvm and all(0 < float(rows[n][7]) < 1 for n in uvm)
-    rank0 = next(line for line in proc.stdout.splitlines() if line.startswith("| 0 |"))
+    rank0 = next(line for line in out.splitlines() if line.startswith("| 0 |"))
     hbm, ddr, ssd = (float(x) for x in rank0.strip("|").split("|")[1:4])
     # TorchRec's estimates per tier include Adam's two moments (3× the weights), as the table's bytes do
     assert ssd * 1024 >= 0.95 * mib["emb_C12"]
@@ -113,11 +112,10 @@ def test_plan_command_on_one_gpu_uses_every_tier_and_counts_optimizer_state():
     assert hbm <= 80
 
 
-def test_plan_command_refuses_an_impossible_model():
-    proc = subprocess.run([PYTHON, "-m", "pipeline.plan", "topology=1gpu", "data=criteo_kaggle_shape",
-                           "model.embedding_dim=65536", "optim=reference"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "do not fit topology '1gpu'" in proc.stderr
+def test_plan_refuses_an_impossible_model():
+    cfg = compose_config(["topology=1gpu", "data=criteo_kaggle_shape", "model.embedding_dim=65536", "optim=reference"])
+    with pytest.raises(PlacementError, match="do not fit topology '1gpu'"):
+        plan_for_config(cfg)
 
 
 def test_numa_lookup_from_sysfs(tmp_path):
