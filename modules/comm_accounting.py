@@ -3,8 +3,8 @@
 Wraps the ``torch.distributed`` collective functions that TorchRec and the model averaging call
 from Python (``all_to_all_single``, ``all_reduce``, ``reduce_scatter_tensor``, ...) and counts the
 payload each call sends: the input tensor's bytes (for ``all_to_all_single`` only the part sent to
-other ranks). DDP's gradient all-reduce runs in C++ and is counted through a DDP communication hook
-(:func:`ddp_counting_hook`). A category — ``merge``, ``dense_allreduce``, otherwise
+other ranks; nothing over a group of one rank). DDP's gradient all-reduce runs in C++ and is
+counted through a DDP communication hook (:func:`ddp_counting_hook`). A category — ``merge``, ``dense_allreduce``, otherwise
 ``embedding`` (TorchRec's input/output all-to-alls and reduce-scatters) — is set with
 :func:`comm_category`. Counting is active between :meth:`CommCounter.start` and ``stop``.
 """
@@ -25,6 +25,9 @@ _active: list["CommCounter"] = []
 WRAPPED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
            "reduce_scatter", "all_gather", "all_to_all")
 _originals: dict[str, Callable[..., Any]] = {}
+# position of the ``group`` argument of each wrapped collective (when not passed by keyword)
+_GROUP_ARG = {"all_reduce": 2, "all_to_all_single": 4, "reduce_scatter_tensor": 3, "all_gather_into_tensor": 2,
+              "broadcast": 2, "reduce_scatter": 3, "all_gather": 2, "all_to_all": 2}
 
 
 @contextlib.contextmanager
@@ -45,10 +48,12 @@ def _nbytes(x: Any) -> int:
 
 
 def _sent_bytes(name: str, args: tuple, kwargs: dict) -> int:
+    group = kwargs.get("group", args[_GROUP_ARG[name]] if len(args) > _GROUP_ARG[name] else None)
+    if dist.get_world_size(group) == 1:
+        return 0  # a group of one rank sends nothing
     if name == "all_to_all_single":
         inp = kwargs.get("input", args[1] if len(args) > 1 else None)
         splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
-        group = kwargs.get("group")
         total = _nbytes(inp)
         if inp is None or not torch.is_tensor(inp):
             return 0

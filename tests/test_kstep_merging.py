@@ -132,3 +132,21 @@ def _hierarchical_worker(rank: int, world: int) -> None:
 
 def test_hierarchical_merging_two_nodes_of_two():
     run_workers(_hierarchical_worker, 4)
+
+
+def _one_rank_group_worker(rank: int, world: int) -> None:
+    from modules.comm_accounting import CommCounter
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    counter = CommCounter()
+    t = torch.ones(10)
+    counter.start()
+    dist.all_reduce(t)  # over both ranks: 40 bytes sent
+    dist.all_reduce(t, group=singles[rank])  # over this rank alone: nothing sent
+    dist.broadcast(t, rank, singles[rank])
+    counter.stop()
+    assert dict(counter.bytes) == {"embedding": 40}
+
+
+def test_collectives_over_a_group_of_one_rank_count_no_bytes():
+    run_workers(_one_rank_group_worker, 2)
