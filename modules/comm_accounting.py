@@ -4,9 +4,10 @@ Wraps the ``torch.distributed`` collective functions that TorchRec and the model
 from Python (``all_to_all_single``, ``all_reduce``, ``reduce_scatter_tensor``, ...) and counts the
 payload each call sends: the input tensor's bytes (for ``all_to_all_single`` only the part sent to
 other ranks; nothing over a group of one rank). DDP's gradient all-reduce runs in C++ and is
-counted through a DDP communication hook (:func:`ddp_counting_hook`). A category — ``merge``, ``dense_allreduce``, otherwise
-``embedding`` (TorchRec's input/output all-to-alls and reduce-scatters) — is set with
-:func:`comm_category`. Counting is active between :meth:`CommCounter.start` and ``stop``.
+counted through a DDP communication hook (:func:`ddp_counting_hook`). A category — ``merge``,
+``dense_allreduce``, otherwise ``embedding`` (TorchRec's input/output all-to-alls and
+reduce-scatters) — is set with :func:`comm_category`. Counting is active between
+:meth:`CommCounter.start` and ``stop``.
 """
 
 from __future__ import annotations

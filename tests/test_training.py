@@ -18,11 +18,8 @@ RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\
 MIN_AUC = 0.72  # small data (100k rows, 2 epochs, oracle AUC ≈ 0.90); a model that learns nothing gives 0.5
 
 
-def _train(args: list[str], tracking_uri: str, torchrun: int = 0, timeout: int = 300) -> dict:
+def _train(args: list[str], tracking_uri: str, timeout: int = 300) -> dict:
     cmd = [PYTHON, "-m", "pipeline.train", *args, f"logger.tracking_uri={tracking_uri}"]
-    if torchrun:
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
-               "-m", "pipeline.train", *args, f"logger.tracking_uri={tracking_uri}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -91,7 +88,8 @@ def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, t
     port = free_port()
     cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "-m", "pipeline.train", *small_overrides,
-           "trainer.max_epochs=1", "trainer.merging.k=4", "trainer.merging.k_intra=2", f"logger.tracking_uri=sqlite:///{tmp_path}/m.db"]
+           "trainer.max_epochs=1", "trainer.merging.k=4", "trainer.merging.k_intra=2",
+           f"logger.tracking_uri=sqlite:///{tmp_path}/m.db"]
     agents = [subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True) for _ in range(2)]
     outputs = [a.communicate(timeout=600) for a in agents]
