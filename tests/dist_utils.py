@@ -29,9 +29,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         fn(rank, world_size, *args)
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        leave_process_group()
         raise
-    leave_process_group()
+    finally:
+        leave_process_group()
     exit_now(0)  # every check passed; no interpreter teardown (see pipeline.process_exit)
 
 
