@@ -190,6 +190,25 @@ def test_string_keys_match_python_reference(values):
     assert got.tolist() == want
 
 
+@pytest.mark.parametrize("values", [
+    ["68fd1e64", None, "0b153874", "68fd1e64", None],            # width 8 with missing: raw words
+    ["0b153874", "68fd1e64", "0b153874"],                        # width 8, none missing
+    ["abc", "abd", None, "abc"],                                 # width 3: padded words
+    ["a", "", "hello world, longer than 16", None, "a"],          # variable widths: every value hashed
+    [None, None],
+])
+def test_factorized_keys_match_python_reference(values):
+    import pyarrow as pa
+
+    from pipeline.data.hashing import factorized_string_keys
+
+    codes, distinct = factorized_string_keys(pa.array(values, pa.string()))
+    keys = [0 if v is None else key_of(v.encode()) for v in values]
+    want_distinct = list(dict.fromkeys(keys))  # first appearance order
+    assert distinct.tolist() == want_distinct
+    assert codes.dtype == np.int32 and codes.tolist() == [want_distinct.index(k) for k in keys]
+
+
 def test_chunked_reading_keeps_earlier_tables_intact():
     import pyarrow as pa
 

@@ -61,6 +61,29 @@ def to_normal(h: np.ndarray) -> np.ndarray:
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
 
 
+def _fixed_width_words(offsets: np.ndarray, data: np.ndarray, present: int) -> np.ndarray | None:
+    """[present, ceil(w/8)] little-endian 8-byte words (the last zero-padded) of the present strings
+    when all of them have the same width ``w`` >= 1 (absent entries have length 0, so the present
+    strings lie back to back); None otherwise. Width 8 is a view of ``data``, without a copy."""
+    total = int(offsets[-1] - offsets[0])
+    width = total // present
+    if width == 0 or total != width * present or int(np.count_nonzero(np.diff(offsets) == width)) < present:
+        return None
+    block = data[int(offsets[0]):int(offsets[-1])].reshape(present, width)
+    if width % 8:
+        block = np.concatenate([block, np.zeros((present, 8 - width % 8), np.uint8)], axis=1)
+    return np.ascontiguousarray(block).view("<u8")
+
+
+def _mix_words(words: np.ndarray, width: int) -> np.ndarray:
+    """:func:`bytes_keys` of equal-width strings given as their words [n, ceil(width/8)]."""
+    h = np.full(len(words), splitmix64(np.uint64(width)), dtype=np.uint64)
+    for k in range(words.shape[1]):
+        h ^= words[:, k]
+        _splitmix64_inplace(h)
+    return h
+
+
 def bytes_keys(offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
     """64-bit key of each byte string ``data[offsets[i]:offsets[i+1]]`` (``valid``: which are present;
     absent entries get key 0 here).
@@ -76,18 +99,9 @@ def bytes_keys(offsets: np.ndarray, data: np.ndarray, valid: np.ndarray | None =
     h = np.zeros(n, dtype=np.uint64)
     if present == 0:
         return h
-    total = int(offsets[-1] - offsets[0])
-    width = total // present
-    if total == width * present and int(np.count_nonzero(lengths == width)) >= present:
-        # fixed width (absent entries have length 0): the present strings lie back to back
-        block = data[int(offsets[0]):int(offsets[-1])].reshape(present, width)
-        if width % 8 or width == 0:
-            block = np.concatenate([block, np.zeros((present, 8 - width % 8), np.uint8)], axis=1)
-        words = np.ascontiguousarray(block).view("<u8")
-        hp = np.full(present, splitmix64(np.uint64(width)), dtype=np.uint64)
-        for k in range(words.shape[1] if width else 0):
-            hp ^= words[:, k]
-            _splitmix64_inplace(hp)
+    words = _fixed_width_words(offsets, data, present)
+    if words is not None:
+        hp = _mix_words(words, int(offsets[-1] - offsets[0]) // present)
         if valid is None:
             return hp
         h[valid] = hp
@@ -117,8 +131,8 @@ def validity(column) -> np.ndarray | None:
     return np.unpackbits(bits, bitorder="little")[column.offset:column.offset + len(column)].astype(bool)
 
 
-def string_keys(column) -> np.ndarray:
-    """uint64 key (:func:`bytes_keys` of the UTF-8 bytes) of every value of an Arrow string array; 0 = missing."""
+def _string_buffers(column) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(offsets, UTF-8 data, validity mask or None) of an Arrow string array."""
     import pyarrow as pa
 
     if isinstance(column, pa.ChunkedArray):
@@ -131,9 +145,53 @@ def string_keys(column) -> np.ndarray:
     bufs = column.buffers()
     offsets = np.frombuffer(bufs[1], dtype=off_dtype)[column.offset:column.offset + len(column) + 1]
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
-    valid = validity(column)
-    keys = bytes_keys(offsets, data, valid)
+    return offsets, data, validity(column)
+
+
+def _reserve_missing(keys: np.ndarray, missing: np.ndarray | None) -> np.ndarray:
     keys[keys == 0] = 1  # 0 is reserved for "missing"
-    if valid is not None:
-        keys[~valid] = 0
+    if missing is not None:
+        keys[missing] = 0
     return keys
+
+
+def string_keys(column) -> np.ndarray:
+    """uint64 key (:func:`bytes_keys` of the UTF-8 bytes) of every value of an Arrow string array; 0 = missing."""
+    offsets, data, valid = _string_buffers(column)
+    return _reserve_missing(bytes_keys(offsets, data, valid), None if valid is None else ~valid)
+
+
+def factorize(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 code per key, distinct keys in order of first appearance): ``keys == distinct[codes]``
+    (Arrow's ``dictionary_encode``: the same result as ``pandas.factorize``, twice as fast here)."""
+    import pyarrow as pa
+
+    encoded = pa.array(keys, pa.uint64()).dictionary_encode()
+    return encoded.indices.to_numpy(), encoded.dictionary.to_numpy()
+
+
+def factorized_string_keys(column) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 code per value, distinct keys) of an Arrow string array: ``string_keys(column) ==
+    distinct[codes]``, codes numbered in order of first appearance (:func:`factorize`).
+
+    When every present value has the same width of at most 8 bytes (Criteo's hex ids), the values are
+    factorized by their raw 8-byte word — an injective stand-in for the key — and only the distinct
+    words are hashed, ~10x fewer than the values; the result is the same.
+    """
+    offsets, data, valid = _string_buffers(column)
+    n = len(offsets) - 1
+    present = n if valid is None else int(np.count_nonzero(valid))
+    words = _fixed_width_words(offsets, data, present) if present else None
+    if words is None or words.shape[1] != 1:
+        return factorize(string_keys(column))
+    raw = words[:, 0]
+    if valid is not None:
+        if not raw.all():  # a value of NUL bytes would read as missing: take the general path
+            return factorize(string_keys(column))
+        full = np.zeros(n, dtype=np.uint64)
+        full[valid] = raw
+        raw = full
+    codes, distinct_raw = factorize(raw)
+    width = int(offsets[-1] - offsets[0]) // present
+    keys = _mix_words(distinct_raw[:, None], width)
+    return codes, _reserve_missing(keys, None if valid is None else distinct_raw == 0)

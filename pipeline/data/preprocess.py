@@ -3,11 +3,13 @@
 Pass 1 parses the files once, in blocks (:class:`pipeline.data.reader.RawReader`): it assigns every
 row to a split, turns every categorical value into a 64-bit key (:func:`pipeline.data.hashing.bytes_keys` of
 its UTF-8 bytes; 0 = missing) and factorizes each field's keys within the block (hash-based: the
-block's distinct keys plus a 32-bit code per row). It spills split code, label, raw dense values,
-codes and distinct keys to scratch files (ordinary writes) and gathers training statistics: key
-counts (or hashed-bucket counts) and, for min-max scaling, each dense column's range. Pass 2 reads
-the scratch files back in chunks (no re-parsing), looks up only each block's distinct keys in the
-vocabulary, gathers the ids by code, and writes the store:
+block's distinct keys plus a 32-bit code per row; :func:`pipeline.data.hashing.factorized_string_keys`
+factorizes fixed-width values of up to 8 bytes by their raw bytes and hashes only the distinct
+ones). It spills split code, label, raw dense values, codes and distinct keys to scratch files
+(ordinary writes) and gathers training statistics: key counts (or hashed-bucket counts) and, for
+min-max scaling, each dense column's range. Pass 2 reads the scratch files back in chunks (no
+re-parsing), looks up only each block's distinct keys in the vocabulary, gathers the ids by code,
+and writes the store:
 
 * categorical, ``vocab``: values with training count >= ``min_count``, most frequent first (ties by
   key), get ids 2..; missing → 1; anything else (rare, or unseen in training) → 0 (OOV);
@@ -39,7 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.data.hashing import hash_keys, string_keys, to_unit
+from pipeline.data.hashing import factorized_string_keys, hash_keys, to_unit
 from pipeline.data.prefetch import prefetch
 from pipeline.data.reader import RawReader, open_lines
 from pipeline.data.schema import Schema
@@ -126,12 +128,6 @@ def _merge_counts(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
         return parts[0]
     keys, inverse = np.unique(np.concatenate([k for k, _ in parts]), return_inverse=True)
     return keys, np.bincount(inverse, weights=np.concatenate([c for _, c in parts])).astype(np.int64)
-
-
-def factorize_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int32 code per row, distinct keys): ``keys == distinct[codes]``."""
-    codes, distinct = pd.factorize(keys)
-    return codes.astype(np.int32), np.asarray(distinct, dtype=np.uint64)
 
 
 def train_counts(codes: np.ndarray, distinct: np.ndarray, train: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -290,7 +286,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             train_rows = None if train.all() else train
 
             def field_keys(j: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-                codes[j], distinct = factorize_keys(string_keys(table.column(schema.categorical[j])))
+                codes[j], distinct = factorized_string_keys(table.column(schema.categorical[j]))
                 k, c = train_counts(codes[j], distinct, train_rows)
                 if hashed:
                     bucket_counts[j] += np.bincount((k % np.uint64(cfg.hash_buckets)).astype(np.int64), weights=c,
