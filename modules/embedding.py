@@ -90,6 +90,8 @@ class SparseArch(nn.Module):
         self._groups = [[k for f in spec.categorical for k in keys[EMB_PREFIX + f]]]
         if wide:
             self._groups.append([k for f in spec.categorical for k in keys[WIDE_PREFIX + f]])
+        self._flat_keys = [k for g in self._groups for k in g]
+        self._group_widths = [len(self._groups[0]) * embedding_dim] + ([len(self._groups[1]) * WIDE_COLUMNS] if wide else [])
         self.fields = list(spec.categorical)
         self._cowclip: CowClipConfig | None = None
         self._cowclip_tables: set[str] = set()
@@ -108,7 +110,11 @@ class SparseArch(nn.Module):
                              stats=self._cowclip_stats)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        groups = KeyedTensor.regroup([self.ebc(features)], self._groups)
+        pooled = self.ebc(features)
+        if pooled.keys() == self._flat_keys:  # the groups are column ranges of the values: views, no copy
+            groups = list(pooled.values().split(self._group_widths, dim=1))
+        else:
+            groups = KeyedTensor.regroup([pooled], self._groups)
         if self._cowclip is not None:
             ids = one_hot_ids(features)
             groups[0] = self._local_cowclip(groups[0], EMB_PREFIX, self.embedding_dim, ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -40,8 +41,11 @@ def test_fm_identity_against_pairwise_sum():
     torch.testing.assert_close(fm_interaction(emb), pairwise)
 
 
-def test_deepfm_forward_matches_hand_computation():
+@pytest.mark.parametrize("regroup", [False, True], ids=["column-views", "regroup"])
+def test_deepfm_forward_matches_hand_computation(regroup):
     model = _random_deepfm()
+    if regroup:  # the path taken when the pooled keys come in another order than the groups
+        model.sparse_arch._flat_keys = None
     arrays, batch = _batch()
     bags = model.sparse_arch.ebc.embedding_bags
     ids = torch.from_numpy(arrays.sparse.astype(np.int64))
