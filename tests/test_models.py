@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from modules.embedding import FeatureSpec
 from modules.models.deepfm import DeepFM
-from modules.models.layers import fm_interaction
+from modules.models.layers import ConcatLinear, fm_interaction
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays
 from tests.dist_utils import run_workers
@@ -41,6 +41,27 @@ def test_fm_identity_against_pairwise_sum():
     torch.testing.assert_close(fm_interaction(emb), pairwise)
 
 
+def test_concat_linear_matches_linear_over_the_concatenation():
+    torch.manual_seed(0)
+    layer = ConcatLinear((6, 3, 2), 5).double()
+    plain = torch.nn.Linear(11, 5).double()
+    plain.load_state_dict(layer.state_dict())  # same parameters, same keys
+    xs = [torch.randn(7, 6, dtype=torch.float64, requires_grad=True), torch.randn(7, 3, dtype=torch.float64),
+          torch.randn(7, 2, dtype=torch.float64, requires_grad=True)]
+    g = torch.randn(7, 5, dtype=torch.float64)
+    layer(xs).backward(g)
+    got = [layer.weight.grad, layer.bias.grad, xs[0].grad, xs[2].grad]
+    for x in (xs[0], xs[2]):
+        x.grad = None
+    plain(torch.cat(xs, 1)).backward(g)
+    want = [plain.weight.grad, plain.bias.grad, xs[0].grad, xs[2].grad]
+    torch.testing.assert_close(layer(xs), plain(torch.cat(xs, 1)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="expects 3 inputs"):
+        layer(xs[:2])
+
+
 @pytest.mark.parametrize("regroup", [False, True], ids=["column-views", "regroup"])
 def test_deepfm_forward_matches_hand_computation(regroup):
     model = _random_deepfm()
@@ -53,8 +74,11 @@ def test_deepfm_forward_matches_hand_computation(regroup):
     wide = sum(bags[f"wide_{f}"].weight[ids[:, j], 0] for j, f in enumerate(SPEC.categorical)).double()
     dense = batch.dense_features.double()
     fm = sum((emb[:, i] * emb[:, j]).sum(-1) for i, j in itertools.combinations(range(3), 2))
-    mlp = model.mlp.double()
-    deep = mlp(torch.cat([emb.flatten(1), dense], 1)).squeeze(1)
+    deep = torch.cat([emb.flatten(1), dense], 1)  # the MLP over the concatenated input, layer by layer
+    for layer in model.mlp:
+        deep = F.linear(deep, layer.weight.double(), layer.bias.double()) if isinstance(layer, torch.nn.Linear) \
+            else layer(deep)
+    deep = deep.squeeze(1)
     linear = F.linear(dense, model.dense_linear.weight.double(), model.dense_linear.bias.double()).squeeze(1)
     want = wide + linear + fm + deep
     model.float()

@@ -8,15 +8,45 @@ import torch
 from torch import nn
 
 
-class MLP(nn.Sequential):
-    """Linear → [BatchNorm] → ReLU → [Dropout] per hidden size; optional final Linear to ``out_dim``."""
+class ConcatLinear(nn.Linear):
+    """``nn.Linear`` over the concatenation of several inputs, applied block by block:
 
-    def __init__(self, in_dim: int, hidden: Sequence[int], out_dim: int | None = 1,
+        y = b + [x_1 … x_K] Wᵀ = b + Σ_k x_k W_kᵀ,   W = [W_1 … W_K] split by columns
+
+    Same parameters and state-dict keys as ``nn.Linear(Σ in_dims, out_features)``; ``forward`` takes
+    the K inputs as a sequence. The concatenated copy is never made, and a block that needs no gradient
+    (the dense features) costs no input-gradient GEMM. In DeepFM's first MLP layer this replaces the
+    8192×400 @ 400×429 input-gradient GEMM, a shape MKL runs at half its usual rate on this AVX2 CPU,
+    by a 400×416 one.
+    """
+
+    def __init__(self, in_dims: Sequence[int], out_features: int) -> None:
+        super().__init__(sum(in_dims), out_features)
+        self.in_dims = tuple(in_dims)
+
+    def forward(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        if len(xs) != len(self.in_dims):
+            raise ValueError(f"ConcatLinear expects {len(self.in_dims)} inputs of widths {self.in_dims}, got {len(xs)}")
+        blocks = self.weight.split(self.in_dims, dim=1)
+        y = torch.addmm(self.bias, xs[0], blocks[0].t())
+        for x, w in zip(xs[1:], blocks[1:]):
+            y = y.addmm_(x, w.t())  # in place: addmm's backward does not need its output
+        return y
+
+
+class MLP(nn.Sequential):
+    """Linear → [BatchNorm] → ReLU → [Dropout] per hidden size; optional final Linear to ``out_dim``.
+
+    ``in_dim`` given as several widths makes the first layer a :class:`ConcatLinear`: the MLP then
+    takes the inputs as a sequence instead of their concatenation.
+    """
+
+    def __init__(self, in_dim: int | Sequence[int], hidden: Sequence[int], out_dim: int | None = 1,
                  dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1) -> None:
         layers: list[nn.Module] = []
-        d = in_dim
+        d: int | Sequence[int] = in_dim
         for h in hidden:
-            layers.append(nn.Linear(d, h))
+            layers.append(_linear(d, h))
             if batch_norm:
                 layers.append(nn.BatchNorm1d(h, momentum=bn_momentum))
             layers.append(nn.ReLU())
@@ -24,9 +54,13 @@ class MLP(nn.Sequential):
                 layers.append(nn.Dropout(dropout))
             d = h
         if out_dim is not None:
-            layers.append(nn.Linear(d, out_dim))
+            layers.append(_linear(d, out_dim))
         super().__init__(*layers)
-        self.out_features = out_dim if out_dim is not None else d
+        self.out_features = out_dim if out_dim is not None else (d if isinstance(d, int) else sum(d))
+
+
+def _linear(in_dim: int | Sequence[int], out_dim: int) -> nn.Linear:
+    return nn.Linear(in_dim, out_dim) if isinstance(in_dim, int) else ConcatLinear(in_dim, out_dim)
 
 
 def fm_interaction(emb: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,13 @@ class WideDeep(nn.Module):
         self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device)
         n_dense, n_cat = len(spec.dense), len(spec.categorical)
         self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
-        self.mlp = MLP(n_cat * embedding_dim + n_dense, mlp, 1, dropout, batch_norm, bn_momentum)
+        deep_in = (n_cat * embedding_dim, n_dense) if n_dense else n_cat * embedding_dim
+        self.mlp = MLP(deep_in, mlp, 1, dropout, batch_norm, bn_momentum)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb, wide = self.sparse_arch(sparse)
         deep_in = emb.flatten(1)
         if self.dense_linear is not None:
             wide = wide + self.dense_linear(dense).squeeze(1)
-            deep_in = torch.cat([deep_in, dense], dim=1)
+            deep_in = (deep_in, dense)  # the MLP's first layer takes the blocks: no concatenated copy
         return wide + self.mlp(deep_in).squeeze(1)
