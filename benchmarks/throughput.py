@@ -7,7 +7,8 @@ preprocessed synthetic Criteo-format data, each in its own subprocess with the s
 threads; the project through ``python -m pipeline.train`` (TorchRec, Lightning, its data path,
 FBGEMM's fused row-wise Adagrad for the tables), the reference by ``benchmarks/reference_deepfm.py``
 (``nn.Embedding(sparse=True)`` + SparseAdam). Prints samples/s (training only), peak RSS, test AUC
-and the ratio project / reference.
+and the ratio project / reference. With ``--repeats N`` the two runs alternate N times (the
+machine's speed drifts between runs) and the table gives the median of each, with every pair's ratio.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "data"))
     p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--repeats", type=int, default=1, help="alternate project and reference this many times")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for the project run")
     args = p.parse_args()
 
@@ -70,28 +73,35 @@ def main() -> None:
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
-    rows = []
     project_cmd = [sys.executable, "-m", "pipeline.train", *data_overrides, f"trainer.batch_size={args.batch}",
                    f"trainer.max_epochs={args.epochs}", f"trainer.precision={args.precision}",
                    f"trainer.num_threads={args.threads}", "model.embedding_dim=16", "trainer.enable_progress_bar=false",
                    f"topology={'1gpu' if args.device == 'cuda' else 'cpu'}", f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db",
                    "logger.experiment_name=throughput", *args.extra]
-    out, rss = _run_measured(project_cmd, env)
-    m = RESULT.search(out)
-    rows.append(("project (TorchRec + Lightning)", float(m[3]), rss, float(m[1])))
-    if not args.skip_reference:
-        out, rss = _run_measured([sys.executable, str(ROOT / "benchmarks" / "reference_deepfm.py"), str(store.root),
-                                  "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads",
-                                  str(args.threads)], env)
-        r = json.loads(out.strip().splitlines()[-1])
-        rows.append(("plain PyTorch reference", r["samples_per_s"], rss, r["test_auc"]))
+    reference_cmd = [sys.executable, str(ROOT / "benchmarks" / "reference_deepfm.py"), str(store.root),
+                     "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads", str(args.threads)]
+    runs: dict[str, list[tuple[float, float, float]]] = {"project (TorchRec + Lightning)": [], "plain PyTorch reference": []}
+    for _ in range(args.repeats):
+        out, rss = _run_measured(project_cmd, env)
+        m = RESULT.search(out)
+        runs["project (TorchRec + Lightning)"].append((float(m[3]), rss, float(m[1])))
+        if not args.skip_reference:
+            out, rss = _run_measured(reference_cmd, env)
+            r = json.loads(out.strip().splitlines()[-1])
+            runs["plain PyTorch reference"].append((r["samples_per_s"], rss, r["test_auc"]))
+    rows = [(name, *map(statistics.median, zip(*values))) for name, values in runs.items() if values]
     base = rows[-1][1]
     print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
-          f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {args.precision}\n")
+          f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {args.precision}"
+          f"{f', median of {args.repeats} alternating runs' if args.repeats > 1 else ''}\n")
     print("| run | samples/s | peak RSS MiB | test AUC | speed vs reference |")
     print("|---|---:|---:|---:|---:|")
     for name, sps, rss, auc in rows:
         print(f"| {name} | {sps:,.0f} | {rss:,.0f} | {auc:.4f} | {sps / base:.2f}× |")
+    if args.repeats > 1 and not args.skip_reference:
+        pairs = zip(*runs.values())
+        print("\nper pair, project / reference samples/s: "
+              + ", ".join(f"{p[0]:,.0f} / {r[0]:,.0f} = {p[0] / r[0]:.2f}×" for p, r in pairs))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, Topology, TopologyFactory, TrainerConfig
 from torchrec.distributed.sharding_plan import (
@@ -181,14 +181,26 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mappi
     return PlanResult(plan, placements, planner)
 
 
+class DeviceOnlyWrapper(DataParallelWrapper):
+    """Replicated modules without DDP: only the move to the device that DDP's wrapper also makes.
+
+    For one process (no gradient to all-reduce: DDP's bucket copies and hooks would be pure overhead)
+    and for k-step merging (the merger averages the replicated parameters itself).
+    """
+
+    def wrap(self, dmp: DistributedModelParallel, env: Any, device: torch.device) -> None:
+        dmp._dmp_wrapped_module = dmp._dmp_wrapped_module.to(device)
+
+
 def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapping[str, Any],
                 device: torch.device, data_parallel: bool = True,
                 coverage: Mapping[str, Mapping[float, int]] | None = None) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
-    its rank only. ``data_parallel=False`` leaves the replicated parameters out of DDP (for k-step
-    merging, :mod:`modules.kstep_merging`).
+    its rank only. The replicated parameters go into DDP when there is more than one rank and
+    ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step merging,
+    :mod:`modules.kstep_merging`).
     """
     ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
     if is_fusable(embedding_optim, device.type):
@@ -198,6 +210,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapp
     world = dist.get_world_size()
     local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     result = plan_model(model, embedding_optim, topology, world, local_world, coverage, collective=True)
+    wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
     dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[EmbeddingBagCollectionSharder()],
-                                   init_data_parallel=data_parallel)
+                                   data_parallel_wrapper=wrapper)
     return dmp, result
