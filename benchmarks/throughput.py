@@ -80,15 +80,17 @@ def main() -> None:
                    "logger.experiment_name=throughput", *args.extra]
     reference_cmd = [sys.executable, str(ROOT / "benchmarks" / "reference_deepfm.py"), str(store.root),
                      "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads", str(args.threads)]
-    runs: dict[str, list[tuple[float, float, float]]] = {"project (TorchRec + Lightning)": [], "plain PyTorch reference": []}
+    project: list[tuple[float, float, float]] = []    # (samples/s, peak RSS MiB, test AUC) per run
+    reference: list[tuple[float, float, float]] = []
     for _ in range(args.repeats):
         out, rss = _run_measured(project_cmd, env)
         m = RESULT.search(out)
-        runs["project (TorchRec + Lightning)"].append((float(m[3]), rss, float(m[1])))
+        project.append((float(m[3]), rss, float(m[1])))
         if not args.skip_reference:
             out, rss = _run_measured(reference_cmd, env)
             r = json.loads(out.strip().splitlines()[-1])
-            runs["plain PyTorch reference"].append((r["samples_per_s"], rss, r["test_auc"]))
+            reference.append((r["samples_per_s"], rss, r["test_auc"]))
+    runs = {"project (TorchRec + Lightning)": project, "plain PyTorch reference": reference}
     rows = [(name, *map(statistics.median, zip(*values))) for name, values in runs.items() if values]
     base = rows[-1][1]
     print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
@@ -99,9 +101,8 @@ def main() -> None:
     for name, sps, rss, auc in rows:
         print(f"| {name} | {sps:,.0f} | {rss:,.0f} | {auc:.4f} | {sps / base:.2f}× |")
     if args.repeats > 1 and not args.skip_reference:
-        pairs = zip(*runs.values())
         print("\nper pair, project / reference samples/s: "
-              + ", ".join(f"{p[0]:,.0f} / {r[0]:,.0f} = {p[0] / r[0]:.2f}×" for p, r in pairs))
+              + ", ".join(f"{p[0]:,.0f} / {r[0]:,.0f} = {p[0] / r[0]:.2f}×" for p, r in zip(project, reference)))
 
 
 if __name__ == "__main__":

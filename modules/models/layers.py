@@ -15,9 +15,9 @@ class ConcatLinear(nn.Linear):
 
     Same parameters and state-dict keys as ``nn.Linear(Σ in_dims, out_features)``; ``forward`` takes
     the K inputs as a sequence. The concatenated copy is never made, and a block that needs no gradient
-    (the dense features) costs no input-gradient GEMM. In DeepFM's first MLP layer this replaces the
-    8192×400 @ 400×429 input-gradient GEMM, a shape MKL runs at half its usual rate on this AVX2 CPU,
-    by a 400×416 one.
+    (the dense features) costs no input-gradient GEMM. In DeepFM's first MLP layer (batch 8192) this
+    replaces the 8192×400 @ 400×429 input-gradient GEMM, a shape MKL runs at half its usual rate on
+    this AVX2 CPU, by an 8192×400 @ 400×416 one.
     """
 
     def __init__(self, in_dims: Sequence[int], out_features: int) -> None:
