@@ -50,7 +50,7 @@ class CowClipConfig:
     floor: str = "zeta"
     l2: float = 0.0             # λ of the embedding L2 regulariser λ·Σ_k ‖w_k‖² over ids in the batch
     scope: str = "global"       # global: per shard over the global batch; local: per rank's batch
-    clip_wide: bool = False     # also clip the first-order ("wide_") tables (the L2 term applies to both)
+    clip_wide: bool = False     # also clip the first-order ("wide_<f>") lookups (the L2 term applies to both)
     fields: tuple[str, ...] | None = None  # restrict to these fields (None: all)
 
     def __post_init__(self) -> None:
@@ -78,7 +78,7 @@ class CowClipConfig:
         return None
 
     def clips(self, table: str) -> bool:
-        """Clipped: the field's embedding table, and its first-order table with ``clip_wide``."""
+        """Clipped: the field's embedding table, and its first-order lookup with ``clip_wide``."""
         from modules.embedding import WIDE_PREFIX
 
         return self.enabled and self._field(table) is not None and (self.clip_wide or not table.startswith(WIDE_PREFIX))

@@ -26,18 +26,18 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
 from modules.cowclip import CowClipConfig, CowClipStats, apply_cowclip, one_hot_ids, table_blocks
-from modules.embedding import SparseArch
+from modules.embedding import SparseArch, lookup_name
 
 log = logging.getLogger(__name__)
 EXACT_SHARDINGS = (TwPooledEmbeddingSharding, RwPooledEmbeddingSharding)
 
 
 def _kernel_layout(kernel: nn.Module) -> list[tuple[str, int, int]]:
-    """(table, first column, end column) of each input key position of a kernel's pooled output."""
+    """(lookup, first column, end column) of each input key position of a kernel's pooled output."""
     layout, col = [], 0
     for table in kernel.config.embedding_tables:
-        for _ in table.feature_names:
-            layout.append((table.name, col, col + table.local_cols))
+        for feature in table.feature_names:
+            layout.append((lookup_name(table.name, feature), col, col + table.local_cols))
             col += table.local_cols
     return layout
 
@@ -82,12 +82,12 @@ def install_cowclip(model: nn.Module, cfg: CowClipConfig | None) -> tuple[dict[s
     """
     stats = CowClipStats()
     arches = [m for m in model.modules() if isinstance(m, SparseArch)]
-    tables = {t for a in arches for t in a.table_names if cfg is not None and cfg.applies_to(t)}
+    tables = {t for a in arches for t in a.lookup_names if cfg is not None and cfg.applies_to(t)}
     if not tables:
         return {"global": set(), "local": set()}, stats
     local = tables
     if cfg.scope == "global":
         _, local = attach_global_cowclip(model, cfg, stats)
     for arch in arches:
-        arch.set_local_cowclip(cfg, local & set(arch.table_names), stats)
+        arch.set_local_cowclip(cfg, local & set(arch.lookup_names), stats)
     return {"global": tables - local, "local": local}, stats

@@ -2,15 +2,24 @@
 
 Per categorical field ``f`` the collection holds
 
-* ``emb_<f>``: the field's embedding table (``embedding_dim`` columns), used by the FM / deep /
-  cross parts and by CowClip;
-* ``wide_<f>`` (optional): its first-order ("wide", linear) weights. FBGEMM kernels need a
-  column count divisible by 4, so the table has 4 columns and only column 0 is used: exactly a
-  scalar weight per id for element-wise optimizers (the other columns get zero gradient).
+* ``emb_<f>``: the field's embedding table (``embedding_dim`` columns), read by the KJT key ``f``
+  and used by the FM / deep / cross parts and by CowClip;
+* (optional) the field's first-order ("wide", linear) weights: rows ``[o_f, o_f + n_f)`` of one
+  table ``wide`` shared by all fields, read by the key ``wide_<f>`` whose ids are the field's ids
+  shifted by ``o_f`` (:func:`wide_row_offsets`; :meth:`SparseArch.forward` adds these keys). FBGEMM
+  kernels need a column count divisible by 4, so the table has 4 columns and only column 0 is used:
+  exactly a scalar weight per id for element-wise optimizers (the other columns get zero gradient).
 
-Both tables read the same KeyedJaggedTensor key ``f``; TorchRec names the pooled outputs of such
-shared features ``f@table``. A sharded collection returns its outputs in sharding order, not config
-order, so the outputs are selected by key (``KeyedTensor.regroup``), never by position.
+Why one wide table rather than one per field: every id is looked up, gradient-sorted and updated by
+the embedding backward once per table it feeds; on CPU, FBGEMM's row-wise Adagrad backward takes
+≈ 19 ms for 26 four-column tables at batch 8,192 and ≈ 9 ms for the same lookups as 26 features
+of one table (benchmarks in docs/throughput.md). The update of a row is the same either way: each
+row belongs to one field.
+
+CowClip and the per-id L2 term work per *lookup* — ``emb_<f>`` or ``wide_<f>`` — whatever table it
+reads (:attr:`SparseArch.lookup_names`, :func:`lookup_name`). A sharded collection returns its
+outputs in sharding order, not config order, so the outputs are selected by key
+(``KeyedTensor.regroup``), never by position.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from modules.cowclip import CowClipConfig, CowClipStats, apply_cowclip, one_hot_
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
 WIDE_PREFIX = "wide_"
+WIDE_TABLE = "wide"
 
 
 @dataclass(frozen=True)
@@ -45,13 +55,23 @@ class FeatureSpec:
                    {k: int(v) for k, v in meta["table_sizes"].items()})
 
 
-def pooled_keys(tables: Sequence[EmbeddingBagConfig]) -> dict[str, list[str]]:
-    """Output key of each table's pooled embedding (``f@table`` where ``f`` feeds several tables)."""
-    uses: dict[str, int] = {}
-    for t in tables:
-        for f in t.feature_names:
-            uses[f] = uses.get(f, 0) + 1
-    return {t.name: [f"{f}@{t.name}" if uses[f] > 1 else f for f in t.feature_names] for t in tables}
+def wide_row_offsets(spec: FeatureSpec) -> dict[str, int]:
+    """First row of each field's first-order weights in the shared ``wide`` table (fields in order)."""
+    offsets, row = {}, 0
+    for f in spec.categorical:
+        offsets[f] = row
+        row += spec.table_sizes[f]
+    return offsets
+
+
+def field_of(feature: str) -> str:
+    """The categorical field a KJT key reads: ``f`` for ``f`` and for ``wide_<f>``."""
+    return feature[len(WIDE_PREFIX):] if feature.startswith(WIDE_PREFIX) else feature
+
+
+def lookup_name(table: str, feature: str) -> str:
+    """The lookup a (table, KJT key) pair makes: the table's name, or ``wide_<f>`` in the shared table."""
+    return feature if table == WIDE_TABLE else table
 
 
 def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool) -> list[EmbeddingBagConfig]:
@@ -63,18 +83,23 @@ def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: 
                                  pooling=PoolingType.SUM, init_fn=normal)
               for f in spec.categorical]
     if wide:
-        tables += [EmbeddingBagConfig(name=WIDE_PREFIX + f, embedding_dim=WIDE_COLUMNS,
-                                      num_embeddings=spec.table_sizes[f], feature_names=[f],
-                                      pooling=PoolingType.SUM, init_fn=nn.init.zeros_)
-                   for f in spec.categorical]
+        clash = [f for f in spec.categorical if f.startswith(WIDE_PREFIX)]
+        if clash:
+            raise ValueError(f"categorical fields {clash}: names starting with {WIDE_PREFIX!r} are reserved for the "
+                             "first-order lookups")
+        tables.append(EmbeddingBagConfig(name=WIDE_TABLE, embedding_dim=WIDE_COLUMNS,
+                                         num_embeddings=sum(spec.table_sizes[f] for f in spec.categorical),
+                                         feature_names=[WIDE_PREFIX + f for f in spec.categorical],
+                                         pooling=PoolingType.SUM, init_fn=nn.init.zeros_))
     return tables
 
 
 class SparseArch(nn.Module):
     """Looks up all fields: returns embeddings ``[B, F, D]`` and first-order logits ``[B]`` (or None).
 
-    ``set_local_cowclip`` makes it apply CowClip (and the per-id L2 term) to the listed tables on this
-    rank's pooled outputs, i.e. over the rank's own batch ("local" scope).
+    Takes a KeyedJaggedTensor keyed by the categorical fields. ``set_local_cowclip`` makes it apply
+    CowClip (and the per-id L2 term) to the listed lookups on this rank's pooled outputs, i.e. over the
+    rank's own batch ("local" scope).
     """
 
     def __init__(self, spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
@@ -83,54 +108,61 @@ class SparseArch(nn.Module):
         self.num_fields = len(spec.categorical)
         self.embedding_dim = embedding_dim
         self.wide = wide
-        tables = table_configs(spec, embedding_dim, init_std, wide)
-        self.table_names = [t.name for t in tables]
-        self.ebc = EmbeddingBagCollection(tables=tables, device=device)
-        keys = pooled_keys(tables)
-        self._groups = [[k for f in spec.categorical for k in keys[EMB_PREFIX + f]]]
-        if wide:
-            self._groups.append([k for f in spec.categorical for k in keys[WIDE_PREFIX + f]])
-        self._flat_keys = [k for g in self._groups for k in g]
-        self._group_widths = [len(self._groups[0]) * embedding_dim] + ([len(self._groups[1]) * WIDE_COLUMNS] if wide else [])
         self.fields = list(spec.categorical)
+        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide), device=device)
+        self._wide_keys = [WIDE_PREFIX + f for f in self.fields] if wide else []
+        self._groups = [self.fields] + ([self._wide_keys] if wide else [])
+        self._flat_keys = self.fields + self._wide_keys  # pooled output keys in group order
+        self.lookup_names = [EMB_PREFIX + f for f in self.fields] + self._wide_keys
+        self._group_widths = [self.num_fields * embedding_dim] + ([self.num_fields * WIDE_COLUMNS] if wide else [])
+        offsets = wide_row_offsets(spec)
+        self._wide_dtype = torch.int64 if sum(spec.table_sizes.values()) >= 2**31 else None
+        self.register_buffer("_wide_offsets", torch.tensor([offsets[f] for f in self.fields]), persistent=False)
         self._cowclip: CowClipConfig | None = None
-        self._cowclip_tables: set[str] = set()
+        self._cowclip_lookups: set[str] = set()
         self._cowclip_stats: CowClipStats | None = None
 
-    def set_local_cowclip(self, cfg: CowClipConfig | None, tables: set[str], stats: CowClipStats | None = None) -> None:
-        self._cowclip = cfg if cfg is not None and tables else None
-        self._cowclip_tables = set(tables)
+    def set_local_cowclip(self, cfg: CowClipConfig | None, lookups: set[str], stats: CowClipStats | None = None) -> None:
+        self._cowclip = cfg if cfg is not None and lookups else None
+        self._cowclip_lookups = set(lookups)
         self._cowclip_stats = stats
+
+    def with_wide_keys(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` plus one key ``wide_<f>`` per field: the same bags, ids shifted to the field's rows."""
+        if features.keys() != self.fields:
+            raise ValueError(f"SparseArch expects the KJT keys {self.fields}, got {features.keys()}")
+        values, lengths = features.values(), features.lengths()
+        per_key = features.length_per_key()
+        shift = torch.repeat_interleave(self._wide_offsets.to(values.device),
+                                        torch.tensor(per_key, device=values.device), output_size=values.numel())
+        dtype = self._wide_dtype or values.dtype
+        return KeyedJaggedTensor(keys=self.fields + self._wide_keys, values=torch.cat([values.to(dtype), values.to(dtype) + shift]),
+                                 lengths=torch.cat([lengths, lengths]), stride=features.stride(),
+                                 length_per_key=per_key * 2)
 
     def _local_cowclip(self, pooled: torch.Tensor, prefix: str, width: int, ids: torch.Tensor) -> torch.Tensor:
         blocks = [(j * width, (j + 1) * width, ids[j], self._cowclip.clips(prefix + f))
-                  for j, f in enumerate(self.fields) if prefix + f in self._cowclip_tables]
+                  for j, f in enumerate(self.fields) if prefix + f in self._cowclip_lookups]
         world = dist.get_world_size() if dist.is_initialized() else 1
         return apply_cowclip(pooled, blocks, self._cowclip, grad_scale=1.0 / world, l2_share=1.0 / world,
                              stats=self._cowclip_stats)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.wide:
+            features = self.with_wide_keys(features)
         pooled = self.ebc(features)
         if pooled.keys() == self._flat_keys:  # the groups are column ranges of the values: views, no copy
             groups = list(pooled.values().split(self._group_widths, dim=1))
         else:
             groups = KeyedTensor.regroup([pooled], self._groups)
         if self._cowclip is not None:
-            ids = one_hot_ids(features)
+            ids = one_hot_ids(features)  # [K, B]: the wide keys' ids are rows of the shared table
             groups[0] = self._local_cowclip(groups[0], EMB_PREFIX, self.embedding_dim, ids)
             if self.wide:
-                groups[1] = self._local_cowclip(groups[1], WIDE_PREFIX, WIDE_COLUMNS, ids)
+                groups[1] = self._local_cowclip(groups[1], WIDE_PREFIX, WIDE_COLUMNS, ids[self.num_fields:])
         emb = groups[0].reshape(-1, self.num_fields, self.embedding_dim)
         if not self.wide:
             return emb, None
         first_order = groups[1].reshape(-1, self.num_fields, WIDE_COLUMNS)[..., 0].sum(dim=1)
         return emb, first_order
 
-
-def is_embedding_table(name: str) -> bool:
-    """True for the ``emb_<f>`` tables (the ones CowClip clips), false for ``wide_<f>``."""
-    return name.startswith(EMB_PREFIX)
-
-
-def categorical_tables(names: Sequence[str]) -> list[str]:
-    return [n for n in names if is_embedding_table(n)]

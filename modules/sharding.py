@@ -38,6 +38,7 @@ from torchrec.distributed.sharding_plan import (
 from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from modules.embedding import field_of
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
 from modules.placement import Placement, TableInfo, TopologySpec, place_tables
 
@@ -71,10 +72,19 @@ def build_topology(topology: Mapping[str, Any], world_size: int, local_world_siz
 
 
 def table_infos(ebc: EmbeddingBagCollection, coverage: Mapping[str, Mapping[float, int]] | None = None) -> list[TableInfo]:
-    """Tables of a collection with the id-coverage statistics of the field each reads."""
+    """Tables of a collection with the id-coverage statistics of the fields they read.
+
+    A table read by several fields (the shared first-order table) holds each field's rows once: the
+    rows covering a share q of its lookups are at most the sum of each field's rows covering q.
+    """
     coverage = coverage or {}
-    return [TableInfo(t.name, t.num_embeddings, t.embedding_dim, coverage.get(t.feature_names[0], {}))
-            for t in ebc.embedding_bag_configs()]
+    infos = []
+    for t in ebc.embedding_bag_configs():
+        per_field = [coverage.get(field_of(f), {}) for f in t.feature_names]
+        levels = set.intersection(*(set(c) for c in per_field)) if all(per_field) else set()
+        infos.append(TableInfo(t.name, t.num_embeddings, t.embedding_dim,
+                               {q: sum(int(c[q]) for c in per_field) for q in sorted(levels)}))
+    return infos
 
 
 def table_constraints(placements: Mapping[str, Placement], sharding_types: list[str],

@@ -1,7 +1,7 @@
 """CowClip against an nn.Embedding + explicit per-id clipping + optimizer reference.
 
-The model under test is the real one: SparseArch (one EmbeddingBagCollection, embedding + wide
-tables) under DistributedModelParallel with FBGEMM's fused optimizers (SGD, Adagrad, row-wise
+The model under test is the real one: SparseArch (one EmbeddingBagCollection: a table per field,
+and the first-order weights of all fields in one shared table) under DistributedModelParallel with FBGEMM's fused optimizers (SGD, Adagrad, row-wise
 Adagrad) or data-parallel tables with torch Adam, CowClip installed by ``install_cowclip``.
 The reference keeps full ``nn.Embedding`` tables, computes the gradient of the global-mean loss,
 adds 2λw once per id present, clips per id with the formula, and applies the optimizer's update
@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip import CowClipConfig, per_id_gradient
-from modules.embedding import FeatureSpec, SparseArch
+from modules.embedding import FeatureSpec, SparseArch, wide_row_offsets
 from tests.dist_utils import run_workers
 
 SPEC = FeatureSpec((), ("a", "b", "c"), {"a": 6, "b": 9, "c": 40})
+WIDE_ROWS = wide_row_offsets(SPEC)
 DIM, GLOBAL_BATCH, STEPS = 8, 16, 3
 LR = {"sgd": 0.5, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.05}
 CFG = CowClipConfig(enabled=True, r=0.05, zeta=1e-3, floor="zeta", l2=0.01)
@@ -78,7 +79,7 @@ class Reference:
         w = {k: v.clone().requires_grad_(True) for k, v in self.w.items()}
         idx = torch.from_numpy(ids.astype(np.int64))
         emb = torch.stack([w[f"emb_{f}"][idx[:, j]] for j, f in enumerate(SPEC.categorical)], 1)
-        first = sum(w[f"wide_{f}"][idx[:, j], 0] for j, f in enumerate(SPEC.categorical))
+        first = sum(w["wide"][idx[:, j] + WIDE_ROWS[f], 0] for j, f in enumerate(SPEC.categorical))
         logits = score(emb, first)
         y = torch.from_numpy(labels).double()
         per_sample = F.binary_cross_entropy_with_logits(logits, y, reduction="none")
@@ -111,8 +112,8 @@ class Reference:
             grads = self._grads(ids, labels, rows)
             for j, f in enumerate(SPEC.categorical):
                 total[f"emb_{f}"] += self._clip(f"emb_{f}", grads[f"emb_{f}"], ids[rows, j], 1.0 / len(parts), True)
-                # first-order tables: the L2 term, no clipping
-                total[f"wide_{f}"] += self._clip(f"wide_{f}", grads[f"wide_{f}"], ids[rows, j], 1.0 / len(parts), False)
+                # first-order weights (the field's rows of the shared table): the L2 term, no clipping
+                total["wide"] += self._clip("wide", grads["wide"], ids[rows, j] + WIDE_ROWS[f], 1.0 / len(parts), False)
         self.t += 1
         for k, g in total.items():
             self._update(k, g)

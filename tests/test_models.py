@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modules.embedding import FeatureSpec
+from modules.embedding import FeatureSpec, wide_row_offsets
 from modules.models.deepfm import DeepFM
 from modules.models.layers import ConcatLinear, fm_interaction
 from pipeline.data.batches import make_batch
@@ -71,7 +71,8 @@ def test_deepfm_forward_matches_hand_computation(regroup):
     bags = model.sparse_arch.ebc.embedding_bags
     ids = torch.from_numpy(arrays.sparse.astype(np.int64))
     emb = torch.stack([bags[f"emb_{f}"].weight[ids[:, j]] for j, f in enumerate(SPEC.categorical)], 1).double()
-    wide = sum(bags[f"wide_{f}"].weight[ids[:, j], 0] for j, f in enumerate(SPEC.categorical)).double()
+    rows = wide_row_offsets(SPEC)  # each field's first-order weights: its rows of the shared table
+    wide = sum(bags["wide"].weight[ids[:, j] + rows[f], 0] for j, f in enumerate(SPEC.categorical)).double()
     dense = batch.dense_features.double()
     fm = sum((emb[:, i] * emb[:, j]).sum(-1) for i, j in itertools.combinations(range(3), 2))
     deep = torch.cat([emb.flatten(1), dense], 1)  # the MLP over the concatenated input, layer by layer

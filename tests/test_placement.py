@@ -6,6 +6,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from modules.placement import GB, PlacementError, TableInfo, TopologySpec, place_tables, zipf_coverage
 from pipeline.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
@@ -77,6 +78,24 @@ def test_zipf_coverage_is_monotone_and_bounded():
     assert cov[0.5] < 1000  # half the traffic on a few hundred ids: a small cache serves it
 
 
+def test_shared_first_order_table_sums_the_fields_coverage():
+    """One ``wide`` table holds every field's rows: the rows covering q of its lookups add up per field."""
+    from torchrec import EmbeddingBagCollection
+
+    from modules.embedding import FeatureSpec, table_configs
+    from modules.sharding import table_infos
+
+    spec = FeatureSpec((), ("a", "b"), {"a": 1000, "b": 50})
+    ebc = EmbeddingBagCollection(tables=table_configs(spec, 8, 0.01, wide=True), device=torch.device("meta"))
+    cov = {"a": {0.5: 10, 0.9: 300, 0.99: 900}, "b": {0.5: 2, 0.9: 20}}
+    infos = {t.name: t for t in table_infos(ebc, cov)}
+    assert infos["emb_a"].coverage_rows == cov["a"] and infos["emb_b"].coverage_rows == cov["b"]
+    assert (infos["wide"].rows, infos["wide"].coverage_rows) == (1050, {0.5: 12, 0.9: 320})
+    assert table_infos(ebc, {"a": cov["a"]})[-1].coverage_rows == {}  # a field without statistics: none
+    with pytest.raises(ValueError, match="wide_x.*reserved"):
+        table_configs(FeatureSpec((), ("wide_x",), {"wide_x": 3}), 8, 0.01, wide=True)
+
+
 def test_cpu_topology_keeps_tables_in_host_memory():
     spec = TopologySpec(name="cpu", compute_device="cpu")
     assert {p.tier for p in place_tables(_tables(), spec, "rowwise_adagrad").values()} == {"host"}
@@ -89,7 +108,7 @@ def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "| table | rows | dim | bytes | sharding | tier | kernel | cache load factor | ranks |" in out
-    assert "| emb_C3 | 10,131,229 | 16 |" in out and out.count("| emb_C") == 26 and out.count("| wide_C") == 26
+    assert "| emb_C3 | 10,131,229 | 16 |" in out and out.count("| emb_C") == 26 and out.count("| wide |") == 1
     assert "| rank | HBM GiB | host DDR GiB | SSD GiB |" in out and "\n| 7 |" in out
 
 
