@@ -132,13 +132,14 @@ class SparseArch(nn.Module):
         if features.keys() != self.fields:
             raise ValueError(f"SparseArch expects the KJT keys {self.fields}, got {features.keys()}")
         values, lengths = features.values(), features.lengths()
-        per_key = features.length_per_key()
-        shift = torch.repeat_interleave(self._wide_offsets.to(values.device),
-                                        torch.tensor(per_key, device=values.device), output_size=values.numel())
+        per_key = lengths.view(len(self.fields), -1).sum(dim=1)  # on the device: no host round trip
+        shift = torch.repeat_interleave(self._wide_offsets.to(values.device), per_key, output_size=values.numel())
         dtype = self._wide_dtype or values.dtype
-        return KeyedJaggedTensor(keys=self.fields + self._wide_keys, values=torch.cat([values.to(dtype), values.to(dtype) + shift]),
+        known = features.length_per_key_or_none()  # passed on when cached: TorchRec's input split sizes
+        return KeyedJaggedTensor(keys=self.fields + self._wide_keys,
+                                 values=torch.cat([values.to(dtype), values.to(dtype) + shift]),
                                  lengths=torch.cat([lengths, lengths]), stride=features.stride(),
-                                 length_per_key=per_key * 2)
+                                 length_per_key=None if known is None else known * 2)
 
     def _local_cowclip(self, pooled: torch.Tensor, prefix: str, width: int, ids: torch.Tensor) -> torch.Tensor:
         blocks = [(j * width, (j + 1) * width, ids[j], self._cowclip.clips(prefix + f))
