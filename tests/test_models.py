@@ -41,6 +41,16 @@ def test_fm_identity_against_pairwise_sum():
     torch.testing.assert_close(fm_interaction(emb), pairwise)
 
 
+def test_fm_backward_matches_autograd_of_the_pairwise_sum():
+    emb = torch.randn(5, 7, 4, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(fm_interaction, (emb,))  # the hand-written backward vs finite differences
+    g = torch.randn(5, dtype=torch.float64)
+    pairwise = sum((emb[:, i] * emb[:, j]).sum(-1) for i, j in itertools.combinations(range(7), 2))
+    want, = torch.autograd.grad(pairwise, emb, g)
+    got, = torch.autograd.grad(fm_interaction(emb), emb, g)
+    torch.testing.assert_close(got, want)
+
+
 def test_concat_linear_matches_linear_over_the_concatenation():
     torch.manual_seed(0)
     layer = ConcatLinear((6, 3, 2), 5).double()
