@@ -42,7 +42,7 @@ CATEGORIES = (  # first match wins; matched against kernel / operator names
                              r"permute_.*sparse|keyed", re.I)),
     ("dense optimizer", re.compile(r"adam|multi_tensor|foreach|lerp|addcdiv|addcmul|sqrt", re.I)),
     ("mlp / interaction", re.compile(r"gemm|addmm|\bmm\b|matmul|linear|relu|threshold|clamp|sigmoid|cutlass|"
-                                     r"sm\d+_|xmma|cat|binary_cross|bce|reduce|sum|mul|add|pow|elementwise|"
+                                     r"sm\d+_|xmma|cat|binary_cross|bce|reduce|sum|sub|mul|add|pow|norm|elementwise|"
                                      r"vectorized", re.I)),
 )
 
