@@ -2,38 +2,20 @@
 
     logit = b + Σ_f w_f[x_f] + <a, dense> + Σ_{i<j} <e_i, e_j> + MLP([e_1 … e_F, dense])
 
-The dense (integer) features enter the linear part and the MLP input; the FM runs over the
-categorical embeddings.
+That is Wide & Deep's logit plus the FM term, so DeepFM is :class:`WideDeep` (same parameters and
+state-dict keys) with the FM added; the FM runs over the categorical embeddings only.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
-from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from modules.embedding import FeatureSpec, SparseArch
-from modules.models.layers import MLP, fm_interaction
+from modules.models.layers import fm_interaction
+from modules.models.wide_deep import WideDeep
 
 
-class DeepFM(nn.Module):
-    def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
-                 dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01,
-                 device: torch.device | None = None) -> None:
-        super().__init__()
-        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device)
-        n_dense, n_cat = len(spec.dense), len(spec.categorical)
-        self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
-        deep_in = (n_cat * embedding_dim, n_dense) if n_dense else n_cat * embedding_dim
-        self.mlp = MLP(deep_in, mlp, 1, dropout, batch_norm, bn_momentum)
-
+class DeepFM(WideDeep):
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb, first_order = self.sparse_arch(sparse)
-        logit = first_order + fm_interaction(emb)
-        deep_in = emb.flatten(1)
-        if self.dense_linear is not None:
-            logit = logit + self.dense_linear(dense).squeeze(1)
-            deep_in = (deep_in, dense)  # the MLP's first layer takes the blocks: no concatenated copy
-        return logit + self.mlp(deep_in).squeeze(1)
+        return self.wide_and_deep(emb, first_order, dense) + fm_interaction(emb)

@@ -27,9 +27,13 @@ class WideDeep(nn.Module):
         self.mlp = MLP(deep_in, mlp, 1, dropout, batch_norm, bn_momentum)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        emb, wide = self.sparse_arch(sparse)
+        emb, first_order = self.sparse_arch(sparse)
+        return self.wide_and_deep(emb, first_order, dense)
+
+    def wide_and_deep(self, emb: torch.Tensor, first_order: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """``first_order + <a, dense> + MLP([e_1 … e_F, dense])`` for embeddings ``emb`` [B, F, D]."""
         deep_in = emb.flatten(1)
         if self.dense_linear is not None:
-            wide = wide + self.dense_linear(dense).squeeze(1)
+            first_order = first_order + self.dense_linear(dense).squeeze(1)
             deep_in = (deep_in, dense)  # the MLP's first layer takes the blocks: no concatenated copy
-        return wide + self.mlp(deep_in).squeeze(1)
+        return first_order + self.mlp(deep_in).squeeze(1)
