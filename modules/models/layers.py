@@ -68,8 +68,8 @@ class _FMInteraction(torch.autograd.Function):
 
         y_b = ½ (‖s_b‖² − Σ_i ‖e_bi‖²),  s_b = Σ_i e_bi   ⇒   ∂y_b/∂e_bi = s_b − e_bi
 
-    The backward is one pass over ``e`` (two in place) where autograd's graph of the forward takes
-    five ([B, F, D]-sized products, sums and their accumulation).
+    The backward writes one [B, F, D] tensor (a subtraction, then an in-place product) where
+    autograd's graph of the forward makes five [B, F, D] passes (products, sums, their accumulation).
     """
 
     @staticmethod
