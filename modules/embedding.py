@@ -115,7 +115,7 @@ class SparseArch(nn.Module):
         self.lookup_names = [EMB_PREFIX + f for f in self.fields] + self._wide_keys
         self._group_widths = [self.num_fields * embedding_dim] + ([self.num_fields * WIDE_COLUMNS] if wide else [])
         offsets = wide_row_offsets(spec)
-        self._wide_dtype = torch.int64 if sum(spec.table_sizes.values()) >= 2**31 else None
+        self._wide_dtype = torch.int64 if sum(spec.table_sizes[f] for f in self.fields) >= 2**31 else None
         self.register_buffer("_wide_offsets", torch.tensor([offsets[f] for f in self.fields]), persistent=False)
         self._cowclip: CowClipConfig | None = None
         self._cowclip_lookups: set[str] = set()
@@ -133,10 +133,9 @@ class SparseArch(nn.Module):
         values, lengths = features.values(), features.lengths()
         per_key = lengths.view(len(self.fields), -1).sum(dim=1)  # on the device: no host round trip
         shift = torch.repeat_interleave(self._wide_offsets.to(values.device), per_key, output_size=values.numel())
-        dtype = self._wide_dtype or values.dtype
+        ids = values.to(self._wide_dtype or values.dtype)
         known = features.length_per_key_or_none()  # passed on when cached: TorchRec's input split sizes
-        return KeyedJaggedTensor(keys=self.fields + self._wide_keys,
-                                 values=torch.cat([values.to(dtype), values.to(dtype) + shift]),
+        return KeyedJaggedTensor(keys=self.fields + self._wide_keys, values=torch.cat([ids, ids + shift]),
                                  lengths=torch.cat([lengths, lengths]), stride=features.stride(),
                                  length_per_key=None if known is None else known * 2)
 

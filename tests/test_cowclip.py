@@ -1,8 +1,9 @@
 """CowClip against an nn.Embedding + explicit per-id clipping + optimizer reference.
 
 The model under test is the real one: SparseArch (one EmbeddingBagCollection: a table per field,
-and the first-order weights of all fields in one shared table) under DistributedModelParallel with FBGEMM's fused optimizers (SGD, Adagrad, row-wise
-Adagrad) or data-parallel tables with torch Adam, CowClip installed by ``install_cowclip``.
+and the first-order weights of all fields in one shared table) under DistributedModelParallel with
+FBGEMM's fused optimizers (SGD, Adagrad, row-wise Adagrad) or data-parallel tables with torch Adam,
+CowClip installed by ``install_cowclip``.
 The reference keeps full ``nn.Embedding`` tables, computes the gradient of the global-mean loss,
 adds 2λw once per id present, clips per id with the formula, and applies the optimizer's update
 rule written out here. Global scope: statistics over the global batch; local scope: each rank's
