@@ -116,11 +116,14 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
+    from dataclasses import replace
+
     from modules.models import build_model
-    from modules.optimizers import OptimizerSpec
+    from modules.optimizers import replicated_parameters
     from modules.sharding import shard_model
-    from pipeline.plan import spec_and_coverage
+    from pipeline.config import parse_config
     from pipeline.data.store import FIRST_VOCAB_ID
+    from pipeline.plan import spec_and_coverage
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -128,16 +131,15 @@ def main() -> None:
     _init_single_process_group(device)
     topology = "1gpu" if device.type == "cuda" else "cpu"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["data=criteo_kaggle_shape", f"topology={topology}",
-                                                       f"optim.embedding.name={args.embedding_optimizer}"])
+        cfg = parse_config(compose(config_name="config", overrides=[
+            "data=criteo_kaggle_shape", f"topology={topology}", f"optim.embedding.name={args.embedding_optimizer}",
+            "model=deepfm", f"model.embedding_dim={args.dim}", f"model.mlp=[{','.join(map(str, args.mlp))}]",
+            "model.dropout=0.0", "model.batch_norm=false", "model.init_std=0.01"]))
     spec, coverage = spec_and_coverage(cfg.data, cfg.paths.cache_dir)
-    params = {"embedding_dim": args.dim, "mlp": args.mlp, "dropout": 0.0, "batch_norm": False, "init_std": 0.01}
-    net = build_model("deepfm", spec, params, device=torch.device("meta"))
-    emb_opt = OptimizerSpec.from_mapping(dict(cfg.optim.embedding), "optim.embedding")
-    topo = dict(cfg.topology)
-    topo["ranks_per_node"] = 1
-    model, plan = shard_model(net, emb_opt, topo, device, coverage=coverage)
-    dense_params = [q for q in model.parameters() if not getattr(q, "_in_backward_optimizers", None)]
+    net = build_model(cfg.model, spec, device=torch.device("meta"))
+    model, plan = shard_model(net, cfg.optim.embedding, replace(cfg.topology, ranks_per_node=1), device,
+                              coverage=coverage)
+    dense_params = [q for _, q in replicated_parameters(model)]
     dense_opt = torch.optim.Adam(dense_params, lr=1e-3, fused=device.type == "cuda")
     keys = list(spec.categorical)
     tiers = sorted({pl.tier for pl in plan.placements.values()})

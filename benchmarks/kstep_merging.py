@@ -14,45 +14,42 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\S+) comm_bytes_per_step=(\S+) "
-                    r"mlflow_run_id=(\S+)", re.M)
+sys.path.insert(0, str(ROOT))
+
+from pipeline.launch import free_port  # noqa: E402
+from pipeline.result import RunResult, read_result  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_two_nodes(k: int, overrides: list[str], tracking_uri: str, nproc: int, out: Path) -> RunResult:
+    """Train with two torchrun agents (node n's output folder ``out/node<n>``); rank 0's result."""
+    port = free_port()
 
+    def cmd(node: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
+                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=kstep-{k}-{port}",
+                "-m", "pipeline.train", f"trainer.merging.k={k}", "trainer.num_threads=1",
+                "trainer.enable_progress_bar=false", f"logger.tracking_uri={tracking_uri}",
+                "logger.experiment_name=kstep_merging", f"logger.run_name=k{k}", *overrides,
+                f"hydra.run.dir={out}/node{node}"]
 
-def run_two_nodes(k: int, overrides: list[str], tracking_uri: str, nproc: int) -> tuple[float, float, str]:
-    """Train with two torchrun agents; returns (test AUC, samples/s, MLflow run id)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=kstep-{k}-{port}",
-           "-m", "pipeline.train", f"trainer.merging.k={k}", "trainer.num_threads=1",
-           "trainer.enable_progress_bar=false", f"logger.tracking_uri={tracking_uri}",
-           "logger.experiment_name=kstep_merging", f"logger.run_name=k{k}", *overrides]
     env = {key: v for key, v in os.environ.items() if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for _ in range(2)]
+    agents = [subprocess.Popen(cmd(n), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for n in range(2)]
     outputs = [a.communicate() for a in agents]
-    for a, (out, err) in zip(agents, outputs):
+    for a, (_, err) in zip(agents, outputs):
         if a.returncode != 0:
             raise SystemExit(f"k={k}: torchrun agent failed (exit {a.returncode})\n{err[-3000:]}")
-    found = [m for out, _ in outputs for m in RESULT.finditer(out)]
+    found = [read_result(out / f"node{n}") for n in range(2) if (out / f"node{n}" / "result.json").is_file()]
     if len(found) != 1:
-        raise SystemExit(f"k={k}: expected one RESULT line, found {len(found)}")
-    m = found[0]
-    return float(m[1]), float(m[3]), m[5]
+        raise SystemExit(f"k={k}: expected one result.json (global rank 0's), found {len(found)}")
+    return found[0]
 
 
 def main() -> None:
@@ -62,14 +59,16 @@ def main() -> None:
     p.add_argument("--tracking-uri", default=None, help="MLflow store (default: a temporary sqlite file)")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides (e.g. data.synthetic.rows=...)")
     args = p.parse_args()
-    uri = args.tracking_uri or f"sqlite:///{tempfile.mkdtemp(prefix='bench-kstep-')}/mlflow.db"
+    tmp = Path(tempfile.mkdtemp(prefix="bench-kstep-"))
+    uri = args.tracking_uri or f"sqlite:///{tmp}/mlflow.db"
 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     rows = []
     for k in args.k:
-        auc, sps, run_id = run_two_nodes(k, args.extra, uri, args.nproc_per_node)
+        result = run_two_nodes(k, args.extra, uri, args.nproc_per_node, tmp / f"k{k}")
+        auc, sps, run_id = result.test_auc, result.samples_per_s, result.mlflow_run_id
         metrics = client.get_run(run_id).data.metrics
         rows.append((k, auc, metrics.get("comm/merge_bytes_per_step", 0.0),
                      metrics.get("comm/embedding_bytes_per_step", 0.0), sps, run_id))

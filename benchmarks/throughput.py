@@ -16,16 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\S+) ", re.M)
 
 
 def _run_measured(cmd: list[str], env: dict[str, str]) -> tuple[str, float]:
@@ -65,11 +62,13 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
+    from pipeline.config import parse_config
     from pipeline.data.sources import prepare_store
+    from pipeline.result import read_result
 
     data_overrides = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=data_overrides)
+        cfg = parse_config(compose(config_name="config", overrides=data_overrides))
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
@@ -82,10 +81,10 @@ def main() -> None:
                      "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads", str(args.threads)]
     project: list[tuple[float, float, float]] = []    # (samples/s, peak RSS MiB, test AUC) per run
     reference: list[tuple[float, float, float]] = []
-    for _ in range(args.repeats):
-        out, rss = _run_measured(project_cmd, env)
-        m = RESULT.search(out)
-        project.append((float(m[3]), rss, float(m[1])))
+    for i in range(args.repeats):
+        _, rss = _run_measured([*project_cmd, f"hydra.run.dir={tmp}/run{i}"], env)
+        result = read_result(tmp / f"run{i}")
+        project.append((result.samples_per_s, rss, result.test_auc))
         if not args.skip_reference:
             out, rss = _run_measured(reference_cmd, env)
             r = json.loads(out.strip().splitlines()[-1])

@@ -4,7 +4,7 @@ reference code bytedance/LargeBatchCTR).
 
 For every id ``k`` present in the batch (column-wise = per embedding row):
 
-    g_k    = Σ_{occurrences of k} ∂L/∂e_occ  (+ 2λ·w_k once, the L2 term, before clipping)
+    g_k    = Σ_{occurrences of k} ∂L/∂e_occ  (+ 2λ·w_k once, the per-id L2 term, before clipping)
     cnt_k  = occurrences of k in the batch
     clip_k = cnt_k · max(r·‖w_k‖, floor)          floor = ζ            ("zeta", the paper)
                                                   floor = r·√d·ζ      ("r_sqrt_d_zeta", the reference code)
@@ -18,9 +18,10 @@ backward is linear in these, so the optimizer sees exactly the clipped ``g_k``. 
 the pooled output *is* ``w_k``.
 
 Scopes. ``global``: statistics over the global batch (the hook sits on the sharded lookups, see
-:mod:`modules.cowclip_sharded`), exactly the single-process algorithm at the global batch size.
+:mod:`modules.cowclip_hooks`), exactly the single-process algorithm at the global batch size.
 ``local``: every rank clips its own share of the gradient with its own counts (the function sits
-on the rank's pooled output). Both work in the units of the loss the optimizer finally applies,
+on the rank's pooled output). This module is the algorithm; :mod:`modules.cowclip_hooks` attaches it
+to a model from outside. Both work in the units of the loss the optimizer finally applies,
 the mean over the global batch: ``grad_scale`` is 1 on sharded lookups (TorchRec's all-to-all
 backward has already divided by the world size W) and 1/W on a rank's pooled output (divided
 later, by TorchRec or DDP). Locally each rank adds the share ``l2_share = 1/W`` of the L2 term,
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torchrec import KeyedJaggedTensor
@@ -42,50 +43,28 @@ FLOORS = ("zeta", "r_sqrt_d_zeta")
 SCOPES = ("global", "local")
 
 
-@dataclass(frozen=True)
+@dataclass
 class CowClipConfig:
-    enabled: bool = True        # clipping on; False: only the per-id L2 term
+    """``scaling.cowclip``: the clipping rule and where it applies (the L2 term is ``optim.embedding_l2``)."""
+
+    enabled: bool = False       # clip at all
     r: float = 1.0
     zeta: float = 1e-5
     floor: str = "zeta"
-    l2: float = 0.0             # λ of the embedding L2 regulariser λ·Σ_k ‖w_k‖² over ids in the batch
     scope: str = "global"       # global: per shard over the global batch; local: per rank's batch
     clip_wide: bool = False     # also clip the first-order ("wide_<f>") lookups (the L2 term applies to both)
-    fields: tuple[str, ...] | None = None  # restrict to these fields (None: all)
+    fields: Optional[List[str]] = None  # restrict clipping and the per-id L2 term to these fields (None: all)
 
     def __post_init__(self) -> None:
         if self.floor not in FLOORS:
-            raise ValueError(f"cowclip.floor={self.floor!r}: expected one of {FLOORS}")
+            raise ValueError(f"floor={self.floor!r}: expected one of {FLOORS}")
         if self.scope not in SCOPES:
-            raise ValueError(f"cowclip.scope={self.scope!r}: expected one of {SCOPES}")
-        if self.r < 0 or self.zeta < 0 or self.l2 < 0:
-            raise ValueError("cowclip.r, cowclip.zeta and the L2 factor must be >= 0")
+            raise ValueError(f"scope={self.scope!r}: expected one of {SCOPES}")
+        if self.r < 0 or self.zeta < 0:
+            raise ValueError(f"r={self.r}, zeta={self.zeta}: expected values >= 0")
 
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any], l2: float = 0.0) -> "CowClipConfig":
-        m = dict(m)
-        if m.get("fields") is not None:
-            m["fields"] = tuple(m["fields"])
-        return cls(l2=l2, **m)
-
-    def _field(self, table: str) -> str | None:
-        from modules.embedding import EMB_PREFIX, WIDE_PREFIX
-
-        for prefix in (EMB_PREFIX, WIDE_PREFIX):
-            if table.startswith(prefix):
-                field = table[len(prefix):]
-                return field if self.fields is None or field in self.fields else None
-        return None
-
-    def clips(self, table: str) -> bool:
-        """Clipped: the field's embedding table, and its first-order lookup with ``clip_wide``."""
-        from modules.embedding import WIDE_PREFIX
-
-        return self.enabled and self._field(table) is not None and (self.clip_wide or not table.startswith(WIDE_PREFIX))
-
-    def applies_to(self, table: str) -> bool:
-        """Handled at all: clipped, or given the per-id L2 term (every table of the selected fields)."""
-        return self.clips(table) or (self.l2 > 0 and self._field(table) is not None)
+    def floor_value(self, dim: int) -> float:
+        return self.zeta if self.floor == "zeta" else self.r * math.sqrt(dim) * self.zeta
 
 
 class CowClipStats:
@@ -102,12 +81,13 @@ class CowClipStats:
         return frac
 
 
-def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, cfg: CowClipConfig,
-                    grad_scale: float = 1.0, l2_share: float = 1.0, clip: bool = True,
+def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, clip: CowClipConfig | None,
+                    l2: float = 0.0, grad_scale: float = 1.0, l2_share: float = 1.0,
                     stats: CowClipStats | None = None) -> torch.Tensor:
     """The per-occurrence gradients whose per-id sums are the clipped per-id gradients.
 
     ``grad``, ``rows``: [N, d] output gradients and looked-up rows of N one-id bags; ``ids``: [N].
+    ``clip``: the clipping rule (None: no clipping); ``l2``: λ of the per-id L2 term (0: none).
     Returned in the units of ``grad``; the clipping itself happens on ``grad_scale ·`` Σ grad.
     """
     uniq, inv, cnt = torch.unique(ids, return_inverse=True, return_counts=True)
@@ -116,11 +96,10 @@ def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, c
     g = torch.zeros(len(uniq), d, dtype=acc, device=grad.device).index_add_(0, inv, grad.to(acc)) * grad_scale
     w = torch.zeros(len(uniq), d, dtype=acc, device=grad.device).index_copy_(0, inv, rows.to(acc))
     cntf = cnt.to(acc)
-    if cfg.l2:
-        g = g + (2.0 * cfg.l2 * l2_share) * w
-    if cfg.enabled and clip:
-        floor = cfg.zeta if cfg.floor == "zeta" else cfg.r * math.sqrt(d) * cfg.zeta
-        threshold = cntf * torch.clamp(cfg.r * w.norm(dim=1), min=floor)
+    if l2:
+        g = g + (2.0 * l2 * l2_share) * w
+    if clip is not None and clip.enabled:
+        threshold = cntf * torch.clamp(clip.r * w.norm(dim=1), min=clip.floor_value(d))
         norm = g.norm(dim=1)
         over = norm > threshold
         factor = torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))
@@ -130,8 +109,8 @@ def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, c
     else:
         factor = torch.ones(len(uniq), dtype=acc, device=grad.device)
     out = grad.to(acc)
-    if cfg.l2:
-        out = out + (2.0 * cfg.l2 * l2_share / grad_scale) * w[inv] / cntf[inv, None]
+    if l2:
+        out = out + (2.0 * l2 * l2_share / grad_scale) * w[inv] / cntf[inv, None]
     return (out * factor[inv, None]).to(grad.dtype)
 
 
@@ -156,14 +135,15 @@ class _PerIdGradientFn(torch.autograd.Function):
     """Identity forward; backward rewrites the column blocks of the gradient (see ``Block``)."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, blocks: Sequence[Block], cfg: CowClipConfig, grad_scale: float,
-                l2_share: float, stats: CowClipStats | None) -> torch.Tensor:
+    def forward(ctx: Any, out: torch.Tensor, blocks: Sequence[Block], clip: CowClipConfig | None, l2: float,
+                grad_scale: float, l2_share: float, stats: CowClipStats | None) -> torch.Tensor:
         ctx.save_for_backward(out.detach())
-        ctx.blocks, ctx.cfg, ctx.grad_scale, ctx.l2_share, ctx.stats = blocks, cfg, grad_scale, l2_share, stats
+        ctx.blocks, ctx.clip, ctx.l2, ctx.grad_scale, ctx.l2_share, ctx.stats = \
+            blocks, clip, l2, grad_scale, l2_share, stats
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         (out,) = ctx.saved_tensors
         grad = grad.clone()
         for start, stop, ids, clip in ctx.blocks:
@@ -171,19 +151,14 @@ class _PerIdGradientFn(torch.autograd.Function):
             if valid.any():
                 sel = valid.nonzero().squeeze(1)
                 grad[sel, start:stop] = per_id_gradient(grad[sel, start:stop], out[sel, start:stop], ids[sel],
-                                                        ctx.cfg, ctx.grad_scale, ctx.l2_share, clip, ctx.stats)
-        return grad, None, None, None, None, None
+                                                        ctx.clip if clip else None, ctx.l2, ctx.grad_scale,
+                                                        ctx.l2_share, ctx.stats)
+        return grad, None, None, None, None, None, None
 
 
-def table_blocks(layout: Sequence[tuple[str, int, int]], ids: torch.Tensor, cfg: CowClipConfig) -> list[Block]:
-    """Blocks for the tables ``cfg`` handles; ``layout[j]`` = (table, start, stop) of key position j."""
-    return [(start, stop, ids[j], cfg.clips(name)) for j, (name, start, stop) in enumerate(layout)
-            if cfg.applies_to(name)]
-
-
-def apply_cowclip(out: torch.Tensor, blocks: Sequence[Block], cfg: CowClipConfig, grad_scale: float = 1.0,
-                  l2_share: float = 1.0, stats: CowClipStats | None = None) -> torch.Tensor:
+def apply_cowclip(out: torch.Tensor, blocks: Sequence[Block], clip: CowClipConfig | None, l2: float = 0.0,
+                  grad_scale: float = 1.0, l2_share: float = 1.0, stats: CowClipStats | None = None) -> torch.Tensor:
     """``out`` unchanged forward; per-id L2 + clipping of the listed column blocks in backward."""
     if not blocks or not torch.is_grad_enabled() or not out.requires_grad:
         return out
-    return _PerIdGradientFn.apply(out, list(blocks), cfg, grad_scale, l2_share, stats)
+    return _PerIdGradientFn.apply(out, list(blocks), clip, l2, grad_scale, l2_share, stats)

@@ -17,9 +17,10 @@ of one table (benchmarks in docs/throughput.md). The update of a row is the same
 row belongs to one field.
 
 CowClip and the per-id L2 term work per *lookup* — ``emb_<f>`` or ``wide_<f>`` — whatever table it
-reads (:attr:`SparseArch.lookup_names`, :func:`lookup_name`). A sharded collection returns its
-outputs in sharding order, not config order, so the outputs are selected by key
-(``KeyedTensor.regroup``), never by position.
+reads (:attr:`SparseArch.lookup_names`, :func:`lookup_name`); they are attached from outside
+(:mod:`modules.cowclip_hooks`), to the sharded lookups or to :class:`PooledLookups`. A sharded
+collection returns its outputs in sharding order, not config order, so the outputs are selected by
+key (``KeyedTensor.regroup``), never by position.
 """
 
 from __future__ import annotations
@@ -29,10 +30,7 @@ from functools import partial
 
 import torch
 from torch import nn
-import torch.distributed as dist
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
-
-from modules.cowclip import CowClipConfig, CowClipStats, apply_cowclip, one_hot_ids
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -68,6 +66,14 @@ def field_of(feature: str) -> str:
     return feature[len(WIDE_PREFIX):] if feature.startswith(WIDE_PREFIX) else feature
 
 
+def lookup_field(lookup: str) -> str:
+    """The categorical field of a lookup name: ``f`` for ``emb_<f>`` and for ``wide_<f>``."""
+    for prefix in (EMB_PREFIX, WIDE_PREFIX):
+        if lookup.startswith(prefix):
+            return lookup[len(prefix):]
+    raise ValueError(f"{lookup!r} is not a lookup name (expected {EMB_PREFIX}<field> or {WIDE_PREFIX}<field>)")
+
+
 def lookup_name(table: str, feature: str) -> str:
     """The lookup a (table, KJT key) pair makes: the table's name, or ``wide_<f>`` in the shared table."""
     return feature if table == WIDE_TABLE else table
@@ -93,12 +99,23 @@ def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: 
     return tables
 
 
+class PooledLookups(nn.Module):
+    """Identity over the pooled lookups of one batch: ``emb`` [B, F·D], ``wide`` [B, F·4] or None, and the
+    KJT they were looked up with (ids of the ``emb`` keys first, then the ``wide_<f>`` keys).
+
+    A named place in the model where gradient hooks attach from outside (local-scope CowClip and the
+    per-id L2 term, :mod:`modules.cowclip_hooks`), as TorchRec's sharded lookups are for global scope.
+    """
+
+    def forward(self, emb: torch.Tensor, wide: torch.Tensor | None,
+                features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return emb, wide
+
+
 class SparseArch(nn.Module):
     """Looks up all fields: returns embeddings ``[B, F, D]`` and first-order logits ``[B]`` (or None).
 
-    Takes a KeyedJaggedTensor keyed by the categorical fields. ``set_local_cowclip`` makes it apply
-    CowClip (and the per-id L2 term) to the listed lookups on this rank's pooled outputs, i.e. over the
-    rank's own batch ("local" scope).
+    Takes a KeyedJaggedTensor keyed by the categorical fields.
     """
 
     def __init__(self, spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
@@ -109,6 +126,7 @@ class SparseArch(nn.Module):
         self.wide = wide
         self.fields = list(spec.categorical)
         self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide), device=device)
+        self.pooled = PooledLookups()
         self._wide_keys = [WIDE_PREFIX + f for f in self.fields] if wide else []
         self._groups = [self.fields] + ([self._wide_keys] if wide else [])
         self._flat_keys = self.fields + self._wide_keys  # pooled output keys in group order
@@ -117,14 +135,6 @@ class SparseArch(nn.Module):
         offsets = wide_row_offsets(spec)
         self._wide_dtype = torch.int64 if sum(spec.table_sizes[f] for f in self.fields) >= 2**31 else None
         self.register_buffer("_wide_offsets", torch.tensor([offsets[f] for f in self.fields]), persistent=False)
-        self._cowclip: CowClipConfig | None = None
-        self._cowclip_lookups: set[str] = set()
-        self._cowclip_stats: CowClipStats | None = None
-
-    def set_local_cowclip(self, cfg: CowClipConfig | None, lookups: set[str], stats: CowClipStats | None = None) -> None:
-        self._cowclip = cfg if cfg is not None and lookups else None
-        self._cowclip_lookups = set(lookups)
-        self._cowclip_stats = stats
 
     def with_wide_keys(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """``features`` plus one key ``wide_<f>`` per field: the same bags, ids shifted to the field's rows."""
@@ -139,13 +149,6 @@ class SparseArch(nn.Module):
                                  lengths=torch.cat([lengths, lengths]), stride=features.stride(),
                                  length_per_key=None if known is None else known * 2)
 
-    def _local_cowclip(self, pooled: torch.Tensor, prefix: str, width: int, ids: torch.Tensor) -> torch.Tensor:
-        blocks = [(j * width, (j + 1) * width, ids[j], self._cowclip.clips(prefix + f))
-                  for j, f in enumerate(self.fields) if prefix + f in self._cowclip_lookups]
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        return apply_cowclip(pooled, blocks, self._cowclip, grad_scale=1.0 / world, l2_share=1.0 / world,
-                             stats=self._cowclip_stats)
-
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.wide:
             features = self.with_wide_keys(features)
@@ -154,14 +157,8 @@ class SparseArch(nn.Module):
             groups = list(pooled.values().split(self._group_widths, dim=1))
         else:
             groups = KeyedTensor.regroup([pooled], self._groups)
-        if self._cowclip is not None:
-            ids = one_hot_ids(features)  # [K, B]: the wide keys' ids are rows of the shared table
-            groups[0] = self._local_cowclip(groups[0], EMB_PREFIX, self.embedding_dim, ids)
-            if self.wide:
-                groups[1] = self._local_cowclip(groups[1], WIDE_PREFIX, WIDE_COLUMNS, ids[self.num_fields:])
-        emb = groups[0].reshape(-1, self.num_fields, self.embedding_dim)
-        if not self.wide:
+        emb, wide = self.pooled(groups[0], groups[1] if self.wide else None, features)
+        emb = emb.reshape(-1, self.num_fields, self.embedding_dim)
+        if wide is None:
             return emb, None
-        first_order = groups[1].reshape(-1, self.num_fields, WIDE_COLUMNS)[..., 0].sum(dim=1)
-        return emb, first_order
-
+        return emb, wide.reshape(-1, self.num_fields, WIDE_COLUMNS)[..., 0].sum(dim=1)

@@ -21,7 +21,7 @@ the second moment is not linear in the gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,17 +32,23 @@ from modules.comm_accounting import comm_category
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-@dataclass(frozen=True)
+@dataclass
 class MergeConfig:
-    k: int
-    k_intra: int | None = None
+    """``trainer.merging``; ``k`` None: synchronous data parallelism (no merging)."""
+
+    k: Optional[int] = None
+    k_intra: Optional[int] = None
     moments: bool = False
 
     def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"merging.k={self.k}: expected an integer >= 1")
-        if self.k_intra is not None and (self.k_intra < 1 or self.k % self.k_intra):
-            raise ValueError(f"merging.k_intra={self.k_intra}: expected a divisor of merging.k={self.k}")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"k={self.k}: expected an integer >= 1 (or null: no merging)")
+        if self.k_intra is not None and (self.k is None or self.k_intra < 1 or self.k % self.k_intra):
+            raise ValueError(f"k_intra={self.k_intra}: expected a divisor of k={self.k}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.k is not None
 
 
 class KStepMerger:

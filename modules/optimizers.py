@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, Tuple
 
 import torch
+from torch import nn
 from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -24,22 +26,22 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 FUSED_ON_CPU = frozenset({"sgd", "adagrad", "rowwise_adagrad"})
 
 
-@dataclass(frozen=True)
+@dataclass
 class OptimizerSpec:
+    """``optim.dense`` / ``optim.embedding``: one optimizer's name and settings."""
+
     name: str
     lr: float
     eps: float = 1e-8
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: Tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
 
-    @classmethod
-    def from_mapping(cls, m: dict, key: str) -> "OptimizerSpec":
-        m = dict(m)
-        if m.get("name") not in OPTIMIZERS:
-            raise ValueError(f"{key}.name={m.get('name')!r}: expected one of {sorted(OPTIMIZERS)}")
-        if "betas" in m:
-            m["betas"] = tuple(m["betas"])
-        return cls(**m)
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"name={self.name!r}: expected one of {sorted(OPTIMIZERS)}")
+        if self.lr < 0:
+            raise ValueError(f"lr={self.lr}: expected a learning rate >= 0")
+        self.betas = tuple(self.betas)
 
     def torch_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
@@ -63,6 +65,11 @@ class OptimizerSpec:
 
 def is_fusable(spec: OptimizerSpec, device_type: str) -> bool:
     return device_type == "cuda" or spec.name in FUSED_ON_CPU
+
+
+def replicated_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) of everything not updated inside the embedding backward (TorchRec's filter)."""
+    return in_backward_optimizer_filter(model.named_parameters())
 
 
 def build_optimizer(spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

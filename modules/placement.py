@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ShardingType
+
+from modules.zipf import bounded_zipf_inverse_cdf
 
 GB = 1024**3
 KERNELS = {
@@ -66,42 +69,104 @@ class TableInfo:
         return min(self.rows, int(self.coverage_rows[q]))
 
 
-@dataclass(frozen=True)
+SHARDING_TYPES = tuple(t.value for t in ShardingType)
+PLANNERS = ("auto", "manual")
+
+
+@dataclass
+class SsdSpec:
+    path: Optional[str] = None     # where FBGEMM's SSD tables keep their files
+    cap_gb: float = 0.0            # per node
+
+
+@dataclass
+class Bandwidths:
+    """GB/s; None: TorchRec's planner default."""
+
+    hbm: Optional[float] = None
+    host_memory: Optional[float] = None
+    host_link: Optional[float] = None   # GPU ↔ host (PCIe / C2C)
+    intra_node: Optional[float] = None
+    inter_node: Optional[float] = None
+    ssd: Optional[float] = None
+
+
+@dataclass
+class TableOverride:
+    """``topology.table_overrides.<table>``: force a tier / kernel, cache size or sharding type."""
+
+    tier: Optional[str] = None
+    compute_kernel: Optional[str] = None
+    cache_load_factor: Optional[float] = None
+    sharding_type: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.tier is not None and self.tier not in ("hbm", "uvm_cache", "ssd"):
+            raise ValueError(f"tier={self.tier!r}: expected one of hbm, uvm_cache, ssd")
+        if self.sharding_type is not None and self.sharding_type not in SHARDING_TYPES:
+            raise ValueError(f"sharding_type={self.sharding_type!r}: expected one of {list(SHARDING_TYPES)}")
+
+
+@dataclass
 class TopologySpec:
-    compute_device: str
+    """``topology``: the hardware the tables are placed on (``conf/topology/*.yaml``)."""
+
+    compute_device: str = "cpu"
     name: str = "unnamed"
     nodes: int = 1
-    ranks_per_node: int = 1
-    hbm_cap_gb: float = 0.0
+    ranks_per_node: Optional[int] = None   # None: as many as torchrun starts per node (LOCAL_WORLD_SIZE)
+    hbm_cap_gb: float = 0.0        # per GPU
     ddr_cap_gb: float = 0.0        # host memory per node
-    ssd_cap_gb: float = 0.0        # per node
+    ssd: SsdSpec = field(default_factory=SsdSpec)
     hbm_reserve: float = 0.25
     ddr_reserve: float = 0.25
     cache_coverage: float = 0.9
     min_cache_load_factor: float = 0.01
+    bandwidth_gbps: Bandwidths = field(default_factory=Bandwidths)
+    numa: Optional[List[int]] = None       # NUMA node of each GPU (None: read from /sys)
+    sharding_types: List[str] = field(default_factory=lambda: [ShardingType.TABLE_WISE.value])
+    # table → TableOverride; untyped in the schema so that `+topology.table_overrides.<t>.tier=...` adds one
+    table_overrides: Dict[str, Any] = field(default_factory=dict)
+    planner: str = "auto"                  # auto: TorchRec's planner | manual: first allowed type per table
 
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any], world_size: int | None = None,
-                     ranks_per_node: int | None = None) -> "TopologySpec":
-        names = set(cls.__dataclass_fields__)
-        kw = {k: v for k, v in m.items() if k in names and v is not None}
-        if isinstance(m.get("ssd"), Mapping):
-            kw["ssd_cap_gb"] = float(m["ssd"].get("cap_gb") or 0.0)
-        per_node = ranks_per_node or int(m.get("ranks_per_node") or 1)
-        kw["ranks_per_node"] = per_node
-        if world_size is not None:
-            kw["nodes"] = max(1, world_size // per_node)
-        return cls(**kw)
+    def __post_init__(self) -> None:
+        overrides = {}
+        for table, o in self.table_overrides.items():
+            if not isinstance(o, TableOverride):
+                unknown = sorted(set(o) - set(TableOverride.__dataclass_fields__))
+                if unknown:
+                    raise ValueError(f"table_overrides.{table}: unknown keys {unknown}; expected some of "
+                                     f"{sorted(TableOverride.__dataclass_fields__)}")
+                try:
+                    o = TableOverride(**o)
+                except ValueError as e:
+                    raise ValueError(f"table_overrides.{table}.{e}") from None
+            overrides[table] = o
+        self.table_overrides = overrides
+        if self.compute_device not in ("cpu", "cuda"):
+            raise ValueError(f"compute_device={self.compute_device!r}: expected 'cpu' or 'cuda'")
+        bad = [t for t in self.sharding_types if t not in SHARDING_TYPES]
+        if bad:
+            raise ValueError(f"sharding_types: {bad} not among {list(SHARDING_TYPES)}")
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner={self.planner!r}: expected one of {PLANNERS}")
+        for key in ("hbm_reserve", "ddr_reserve", "cache_coverage", "min_cache_load_factor"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"{key}={getattr(self, key)}: expected a share in [0, 1]")
+
+    def for_world(self, world_size: int, ranks_per_node: int) -> "TopologySpec":
+        """This topology as run: ``world_size`` ranks, ``ranks_per_node`` on each node."""
+        return replace(self, ranks_per_node=ranks_per_node, nodes=max(1, world_size // ranks_per_node))
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.ranks_per_node
+        return self.nodes * (self.ranks_per_node or 1)
 
     def budgets(self) -> dict[str, float]:
         return {
             "hbm": self.world_size * self.hbm_cap_gb * GB * (1 - self.hbm_reserve),
             "host": self.nodes * self.ddr_cap_gb * GB * (1 - self.ddr_reserve),
-            "ssd": self.nodes * self.ssd_cap_gb * GB,
+            "ssd": self.nodes * self.ssd.cap_gb * GB,
         }
 
 
@@ -128,12 +193,15 @@ def _gb(x: float) -> str:
 
 
 def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
-                 overrides: Mapping[str, Mapping[str, Any]] | None = None, fusable: bool = True) -> dict[str, Placement]:
+                 fusable: bool = True) -> dict[str, Placement]:
     """Choose each table's tier (see the module docstring)."""
-    overrides = dict(overrides or {})
+    overrides: Mapping[str, TableOverride] = topology.table_overrides
+    unknown = sorted(set(overrides) - {t.name for t in tables})
+    if unknown:
+        raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {sorted(t.name for t in tables)}")
     if topology.compute_device != "cuda":
         kernel = KERNELS["host"] if fusable else EmbeddingComputeKernel.DENSE.value
-        return {t.name: Placement(t.name, "host", overrides.get(t.name, {}).get("compute_kernel", kernel),
+        return {t.name: Placement(t.name, "host", (overrides.get(t.name) or TableOverride()).compute_kernel or kernel,
                                   t.bytes(optimizer), t.rows, t.dim) for t in tables}
     by_name = {t.name: t for t in tables}
 
@@ -142,12 +210,11 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
 
     place: dict[str, Placement] = {}
     for t in tables:
-        o = overrides.get(t.name, {})
-        tier = TIER_OF_KERNEL.get(o.get("compute_kernel"), o.get("tier", "hbm"))
-        if tier not in ("hbm", "uvm_cache", "ssd"):
-            raise ValueError(f"topology.table_overrides.{t.name}: tier {tier!r} is not one of hbm, uvm_cache, ssd")
-        lf = o.get("cache_load_factor", cache_lf(t) if tier != "hbm" else None)
-        place[t.name] = Placement(t.name, tier, KERNELS[tier], t.bytes(optimizer), t.rows, t.dim, lf, forced=bool(o))
+        o = overrides.get(t.name) or TableOverride()
+        tier = TIER_OF_KERNEL.get(o.compute_kernel, o.tier or "hbm")  # type: ignore[arg-type]
+        lf = o.cache_load_factor if o.cache_load_factor is not None else (cache_lf(t) if tier != "hbm" else None)
+        place[t.name] = Placement(t.name, tier, KERNELS[tier], t.bytes(optimizer), t.rows, t.dim, lf,
+                                  forced=t.name in overrides)
 
     budget = topology.budgets()
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
@@ -189,12 +256,5 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
 
 def zipf_coverage(rows: int, exponent: float, levels: Sequence[float] = (0.5, 0.8, 0.9, 0.95, 0.99)) -> dict[float, int]:
     """Hottest rows carrying each share of the accesses when ids follow a bounded Zipf law
-    (continuous approximation, as in the synthetic generator): F(x) = (x^(1-a) - 1)/((n+1)^(1-a) - 1)."""
-    out = {}
-    for q in levels:
-        if abs(exponent - 1.0) < 1e-9:
-            x = math.exp(q * math.log(rows + 1.0))
-        else:
-            x = ((math.pow(rows + 1.0, 1 - exponent) - 1.0) * q + 1.0) ** (1 / (1 - exponent))
-        out[q] = min(rows, max(1, math.ceil(x - 1)))
-    return out
+    (:mod:`modules.zipf`, as in the synthetic generator): ⌈F⁻¹(q) − 1⌉ rows carry a share q."""
+    return {q: min(rows, max(1, math.ceil(float(bounded_zipf_inverse_cdf(q, rows, exponent)) - 1))) for q in levels}

@@ -15,7 +15,6 @@ greedily to the least-loaded rank (largest first).
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -40,35 +39,30 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from modules.embedding import field_of
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.placement import Placement, TableInfo, TopologySpec, place_tables
+from modules.placement import GB, Placement, TableInfo, TopologySpec, place_tables
 
-GB = 1024**3
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
-SHARDING_TYPES = {t.value for t in ShardingType}
 CPU_UNPLANNED = {ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value}
 
 
-def build_topology(topology: Mapping[str, Any], world_size: int, local_world_size: int) -> Topology:
-    """TorchRec planner topology from a ``conf/topology`` entry (capacities in GiB, bandwidths in GB/s)."""
+def build_topology(topology: TopologySpec) -> Topology:
+    """TorchRec planner topology for a topology run on ``topology.world_size`` ranks (GiB, GB/s)."""
 
-    def gib(key: str) -> int | None:
-        v = topology.get(key)
-        return None if v is None else int(float(v) * GB)
+    def gib(v: float | None) -> int | None:
+        return int(float(v) * GB) if v else None
 
-    ssd = topology.get("ssd") or {}
-    bw = dict(topology.get("bandwidth_gbps") or {})
+    def rate(v: float | None) -> float | None:
+        return None if v is None else float(v) * GBPS_TO_BYTES_PER_MS
 
-    def rate(key: str) -> float | None:
-        return None if bw.get(key) is None else float(bw[key]) * GBPS_TO_BYTES_PER_MS
-
+    bw = topology.bandwidth_gbps
     hardware = HardwareConfig(
-        hbm_cap_bytes=gib("hbm_cap_gb"), ddr_cap_bytes=gib("ddr_cap_gb"),
-        ssd_cap_bytes=int(float(ssd["cap_gb"]) * GB) if ssd.get("cap_gb") else None,
-        hbm_mem_bw=rate("hbm"), ddr_mem_bw=rate("host_memory"), hbm_to_ddr_mem_bw=rate("host_link"),
-        intra_host_bw=rate("intra_node"), inter_host_bw=rate("inter_node"), ssd_mem_bw=rate("ssd"))
-    trainer = TrainerConfig(world_size=world_size, local_world_size=local_world_size)
+        hbm_cap_bytes=gib(topology.hbm_cap_gb), ddr_cap_bytes=gib(topology.ddr_cap_gb),
+        ssd_cap_bytes=gib(topology.ssd.cap_gb),
+        hbm_mem_bw=rate(bw.hbm), ddr_mem_bw=rate(bw.host_memory), hbm_to_ddr_mem_bw=rate(bw.host_link),
+        intra_host_bw=rate(bw.intra_node), inter_host_bw=rate(bw.inter_node), ssd_mem_bw=rate(bw.ssd))
+    trainer = TrainerConfig(world_size=topology.world_size, local_world_size=topology.ranks_per_node or 1)
     return TopologyFactory.create_topology(trainer_config=trainer, hardware_config=hardware,
-                                           kernel_config=KernelConfig(compute_device=topology["compute_device"]))
+                                           kernel_config=KernelConfig(compute_device=topology.compute_device))
 
 
 def table_infos(ebc: EmbeddingBagCollection, coverage: Mapping[str, Mapping[float, int]] | None = None) -> list[TableInfo]:
@@ -87,20 +81,12 @@ def table_infos(ebc: EmbeddingBagCollection, coverage: Mapping[str, Mapping[floa
     return infos
 
 
-def table_constraints(placements: Mapping[str, Placement], sharding_types: list[str],
-                      overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, ParameterConstraints]:
+def table_constraints(placements: Mapping[str, Placement], topology: TopologySpec) -> dict[str, ParameterConstraints]:
     """Per-table planner constraints: the placement's kernel (and cache size), allowed sharding types."""
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(placements))
-    if unknown:
-        raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {sorted(placements)}")
-    for st in sharding_types:
-        if st not in SHARDING_TYPES:
-            raise ValueError(f"topology.sharding_types: {st!r} is not one of {sorted(SHARDING_TYPES)}")
     out = {}
     for name, p in placements.items():
-        o = overrides.get(name, {})
-        types = [o["sharding_type"]] if "sharding_type" in o else list(sharding_types)
+        forced = topology.table_overrides.get(name)
+        types = [forced.sharding_type] if forced is not None and forced.sharding_type else list(topology.sharding_types)
         if p.kernel == EmbeddingComputeKernel.DENSE.value:
             types = [ShardingType.DATA_PARALLEL.value]
         elif ShardingType.DATA_PARALLEL.value in types and len(types) > 1:
@@ -111,8 +97,9 @@ def table_constraints(placements: Mapping[str, Placement], sharding_types: list[
 
 
 def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[str, ParameterConstraints],
-                world_size: int, local_world_size: int, device_type: str) -> ShardingPlan:
+                topology: TopologySpec) -> ShardingPlan:
     """A plan without the planner: first allowed sharding type per table, greedy table-wise placement."""
+    world_size, local_world_size = topology.world_size, topology.ranks_per_node or 1
     load = [0] * world_size
     plans = {}
     for path, ebc in ebcs.items():
@@ -134,7 +121,7 @@ def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[st
             else:
                 raise ValueError(f"table {cfg.name}: sharding type {st!r} is not supported by the manual plan")
         plans[path] = construct_module_sharding_plan(ebc, per_param, local_size=local_world_size,
-                                                     world_size=world_size, device_type=device_type)
+                                                     world_size=world_size, device_type=topology.compute_device)
     return ShardingPlan(plan=plans)
 
 
@@ -165,25 +152,20 @@ class PlanResult:
     planner: EmbeddingShardingPlanner | None  # None for a manual plan
 
 
-def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapping[str, Any], world_size: int,
-               local_world_size: int, coverage: Mapping[str, Mapping[float, int]] | None = None,
-               collective: bool = False) -> PlanResult:
-    """Place every table on a tier and plan its sharding; ``collective`` plans on rank 0 and broadcasts."""
+def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
+               coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False) -> PlanResult:
+    """Place every table on a tier and plan its sharding over ``topology.world_size`` ranks (a topology
+    :meth:`~modules.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts."""
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
-    spec = TopologySpec.from_mapping(topology, world_size, local_world_size)
-    fusable = is_fusable(embedding_optim, spec.compute_device)
+    fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
-    constraints: dict[str, ParameterConstraints] = {}
     for ebc in ebcs.values():
-        p = place_tables(table_infos(ebc, coverage), spec, embedding_optim.name, topology.get("table_overrides"), fusable)
-        placements.update(p)
-        constraints.update(table_constraints(p, list(topology["sharding_types"]), topology.get("table_overrides")))
+        placements.update(place_tables(table_infos(ebc, coverage), topology, embedding_optim.name, fusable))
+    constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
-    if topology.get("planner", "auto") == "manual" or (spec.compute_device == "cpu" and forced_unplanned):
-        return PlanResult(manual_plan(ebcs, constraints, world_size, local_world_size, spec.compute_device),
-                          placements, None)
-    planner = EmbeddingShardingPlanner(topology=build_topology(topology, world_size, local_world_size),
-                                       constraints=constraints)
+    if topology.planner == "manual" or (topology.compute_device == "cpu" and forced_unplanned):
+        return PlanResult(manual_plan(ebcs, constraints, topology), placements, None)
+    planner = EmbeddingShardingPlanner(topology=build_topology(topology), constraints=constraints)
     sharders = [EmbeddingBagCollectionSharder()]
     with planner_sees_optimizer(ebcs, embedding_optim.name):
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if collective \
@@ -202,15 +184,16 @@ class DeviceOnlyWrapper(DataParallelWrapper):
         dmp._dmp_wrapped_module = dmp._dmp_wrapped_module.to(device)
 
 
-def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapping[str, Any],
+def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
                 device: torch.device, data_parallel: bool = True,
                 coverage: Mapping[str, Mapping[float, int]] | None = None) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
-    its rank only. The replicated parameters go into DDP when there is more than one rank and
-    ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step merging,
-    :mod:`modules.kstep_merging`).
+    its rank only. ``topology`` is planned for the process group's world size (its ``ranks_per_node``
+    when set, else all ranks on one node). The replicated parameters go into DDP when there is more
+    than one rank and ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step
+    merging, :mod:`modules.kstep_merging`).
     """
     ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
     if is_fusable(embedding_optim, device.type):
@@ -218,8 +201,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Mapp
             apply_optimizer_in_backward(OPTIMIZERS[embedding_optim.name], ebc.parameters(),
                                         embedding_optim.fused_kwargs())
     world = dist.get_world_size()
-    local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    result = plan_model(model, embedding_optim, topology, world, local_world, coverage, collective=True)
+    topology = topology.for_world(world, min(world, topology.ranks_per_node or world))
+    result = plan_model(model, embedding_optim, topology, coverage, collective=True)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
     dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[EmbeddingBagCollectionSharder()],
                                    data_parallel_wrapper=wrapper)

@@ -1,15 +1,22 @@
-"""Lightning callbacks of the pipeline."""
+"""Lightning callbacks of the pipeline: throughput, communication accounting, k-step merging,
+CowClip statistics and sharded checkpoints. Order matters where a step's work feeds the next one:
+:func:`pipeline.train.build_callbacks` lists them in the order they must run after each training step (merge, then
+count the bytes, then checkpoint)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
+from torch.nn.parallel import DistributedDataParallel
+
+from modules.comm_accounting import CommCounter, ddp_counting_hook
+from modules.kstep_merging import KStepMerger, MergeConfig
+from modules.optimizers import replicated_parameters
+from pipeline.checkpointing import complete_checkpoints
 
 
 class TrainThroughput(Callback):
@@ -63,47 +70,87 @@ class TrainThroughput(Callback):
             pl_module.log("train/samples_per_s", self._epoch_samples / self._epoch_seconds, sync_dist=True)
 
 
-class RestoreBestWeights(Callback):
-    """Keeps this rank's copy of the weights (its shards) from the best validation epoch and puts
-    them back when fitting ends, so that testing sees the best model (early stopping's usual
-    companion). The copy is in host memory: one more set of weights, no optimizer state."""
+class KStepMerging(Callback):
+    """k-step model merging of the replicated parameters (:mod:`modules.kstep_merging`): after every
+    training step, and a final merge before validation, testing, checkpoints and at each epoch's end.
+    Its step and merge counters are saved with checkpoints."""
 
-    def __init__(self, monitor: str = "val/auc", mode: str = "max") -> None:
-        self.monitor, self.sign = monitor, 1.0 if mode == "max" else -1.0
-        self.best: float | None = None
-        self.best_epoch: int | None = None
-        self._weights: dict[str, Any] | None = None
+    def __init__(self, cfg: MergeConfig, ranks_per_node: int) -> None:
+        self.cfg, self.ranks_per_node = cfg, ranks_per_node
+        self.merger: KStepMerger | None = None
+        self._counters = {"steps": 0, "merges": 0}
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        value = trainer.callback_metrics.get(self.monitor)
-        if value is None or trainer.sanity_checking:
-            return
-        value = float(value)
-        if self.best is None or self.sign * value > self.sign * self.best:
-            self.best, self.best_epoch = value, trainer.current_epoch
-            self._weights = {k: _copy(v) for k, v in pl_module.model.state_dict().items()}
+    def state_dict(self) -> dict[str, Any]:
+        return self._counters if self.merger is None else {"steps": self.merger.steps, "merges": self.merger.merges}
 
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._weights is None:
-            return
-        for k, live in pl_module.model.state_dict().items():
-            _restore(live, self._weights[k])
-        self._weights = None
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._counters = dict(state)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = [p for _, p in replicated_parameters(pl_module.model)]
+        self.merger = KStepMerger(params, self.cfg, ranks_per_node=self.ranks_per_node)
+        self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
+        self.merger.attach_optimizer(trainer.optimizers[0])
+
+    def merge_if_dirty(self) -> None:
+        if self.merger is not None:
+            self.merger.merge_if_dirty()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.merger.after_step()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.merge_if_dirty()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.merge_if_dirty()
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.merge_if_dirty()
 
 
-def _copy(t: Any) -> Any:
-    if hasattr(t, "local_shards"):  # ShardedTensor: this rank's shards
-        return [s.tensor.detach().clone() for s in t.local_shards()]
-    return t.detach().clone()
+class CommAccounting(Callback):
+    """Bytes of the collectives issued during training steps, by category (:mod:`modules.comm_accounting`);
+    logs ``comm/<category>_bytes_per_step`` and ``comm/total_bytes_per_step`` at each epoch's end."""
+
+    def __init__(self) -> None:
+        self.counter = CommCounter()
+        self.steps = 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dense = getattr(pl_module.model, "_dmp_wrapped_module", None)
+        if isinstance(dense, DistributedDataParallel):  # DDP's all-reduce runs in C++: counted by a comm hook
+            dense.register_comm_hook(None, ddp_counting_hook)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.counter.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.counter.stop()
+        self.steps += 1
+
+    def bytes_per_step(self) -> dict[str, float]:
+        steps = max(1, self.steps)
+        out = {f"comm/{k}_bytes_per_step": v / steps for k, v in self.counter.bytes.items()}
+        out["comm/total_bytes_per_step"] = sum(self.counter.bytes.values()) / steps
+        return out
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for k, v in self.bytes_per_step().items():
+            pl_module.log(k, v, sync_dist=True)
 
 
-def _restore(live: Any, saved: Any) -> None:
-    with torch.no_grad():
-        if hasattr(live, "local_shards"):
-            for shard, value in zip(live.local_shards(), saved):
-                shard.tensor.copy_(value)
-        else:
-            live.copy_(saved)
+class CowClipLogging(Callback):
+    """Logs ``train/cowclip_clipped_fraction``: the share of (id, step) pairs whose gradient CowClip
+    scaled down during the epoch (the statistics the attached hooks fill, ``CTRTask.cowclip``)."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        clipped = pl_module.cowclip.stats.take()
+        if clipped is not None:
+            pl_module.log("train/cowclip_clipped_fraction", clipped, sync_dist=True)
 
 
 class ShardedCheckpoint(Callback):
@@ -113,14 +160,11 @@ class ShardedCheckpoint(Callback):
     def __init__(self, dirpath: str, every_n_steps: int | None = None, keep: int = 2) -> None:
         self.dirpath, self.every_n_steps, self.keep = dirpath, every_n_steps, max(1, keep)
 
-    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from pathlib import Path
-
-        from pipeline.checkpointing import complete_checkpoints
-
-        pl_module.merge_replicas()
-        path = Path(self.dirpath) / f"step-{trainer.global_step:09d}"
-        trainer.save_checkpoint(str(path))
+    def _save(self, trainer: L.Trainer) -> None:
+        for cb in trainer.callbacks:
+            if isinstance(cb, KStepMerging):
+                cb.merge_if_dirty()
+        trainer.save_checkpoint(str(Path(self.dirpath) / f"step-{trainer.global_step:09d}"))
         if trainer.is_global_zero:
             for old in complete_checkpoints(self.dirpath)[:-self.keep]:
                 trainer.strategy.checkpoint_io.remove_checkpoint(old)
@@ -129,10 +173,7 @@ class ShardedCheckpoint(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
-            self._save(trainer, pl_module)
-        kill = getattr(pl_module, "debug", {}).get("kill_rank_at_step")
-        if kill and trainer.global_step == kill[1] and trainer.global_rank == kill[0] and not pl_module.resumed:
-            os.kill(os.getpid(), signal.SIGKILL)  # test hook: a process dies mid-epoch (never after a resume)
+            self._save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._save(trainer, pl_module)
+        self._save(trainer)

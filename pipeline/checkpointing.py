@@ -9,6 +9,12 @@ A Lightning checkpoint dict is split into tensors and the rest:
 * everything else (loop progress, counters, config, MLflow run id) goes to one JSON file per rank,
   with placeholders ``{"__tensor__": key, "shape": ..., "dtype": ...}`` where tensors were.
 
+What the model's state dict does not hold — the fused optimizer state, the data position, RNG
+states, the MLflow run id, the non-finite step count and the *layout* the checkpoint fits (model
+config, table shapes, world size) — is added and restored by the callback :class:`TrainingState`;
+the layout is compared before any tensor is read (:class:`CheckpointMismatchError` lists every
+difference).
+
 Writing goes to ``<name>.tmp-<id>`` and, once every rank is done, rank 0 renames it to ``<name>``:
 a checkpoint directory without the ``.tmp-`` suffix is always complete. Loading reads tensors with
 ``weights_only`` and DCP's metadata file through an unpickler that accepts only DCP's own metadata
@@ -20,15 +26,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import shutil
 import uuid
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -124,15 +135,70 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+class TrainingState(Callback):
+    """Adds to each checkpoint, and restores from it, what a resumed run needs beside the weights.
+
+    ``live_tensors`` and ``layout`` serve :class:`DCPCheckpointIO` (set up with this callback).
+    """
+
+    def __init__(self) -> None:
+        self.module: L.LightningModule | None = None
+        self.trainer: L.Trainer | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.trainer, self.module = trainer, pl_module
+
+    def _fused_state(self) -> dict[str, Any]:
+        fused = getattr(self.module.model, "fused_optimizer", None)
+        return fused.state_dict()["state"] if fused is not None and fused.param_groups else {}
+
+    def live_tensors(self) -> dict[str, Any]:
+        """The module's current tensors a checkpoint is loaded into (model and fused-optimizer state)."""
+        live: dict[str, Any] = {}
+        split_tensors(self.module.state_dict(), "state_dict", live)
+        split_tensors(self._fused_state(), "fused_optimizer", live)
+        return live
+
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint must match to be loaded into this run."""
+        plan = self.module.plan
+        tables = {name: [p.rows, p.dim] for name, p in sorted(plan.placements.items())} if plan else {}
+        return {"model": asdict(self.module.model_cfg), "tables": tables, "world_size": self.trainer.world_size,
+                "merging": not self.module.data_parallel}
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint["fused_optimizer"] = self._fused_state()
+        checkpoint["pipeline"] = {
+            "layout": self.layout(), "data_position": list(pl_module.data_position),
+            "skipped_nonfinite": pl_module.nonfinite.skipped,
+            "mlflow_run_id": getattr(trainer.logger, "run_id", None) if trainer.logger else None,
+            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(np.random.get_state()),
+                    "python": _python_rng_state(random.getstate())},
+        }
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["pipeline"]
+        fused = getattr(pl_module.model, "fused_optimizer", None)
+        if fused is not None and checkpoint.get("fused_optimizer"):
+            sd = fused.state_dict()
+            sd["state"] = checkpoint["fused_optimizer"]
+            fused.load_state_dict(sd)
+        trainer.datamodule.resume_position = tuple(state["data_position"])
+        pl_module.nonfinite.skipped = state["skipped_nonfinite"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(tuple(state["rng"]["numpy"]))
+        random.setstate(_python_rng_from(state["rng"]["python"]))
+
+
 class DCPCheckpointIO(CheckpointIO):
     """Lightning CheckpointIO writing/reading DCP checkpoint directories (called on every rank).
 
-    ``live_tensors()`` returns the module's current sharded tensors (model + fused optimizer state),
-    which DCP fills in place on load.
+    ``state`` gives the module's current sharded tensors (model + fused optimizer state), which DCP
+    fills in place on load, and the layout a checkpoint must match.
     """
 
-    def __init__(self, live_tensors: Callable[[], dict[str, Any]]) -> None:
-        self.live_tensors = live_tensors
+    def __init__(self, state: TrainingState) -> None:
+        self.state = state
 
     @staticmethod
     def _split(checkpoint: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
@@ -167,7 +233,11 @@ class DCPCheckpointIO(CheckpointIO):
         if not state_file.is_file():
             raise CheckpointMismatchError(f"{path} has no state for rank {_rank()}: written by fewer processes?")
         skeleton = json.loads(state_file.read_text())
-        live = self.live_tensors()
+        saved = join_tensors(skeleton, {p["__tensor__"]: None for p in _placeholders(skeleton)})
+        differs = _differences(saved["pipeline"]["layout"], self.state.layout())
+        if differs:
+            raise CheckpointMismatchError(f"{path}: the checkpoint does not match this run: " + "; ".join(differs))
+        live = self.state.live_tensors()
         tensors: dict[str, Any] = {}
         for p in _placeholders(skeleton):
             key = p["__tensor__"]
@@ -203,3 +273,35 @@ def read_rank0_state(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON (non-tensor) part of rank 0's checkpoint state, tensors left as placeholders."""
     skeleton = json.loads((Path(path) / STATE_FILE.format(rank=0)).read_text())
     return join_tensors(skeleton, {p["__tensor__"]: None for p in _placeholders(skeleton)})
+
+
+def _numpy_rng_state(state: tuple) -> list:
+    name, keys, pos, has_gauss, cached = state
+    return [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+
+
+def _python_rng_state(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, torch.tensor(internal, dtype=torch.int64), gauss]
+
+
+def _python_rng_from(state: list) -> tuple:
+    version, internal, gauss = state
+    return version, tuple(int(x) for x in internal.tolist()), gauss
+
+
+def _differences(saved: Any, current: Any, path: str = "") -> list[str]:
+    """Human-readable differences between two nested layouts."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for k in sorted(set(saved) | set(current), key=str):
+            if k not in current:
+                out.append(f"{path}{k} only in the checkpoint")
+            elif k not in saved:
+                out.append(f"{path}{k} only in this run")
+            else:
+                out += _differences(saved[k], current[k], f"{path}{k}.")
+        return out
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)):
+        saved, current = list(saved), list(current)
+    return [] if saved == current else [f"{path.rstrip('.')}: checkpoint {saved!r}, this run {current!r}"]

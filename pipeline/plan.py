@@ -10,30 +10,31 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from typing import Any, Mapping
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from modules.embedding import FeatureSpec
 from modules.models import build_model
-from modules.optimizers import OptimizerSpec
-from modules.placement import GB, PlacementError, TopologySpec, zipf_coverage
+from modules.placement import GB, PlacementError, zipf_coverage
 from modules.sharding import PlanResult, plan_model
-from pipeline.data.schema import SCHEMAS
+from pipeline.config import ConfigError, parse_config
+from pipeline.data.datamodule import CTRDataModule
+from pipeline.data.sources import DataConfig
 from pipeline.data.store import FIRST_VOCAB_ID
 
 
-def spec_and_coverage(data: Mapping[str, Any], cache_dir: str) -> tuple[FeatureSpec, dict[str, dict[float, int]]]:
+def spec_and_coverage(data: DataConfig, cache_dir: str) -> tuple[FeatureSpec, dict[str, dict[float, int]]]:
     """Feature spec and id-coverage statistics of a dataset (prepared on first use) or a shape-only config."""
-    if data.get("shape_only"):
-        schema = SCHEMAS[data["schema"]]
-        sizes = {f: int(n) + FIRST_VOCAB_ID for f, n in zip(schema.categorical, data["cardinalities"])}
-        a = float(data.get("zipf_exponent", 1.1))
-        return FeatureSpec(schema.dense, schema.categorical, sizes), {f: zipf_coverage(n, a) for f, n in sizes.items()}
-    from pipeline.data.datamodule import CTRDataModule
-
+    if data.shape_only:
+        schema = data.layout
+        if data.cardinalities is None or len(data.cardinalities) != len(schema.categorical):
+            raise ConfigError(f"data.cardinalities: expected {len(schema.categorical)} counts (one per categorical "
+                              f"column of the {data.schema} layout)")
+        sizes = {f: int(n) + FIRST_VOCAB_ID for f, n in zip(schema.categorical, data.cardinalities)}
+        coverage = {f: zipf_coverage(n, data.zipf_exponent) for f, n in sizes.items()}
+        return FeatureSpec(schema.dense, schema.categorical, sizes), coverage
     dm = CTRDataModule(data, cache_dir, batch_size=1, eval_batch_size=1, seed=0)
     dm.prepare_data()
     dm.setup()
@@ -83,24 +84,24 @@ def format_plan(result: PlanResult, optimizer: str, world_size: int, title: str 
 
 
 def plan_for_config(cfg: DictConfig) -> str:
-    topo = OmegaConf.to_container(cfg.topology, resolve=True)
-    spec = TopologySpec.from_mapping(topo)
-    world = spec.world_size
-    feature_spec, coverage = spec_and_coverage(OmegaConf.to_container(cfg.data, resolve=True), cfg.paths.cache_dir)
-    params = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
-    model = build_model(cfg.model.name, feature_spec, params, device=torch.device("meta"))
-    optim = OptimizerSpec.from_mapping(OmegaConf.to_container(cfg.optim.embedding, resolve=True), "optim.embedding")
-    result = plan_model(model, optim, topo, world, spec.ranks_per_node, coverage)
-    title = (f"Plan for data={cfg.data.name} model={cfg.model.name} on topology={topo['name']} "
-             f"({spec.nodes} node(s) × {spec.ranks_per_node} {spec.compute_device} rank(s)), "
+    run = parse_config(cfg)
+    topology = run.topology.for_world(run.topology.world_size, run.topology.ranks_per_node or 1)
+    feature_spec, coverage = spec_and_coverage(run.data, run.paths.cache_dir)
+    model = build_model(run.model, feature_spec, device=torch.device("meta"))
+    optim = run.optim.embedding
+    result = plan_model(model, optim, topology, coverage)
+    title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
+             f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}\n")
-    return format_plan(result, optim.name, world, title)
+    return format_plan(result, optim.name, topology.world_size, title)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         print(plan_for_config(cfg))
+    except ConfigError as e:
+        sys.exit(f"Config error: {e}")
     except PlacementError as e:
         sys.exit(f"Placement error: {e}")
 

@@ -15,6 +15,7 @@ import argparse
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import matplotlib
 
@@ -75,39 +76,37 @@ def _labels(runs: list[RunSummary]) -> list[str]:
     return [x for x in RULE_ORDER if x in present] + sorted(present - set(RULE_ORDER))
 
 
+def _grid(runs: list[RunSummary], labels: list[str], cell: Callable[[RunSummary], str]) -> list[str]:
+    """A markdown table: one row per batch size, one column per rule label, ``cell(run)`` in each."""
+    by = {(r.batch_size, r.label): r for r in runs}
+    lines = ["| batch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for b in sorted({r.batch_size for r in runs}):
+        cells = [cell(by[b, lab]) if (b, lab) in by else "–" for lab in labels]
+        lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_table(runs: list[RunSummary], baseline_rule: str = "none") -> str:
     labels = _labels(runs)
-    by = {(r.batch_size, r.label): r for r in runs}
     batches = sorted({r.batch_size for r in runs})
-    base = by.get((batches[0], baseline_rule)) if batches else None
+    base = next((r for r in runs if r.batch_size == batches[0] and r.label == baseline_rule), None) if batches else None
+
+    def auc(r: RunSummary) -> str:
+        delta = f" ({r.test_auc - base.test_auc:+.4f})" if base else ""
+        return f"{r.test_auc:.4f}{delta}{' †' if r.shared else ''}"
+
+    def epochs(r: RunSummary) -> str:
+        ep = "?" if r.epochs is None else f"{r.epochs:.0f}"
+        best = "" if r.best_epoch is None else f" ({r.best_epoch + 1:.0f})"
+        sps = "" if r.samples_per_s is None else f", {r.samples_per_s:,.0f}/s"
+        return f"{ep}{best}{sps}"
+
     lines = [f"Test AUC (Δ vs the {batches[0] if batches else '?'} `{baseline_rule}` run"
-             f"{f' = {base.test_auc:.4f}' if base else ''}); epochs trained (best epoch); samples/s.", "",
-             "| batch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-    for b in batches:
-        cells = []
-        for lab in labels:
-            r = by.get((b, lab))
-            if r is None:
-                cells.append("–")
-                continue
-            delta = f" ({r.test_auc - base.test_auc:+.4f})" if base else ""
-            cells.append(f"{r.test_auc:.4f}{delta}{' †' if r.shared else ''}")
-        lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+             f"{f' = {base.test_auc:.4f}' if base else ''}); epochs trained (best epoch); samples/s.", ""]
+    lines += _grid(runs, labels, auc)
     if any(r.shared for r in runs):
         lines += ["", "† the same run as the unclipped rule trained at s = 1 (identical hyperparameters)."]
-    lines += ["", "| batch | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
-    for b in batches:
-        cells = []
-        for lab in labels:
-            r = by.get((b, lab))
-            if r is None:
-                cells.append("–")
-                continue
-            ep = "?" if r.epochs is None else f"{r.epochs:.0f}"
-            best = "" if r.best_epoch is None else f" ({r.best_epoch + 1:.0f})"
-            sps = "" if r.samples_per_s is None else f", {r.samples_per_s:,.0f}/s"
-            cells.append(f"{ep}{best}{sps}")
-        lines.append(f"| {b:,} | " + " | ".join(cells) + " |")
+    lines += [""] + _grid(runs, labels, epochs)
     return "\n".join(lines) + "\n"
 
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+
+import pipeline.config  # noqa: F401  (registers the config schema that conf/config.yaml starts from)
+from pipeline.launch import free_port  # noqa: F401  (re-exported for the tests)
+from pipeline.result import RunResult, read_result
 
 ROOT = Path(__file__).resolve().parents[1]
 # Real CTR samples live beside the checkout (../shared/data); CTR_SHARED_DATA overrides.
@@ -23,16 +27,21 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides or []))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra})
     return env
+
+
+def train_cli(args: list[str], run_dir: Path, launcher: list[str] | None = None, timeout: int = 600,
+              check: bool = True) -> tuple[subprocess.CompletedProcess, RunResult | None]:
+    """``python -m pipeline.train *args`` (under ``launcher``, e.g. torchrun's arguments) with its output
+    folder at ``run_dir``; returns the process and the run's ``result.json`` (None if it wrote none)."""
+    cmd = [PYTHON, *(launcher or []), "-m", "pipeline.train", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return proc, read_result(run_dir) if (run_dir / "result.json").is_file() else None
 
 
 @pytest.fixture(scope="session")
@@ -43,12 +52,13 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def small_overrides(cache_dir: Path) -> list[str]:
     """A small synthetic dataset (prepared once) and a quick training setup."""
+    from pipeline.config import parse_config
     from pipeline.data.sources import prepare_store
 
     overrides = [f"paths.cache_dir={cache_dir}", f"data.synthetic.rows={SMALL_ROWS}",
                  "trainer.batch_size=1024", "trainer.eval_batch_size=4096", "trainer.max_epochs=2",
                  "trainer.enable_progress_bar=false", "model.mlp=[64,32]"]
-    cfg = compose_config(overrides)
+    cfg = parse_config(compose_config(overrides))
     prepare_store(cfg.data, cfg.paths.cache_dir)
     return overrides
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
@@ -11,13 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline.launch import free_port
 from pipeline.process_exit import exit_now, leave_process_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
@@ -40,7 +34,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world_size, _free_port(), fn, args, errors), nprocs=world_size,
+        mp.start_processes(_entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size,
                            join=True, start_method="spawn")
     except Exception as e:
         details = []

@@ -7,7 +7,6 @@ import os
 import pickle
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,7 @@ import torch
 
 from pipeline.checkpointing import (SafeFileSystemReader, complete_checkpoints, join_tensors, read_rank0_state,
                                     split_tensors)
-from tests.conftest import PYTHON, ROOT, subprocess_env
-from tests.test_training import RESULT
+from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 STEPS_PER_EPOCH = 20  # 100k rows → 85k training rows / batch 4096
 
@@ -29,12 +27,13 @@ def ckpt_overrides(small_overrides):
 
 
 def _run(args: list[str], tmp: Path, nproc: int = 2, extra: list[str] | None = None, check: bool = True):
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or []),
-           "-m", "pipeline.train", *args, f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    return proc
+    """torchrun of pipeline.train; (process, its result.json or None)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or [])]
+    return train_cli([*args, f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db"], tmp / "run", launcher, check=check)
+
+
+def _kill(rank: int, step: int) -> str:
+    return f"trainer.callbacks=[{{_target_:tests.faults.KillRank,rank:{rank},step:{step}}}]"
 
 
 def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -56,48 +55,47 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix:
 @pytest.fixture(scope="module")
 def straight_run(ckpt_overrides, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("straight")
-    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={tmp}/ckpt"], tmp)
+    _, result = _run([*ckpt_overrides, f"trainer.checkpoint.dir={tmp}/ckpt"], tmp)
     final = complete_checkpoints(tmp / "ckpt")[-1]
     assert final.name == f"step-{2 * STEPS_PER_EPOCH:09d}"
-    return RESULT.search(proc.stdout), _tensors(final), tmp / "ckpt"
+    return result, _tensors(final), tmp / "ckpt"
 
 
 def test_stop_and_resume_mid_epoch_gives_identical_parameters_and_metrics(ckpt_overrides, straight_run, tmp_path):
     ckpt = tmp_path / "ckpt"
     # the process is stopped (killed) at step 33, mid-epoch 2; the last checkpoint is step 30
-    stopped = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.debug.kill_rank_at_step=[0,33]"],
-                   tmp_path, check=False)
+    stopped, _ = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", _kill(0, 33)], tmp_path, check=False)
     assert stopped.returncode != 0
     first = complete_checkpoints(ckpt)[-1]
     assert first.name == "step-000000030"
     run_id = read_rank0_state(first)["pipeline"]["mlflow_run_id"]
-    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path)
-    resumed = RESULT.search(proc.stdout)
+    _, resumed = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path)
     straight, straight_tensors, _ = straight_run
-    assert resumed[1] == straight[1] and resumed[2] == straight[2]  # test AUC and logloss, all digits
-    assert resumed[5] == run_id  # the same MLflow run continued
+    # test AUC and logloss, every bit
+    assert (resumed.test_auc, resumed.test_logloss) == (straight.test_auc, straight.test_logloss)
+    assert resumed.mlflow_run_id == run_id  # the same MLflow run continued
     final = _tensors(complete_checkpoints(ckpt)[-1])
     _assert_same(final, straight_tensors, ("state_dict/", "fused_optimizer/"))
 
 
 def test_sigkill_of_one_process_restarts_and_resumes(ckpt_overrides, straight_run, tmp_path):
     ckpt = tmp_path / "ckpt"
-    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto",
-                 "trainer.debug.kill_rank_at_step=[1,25]"], tmp_path, extra=["--max-restarts=1"])
+    proc, result = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto", _kill(1, 25)],
+                        tmp_path, extra=["--max-restarts=1"])
     assert re.search(r"restart|Restarting|failed", proc.stderr, re.I), "the job was expected to restart"
     final = _tensors(complete_checkpoints(ckpt)[-1])
     # the restarted job resumed from step 20: steps 21-25 of the killed attempt are not in the weights
     _assert_same(final, straight_run[1], ("state_dict/", "fused_optimizer/"))
-    assert RESULT.search(proc.stdout)[1] == straight_run[0][1]
+    assert result.test_auc == straight_run[0].test_auc
 
 
 KILL_DURING_SAVE = r'''
 import os, signal, sys, torch, torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from pipeline.checkpointing import DCPCheckpointIO
+from pipeline.checkpointing import DCPCheckpointIO, TrainingState
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=0, world_size=1)
-io = DCPCheckpointIO(lambda: {})
+io = DCPCheckpointIO(TrainingState())
 io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 10}, sys.argv[1] + "/step-000000010")
 original = FileSystemWriter.write_data
 def dying(self, plan, planner):
@@ -120,15 +118,15 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_newest(tmp_path):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_injected_nan_stops_or_is_skipped_and_counted(small_overrides, tmp_path, policy):
-    proc = _run([*small_overrides, "trainer.debug.inject_nan_at_step=3", f"trainer.nonfinite={policy}",
-                 "trainer.max_steps=10"],
-                tmp_path, nproc=1, check=False)
+    nan = "trainer.callbacks=[{_target_:tests.faults.NaNLabelsAtStep,step:3}]"
+    proc, result = _run([*small_overrides, nan, f"trainer.nonfinite={policy}", "trainer.max_steps=10"],
+                        tmp_path, nproc=1, check=False)
     if policy == "stop":
         assert proc.returncode != 0
         assert "Non-finite training: the loss is nan at step 3" in proc.stderr
         return
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run_id = RESULT.search(proc.stdout)[5]
+    run_id = result.mlflow_run_id
     from mlflow.tracking import MlflowClient
 
     metrics = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).data.metrics
@@ -137,8 +135,8 @@ def test_injected_nan_stops_or_is_skipped_and_counted(small_overrides, tmp_path,
 
 def test_checkpoint_of_another_model_is_refused(ckpt_overrides, straight_run, tmp_path):
     ckpt = straight_run[2]  # written by DeepFM
-    proc = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto", "model=wide_deep",
-                 "model.mlp=[64,32]"], tmp_path, check=False)
+    proc, _ = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto", "model=wide_deep",
+                    "model.mlp=[64,32]"], tmp_path, check=False)
     assert proc.returncode != 0
     assert "the checkpoint does not match this run" in proc.stderr and "model.name: checkpoint 'deepfm'" in proc.stderr
 

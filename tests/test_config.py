@@ -1,4 +1,5 @@
-"""Bad configuration stops before any work, with a message naming the key."""
+"""Bad configuration stops before any work, with a message naming the key; the typed config is what
+the YAML says."""
 
 from __future__ import annotations
 
@@ -6,14 +7,43 @@ import subprocess
 
 import pytest
 
-from pipeline.config_check import ConfigError, check_config
-from tests.conftest import PYTHON, ROOT, compose_config, subprocess_env
+from pipeline.config import ConfigError, RunConfig, check_runnable, parse_config
+from tests.conftest import PYTHON, compose_config, subprocess_env
 
 
-def test_default_config_composes_and_passes():
-    cfg = compose_config()
-    check_config(cfg)
-    assert {"data", "model", "optim", "topology", "trainer", "logger"} <= set(cfg)
+def check_config(cfg) -> RunConfig:
+    run = parse_config(cfg)
+    check_runnable(run)
+    return run
+
+
+def test_default_config_composes_into_typed_objects():
+    run = check_config(compose_config())
+    # values from conf/ reach the dataclasses (checked against the YAML files, not the defaults in code)
+    assert (run.optim.embedding.name, run.optim.embedding.lr) == ("rowwise_adagrad", 0.01)
+    assert run.optim.dense.betas == (0.9, 0.999) and run.model.mlp == [400, 400, 400]
+    assert run.topology.name == "cpu" and run.topology.ddr_cap_gb == 16
+    assert run.data.synthetic.rows == 1_000_000 and run.data.preprocess.split.test == 0.1
+    assert run.trainer.merging.k is None and not run.trainer.merging.enabled
+    gpu = parse_config(compose_config(["topology=2x8gpu", "scaling=cowclip"]))
+    assert gpu.topology.bandwidth_gbps.inter_node == 50 and gpu.topology.numa == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert gpu.topology.ssd.cap_gb == 15360 and gpu.scaling.cowclip.enabled and gpu.scaling.warmup_epochs == 1
+
+
+@pytest.mark.parametrize("yaml, message", [
+    ("trainer:\n  batchsize: 8", "Key 'batchsize' not in 'TrainerConfig'"),
+    ("model:\n  embeding_dim: 8", "Key 'embeding_dim' not in 'ModelConfig'"),
+    ("scaling:\n  cowclip: {zetta: 1.0}", "Key 'zetta' not in 'CowClipConfig'"),
+    ("trainer:\n  max_epochs: two", "Value 'two' of type 'str' could not be converted to Integer"),
+])
+def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yaml, message):
+    """An experiment file in the user's own config folder (``--config-dir``) is checked against the schema."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\n" + yaml + "\n")
+    with pytest.raises(Exception) as err:
+        compose_config([f"hydra.searchpath=[file://{tmp_path}]", "+experiment=mine"])
+    text = f"{err.value} {err.value.__cause__}"
+    assert message in text, text
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -24,6 +54,12 @@ def test_default_config_composes_and_passes():
     (["trainer.precision=8"], "trainer.precision"),
     (["data=criteo_kaggle"], "data.path is missing"),
     (["data=criteo_kaggle", "data.path=/nonexistent/train.txt"], "data.path: /nonexistent/train.txt does not exist"),
+    (["scaling.cowclip.floor=sqrt"], "scaling.cowclip.floor='sqrt'"),
+    (["data.preprocess.split.method=shuffle"], "data.preprocess.split.method='shuffle'"),
+    (["trainer.merging.k=4", "trainer.merging.k_intra=3"], "trainer.merging.k_intra=3"),
+    (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),
+    (["model=deepfm", "+model.low_rank=8"], "model.low_rank=8: model 'deepfm' takes no 'low_rank'"),
+    (["scaling.rule=cubic"], "scaling.rule='cubic'"),
 ])
 def test_bad_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -3,7 +3,7 @@
 The model under test is the real one: SparseArch (one EmbeddingBagCollection: a table per field,
 and the first-order weights of all fields in one shared table) under DistributedModelParallel with
 FBGEMM's fused optimizers (SGD, Adagrad, row-wise Adagrad) or data-parallel tables with torch Adam,
-CowClip installed by ``install_cowclip``.
+CowClip attached by ``attach_cowclip``.
 The reference keeps full ``nn.Embedding`` tables, computes the gradient of the global-mean loss,
 adds 2λw once per id present, clips per id with the formula, and applies the optimizer's update
 rule written out here. Global scope: statistics over the global batch; local scope: each rank's
@@ -27,7 +27,8 @@ SPEC = FeatureSpec((), ("a", "b", "c"), {"a": 6, "b": 9, "c": 40})
 WIDE_ROWS = wide_row_offsets(SPEC)
 DIM, GLOBAL_BATCH, STEPS = 8, 16, 3
 LR = {"sgd": 0.5, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.05}
-CFG = CowClipConfig(enabled=True, r=0.05, zeta=1e-3, floor="zeta", l2=0.01)
+CFG = CowClipConfig(enabled=True, r=0.05, zeta=1e-3, floor="zeta")
+L2 = 0.01
 
 
 class ClipModel(torch.nn.Module):
@@ -92,7 +93,7 @@ class Reference:
         out = torch.zeros_like(grad)
         w = self.w[table]
         for k in np.nonzero(counts)[0]:
-            g = grad[k] + 2 * self.cfg.l2 * l2_share * w[k]
+            g = grad[k] + 2 * L2 * l2_share * w[k]
             threshold = counts[k] * max(self.cfg.r * float(w[k].norm()), self.cfg.zeta)
             n = float(g.norm())
             if not clip:
@@ -142,8 +143,9 @@ def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: s
 
 
 def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> None:
-    from modules.cowclip_placement import install_cowclip
-    from modules.optimizers import OptimizerSpec, build_optimizer
+    from modules.cowclip_hooks import attach_cowclip
+    from modules.optimizers import OptimizerSpec, build_optimizer, replicated_parameters
+    from modules.placement import TopologySpec
     from modules.sharding import shard_model
     from pipeline.data.batches import make_batch
     from pipeline.data.store import SplitArrays
@@ -152,14 +154,15 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> N
     cfg = CowClipConfig(**{**CFG.__dict__, "scope": scope})
     net = ClipModel(device=torch.device("meta"))
     spec = OptimizerSpec(opt, LR[opt])
-    topology = {"compute_device": "cpu", "sharding_types": [sharding_type]}
+    topology = TopologySpec(compute_device="cpu", sharding_types=[sharding_type])
     dmp, _ = shard_model(net, spec, topology, torch.device("cpu"))
     dmp.load_state_dict(weights)
-    scopes, stats = install_cowclip(dmp, cfg)
-    dense_kernel = [p for p in dmp.parameters() if not getattr(p, "_in_backward_optimizers", None)]
+    hooks = attach_cowclip(dmp, cfg, L2)
+    stats = hooks.stats
+    dense_kernel = [p for _, p in replicated_parameters(dmp)]
     optimizer = build_optimizer(spec, dense_kernel) if dense_kernel else None
     # tables not hooked on the shards (data-parallel Adam) are clipped per rank: the local reference
-    reference = Reference(weights, opt, cfg, world, "global" if scopes["global"] else "local")
+    reference = Reference(weights, opt, cfg, world, "global" if hooks.global_lookups else "local")
     b = GLOBAL_BATCH // world
     for ids, labels in batches():
         rows = np.arange(rank * b, (rank + 1) * b)
@@ -208,8 +211,8 @@ def test_per_id_gradient_formula_in_float64():
     rows = torch.randn(8, 4, dtype=torch.float64)[ids]
     grad = torch.randn(6, 4, dtype=torch.float64)
     for floor in ("zeta", "r_sqrt_d_zeta"):
-        cfg = CowClipConfig(r=0.3, zeta=0.5, floor=floor, l2=0.2)
-        out = per_id_gradient(grad, rows, ids, cfg)
+        cfg = CowClipConfig(enabled=True, r=0.3, zeta=0.5, floor=floor)
+        out = per_id_gradient(grad, rows, ids, cfg, l2=0.2)
         for k in (1, 3, 7):
             m = ids == k
             g = grad[m].sum(0) + 2 * 0.2 * rows[m][0]

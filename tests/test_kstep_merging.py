@@ -22,7 +22,9 @@ def _setup(data_parallel: bool, seed: int = 0):
 
     torch.manual_seed(seed)
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
-    topology = {"compute_device": "cpu", "sharding_types": ["table_wise"]}
+    from modules.placement import TopologySpec
+
+    topology = TopologySpec(compute_device="cpu", sharding_types=["table_wise"])
     dmp, _ = shard_model(net, OptimizerSpec("sgd", 0.05), topology, torch.device("cpu"), data_parallel=data_parallel)
     return dmp
 
@@ -46,7 +48,9 @@ def _train_step(model, optimizer, step: int, rank: int) -> None:
 
 
 def _replicated(model) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if not getattr(p, "_in_backward_optimizers", None)]
+    from modules.optimizers import replicated_parameters
+
+    return [p for _, p in replicated_parameters(model)]
 
 
 def _same_everywhere(tensors: list[torch.Tensor], group=None) -> bool:

@@ -98,11 +98,12 @@ def test_deepfm_forward_matches_hand_computation(regroup):
 
 def _sharded_forward_worker(rank: int, world_size: int, sharding_type: str) -> None:
     from modules.optimizers import OptimizerSpec
+    from modules.placement import TopologySpec
     from modules.sharding import shard_model
 
     reference = _random_deepfm()
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))
-    topology = {"compute_device": "cpu", "sharding_types": [sharding_type]}
+    topology = TopologySpec(compute_device="cpu", sharding_types=[sharding_type])
     dmp, plan = shard_model(net, OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"))
     dmp.load_state_dict(reference.state_dict())
     _, batch = _batch(n=8, seed=1)
@@ -125,13 +126,13 @@ def test_sharded_deepfm_matches_unsharded_on_two_ranks():
 def _restore_worker(rank: int, world_size: int) -> None:
     import lightning as L
 
-    from modules.optimizers import OptimizerSpec
+    from modules.optimizers import OptimizerSpec, replicated_parameters
+    from modules.placement import TopologySpec
     from modules.sharding import shard_model
-    from pipeline.callbacks import RestoreBestWeights
+    from pipeline.best_validation import BestValidation
 
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))
-    dmp, _ = shard_model(net, OptimizerSpec("adagrad", 0.5), {"compute_device": "cpu", "sharding_types": ["table_wise"]},
-                         torch.device("cpu"))
+    dmp, _ = shard_model(net, OptimizerSpec("adagrad", 0.5), TopologySpec(compute_device="cpu"), torch.device("cpu"))
     arrays, batch = _batch(n=8, seed=2)
     before = dmp(batch.dense_features, batch.sparse_features).detach()
 
@@ -139,11 +140,11 @@ def _restore_worker(rank: int, world_size: int) -> None:
         model = dmp
 
     class _Trainer:
-        sanity_checking, current_epoch, callback_metrics = False, 0, {"val/auc": torch.tensor(0.7)}
+        sanity_checking, current_epoch, callback_metrics, loggers = False, 0, {"val/auc": torch.tensor(0.7)}, []
 
-    cb = RestoreBestWeights()
+    cb = BestValidation(restore_best=True)
     cb.on_validation_end(_Trainer(), _Module())
-    dense = torch.optim.SGD([p for p in dmp.parameters() if not getattr(p, "_in_backward_optimizers", None)], lr=0.5)
+    dense = torch.optim.SGD([p for _, p in replicated_parameters(dmp)], lr=0.5)
     for _ in range(2):  # fused embedding updates + dense updates
         dmp(batch.dense_features, batch.sparse_features).sum().backward()
         dense.step()

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from modules.placement import GB, PlacementError, TableInfo, TopologySpec, place_tables, zipf_coverage
+from modules.placement import GB, PlacementError, SsdSpec, TableInfo, TopologySpec, place_tables, zipf_coverage
 from pipeline.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
 from pipeline.plan import plan_for_config
 from tests.conftest import PYTHON, ROOT, compose_config, subprocess_env
@@ -16,9 +16,11 @@ from tests.conftest import PYTHON, ROOT, compose_config, subprocess_env
 MB = 2**20
 
 
-def _gpu(hbm_gb: float, ddr_gb: float = 64, ssd_gb: float = 0, gpus: int = 1) -> TopologySpec:
+def _gpu(hbm_gb: float, ddr_gb: float = 64, ssd_gb: float = 0, gpus: int = 1, overrides: dict | None = None
+         ) -> TopologySpec:
     return TopologySpec(name="t", compute_device="cuda", nodes=1, ranks_per_node=gpus, hbm_cap_gb=hbm_gb,
-                        ddr_cap_gb=ddr_gb, ssd_cap_gb=ssd_gb, hbm_reserve=0.0, ddr_reserve=0.0, cache_coverage=0.9)
+                        ddr_cap_gb=ddr_gb, ssd=SsdSpec(cap_gb=ssd_gb), hbm_reserve=0.0, ddr_reserve=0.0,
+                        cache_coverage=0.9, table_overrides=overrides or {})
 
 
 def _tables() -> list[TableInfo]:
@@ -51,8 +53,8 @@ def test_host_memory_too_small_moves_tables_to_ssd():
 
 
 def test_override_is_respected():
-    place = place_tables(_tables(), _gpu(hbm_gb=2, ssd_gb=1), "sgd",
-                         {"small": {"tier": "uvm_cache", "cache_load_factor": 0.5}, "mid": {"compute_kernel": "key_value"}})
+    overrides = {"small": {"tier": "uvm_cache", "cache_load_factor": 0.5}, "mid": {"compute_kernel": "key_value"}}
+    place = place_tables(_tables(), _gpu(hbm_gb=2, ssd_gb=1, overrides=overrides), "sgd")
     assert (place["small"].tier, place["small"].cache_load_factor) == ("uvm_cache", 0.5)
     assert place["mid"].tier == "ssd" and place["big"].tier == "hbm"
 
@@ -157,13 +159,11 @@ def test_numa_binding_does_nothing_without_cuda():
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf" / "topology").glob("*.yaml")))
 def test_every_topology_config_composes_into_a_spec(name):
-    from omegaconf import OmegaConf
+    from pipeline.config import parse_config
 
-    from tests.conftest import compose_config
-
-    cfg = OmegaConf.to_container(compose_config([f"topology={name}"]).topology, resolve=True)
-    spec = TopologySpec.from_mapping(cfg, world_size=cfg["nodes"] * (cfg["ranks_per_node"] or 1))
+    spec = parse_config(compose_config([f"topology={name}"])).topology
     assert spec.name == name and spec.nodes >= 1
     if spec.compute_device == "cuda":
-        assert spec.hbm_cap_gb > 0 and len(cfg["numa"]) == cfg["ranks_per_node"]
-        assert set(cfg["bandwidth_gbps"]) >= {"hbm", "host_link", "intra_node", "inter_node"}
+        assert spec.hbm_cap_gb > 0 and len(spec.numa) == spec.ranks_per_node
+        bw = spec.bandwidth_gbps
+        assert None not in (bw.hbm, bw.host_link, bw.intra_node, bw.inter_node)

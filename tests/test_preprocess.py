@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from pipeline.config import parse_config
 from pipeline.data.preprocess import PreprocessConfig, SplitConfig, preprocess
 from pipeline.data.schema import CRITEO
 from pipeline.data.sources import prepare_store, store_dir
-from pipeline.data.store import ColumnarStore
 from tests.conftest import compose_config, shared_file
 from tests.test_readers import key_of
 
@@ -88,14 +87,14 @@ def test_random_split_is_deterministic_and_independent_of_block_size(tmp_path, d
 
 
 def test_store_is_cached_and_keyed_by_inputs(cache_dir, dac):
-    cfg = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={dac}"])
+    cfg = parse_config(compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={dac}"]))
     first = prepare_store(cfg.data, cfg.paths.cache_dir)
     stamp = os.stat(first.root / "meta.json").st_mtime_ns
     again = prepare_store(cfg.data, cfg.paths.cache_dir)
     assert again.root == first.root and os.stat(again.root / "meta.json").st_mtime_ns == stamp
     other = compose_config([f"paths.cache_dir={cache_dir}", "data=criteo_kaggle", f"data.path={dac}",
                             "data.preprocess.min_count=3"])
-    assert store_dir(other.data, cache_dir) != first.root
+    assert store_dir(parse_config(other).data, cache_dir) != first.root
 
 
 def test_failed_build_leaves_no_store(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import time
 import urllib.request
@@ -11,34 +10,25 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
+from pipeline.result import RunResult, read_result
+from tests.conftest import PYTHON, ROOT, free_port, subprocess_env, train_cli
 
-RESULT = re.compile(r"^RESULT test_auc=(\S+) test_logloss=(\S+) samples_per_s=(\S+) comm_bytes_per_step=(\S+) "
-                    r"mlflow_run_id=(\S+)$", re.M)
 MIN_AUC = 0.72  # small data (100k rows, 2 epochs, oracle AUC ≈ 0.90); a model that learns nothing gives 0.5
 
 
-def _train(args: list[str], tracking_uri: str, timeout: int = 300) -> dict:
-    cmd = [PYTHON, "-m", "pipeline.train", *args, f"logger.tracking_uri={tracking_uri}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    m = RESULT.match(last)
-    assert m, f"last line is not the RESULT line: {last!r}"
-    return _result(m)
+def _train(args: list[str], tracking_uri: str, run_dir: Path) -> RunResult:
+    proc, result = train_cli([*args, f"logger.tracking_uri={tracking_uri}"], run_dir, timeout=300)
+    assert result is not None and result.output_dir == str(run_dir)
+    assert proc.stdout.strip().splitlines()[-1] == result.line()  # the RESULT line says the same, for people
+    return result
 
 
-def _result(m: re.Match) -> dict:
-    return {"auc": float(m[1]), "logloss": float(m[2]), "samples_per_s": float(m[3]), "comm_bytes": float(m[4]),
-            "run_id": m[5]}
-
-
-def _check_run(client: MlflowClient, result: dict, epochs: int) -> None:
-    run = client.get_run(result["run_id"])
+def _check_run(client: MlflowClient, result: RunResult, epochs: int) -> None:
+    run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     m = run.data.metrics
-    assert abs(m["test/auc"] - result["auc"]) < 1e-6
-    assert abs(m["test/logloss"] - result["logloss"]) < 1e-6
+    assert abs(m["test/auc"] - result.test_auc) < 1e-6
+    assert abs(m["test/logloss"] - result.test_logloss) < 1e-6
     assert m["train/samples_per_s"] > 0
     assert len(client.get_metric_history(run.info.run_id, "val/auc")) == epochs
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) > 1
@@ -73,9 +63,9 @@ def mlflow_server(tmp_path: Path):
     proc.wait(timeout=30)
 
 
-def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, mlflow_server):
-    result = _train(small_overrides, mlflow_server)
-    assert result["auc"] > MIN_AUC, result
+def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, mlflow_server, tmp_path):
+    result = _train(small_overrides, mlflow_server, tmp_path / "run")
+    assert result.test_auc > MIN_AUC, result
     _check_run(MlflowClient(tracking_uri=mlflow_server), result, epochs=2)
 
 
@@ -83,37 +73,39 @@ def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, m
 def test_other_models_train(small_overrides, tmp_path, model):
     extra = ["model.low_rank=8"] if model == "dcnv2" else []
     result = _train([*small_overrides, f"model={model}", "model.mlp=[64,32]", "trainer.max_epochs=1", *extra],
-                    f"sqlite:///{tmp_path}/m.db")
-    assert result["auc"] > MIN_AUC, result
+                    f"sqlite:///{tmp_path}/m.db", tmp_path / "run")
+    assert result.test_auc > MIN_AUC, result
 
 
 def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, tmp_path):
     """Two torchrun agents on 127.0.0.1 stand in for two nodes (c10d rendezvous)."""
     port = free_port()
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "-m", "pipeline.train", *small_overrides,
-           "trainer.max_epochs=1", "trainer.merging.k=4", "trainer.merging.k_intra=2",
-           f"logger.tracking_uri=sqlite:///{tmp_path}/m.db"]
-    agents = [subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True) for _ in range(2)]
+    def cmd(node: int) -> list[str]:
+        return [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "-m", "pipeline.train", *small_overrides,
+                "trainer.max_epochs=1", "trainer.merging.k=4", "trainer.merging.k_intra=2",
+                f"logger.tracking_uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/node{node}"]
+
+    agents = [subprocess.Popen(cmd(node), cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for node in range(2)]
     outputs = [a.communicate(timeout=600) for a in agents]
     for a, (out, err) in zip(agents, outputs):
         assert a.returncode == 0, out[-2000:] + err[-4000:]
-    results = [m for out, _ in outputs for m in RESULT.finditer(out)]
-    assert len(results) == 1  # printed by global rank 0 only
-    result = _result(results[0])
-    assert result["auc"] > MIN_AUC
-    assert result["comm_bytes"] > 0  # communication was counted
+    written = [read_result(tmp_path / f"node{n}") for n in range(2) if (tmp_path / f"node{n}" / "result.json").exists()]
+    assert len(written) == 1  # written by global rank 0 only
+    result = written[0]
+    assert sum(out.count("\nRESULT ") + out.startswith("RESULT ") for out, _ in outputs) == 1
+    assert result.test_auc > MIN_AUC
+    assert result.comm_bytes_per_step > 0  # communication was counted
     _check_run(MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db"), result, epochs=1)
 
 
 def test_resumed_run_id_missing_from_the_store_starts_a_new_run(tmp_path):
-    from omegaconf import OmegaConf
-
+    from pipeline.config import LoggerConfig
     from pipeline.train import make_logger
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = OmegaConf.create({"logger": {"experiment_name": "resume", "run_name": None, "tracking_uri": uri}})
+    cfg = LoggerConfig(tracking_uri=uri, experiment_name="resume")
     first = make_logger(cfg)
     kept = make_logger(cfg, first.run_id)  # a checkpoint's run id that this store has: continued
     assert kept.run_id == first.run_id

@@ -1,4 +1,4 @@
-"""CTR models over a shared TorchRec embedding layer; ``build_model`` selects one by name.
+"""CTR models over a shared TorchRec embedding layer; :func:`build_model` builds one from ``model``.
 
 Every model takes ``device`` for its embedding collection only (the meta device when it is going to
 be sharded: DistributedModelParallel materialises each shard on its rank); the dense layers are built
@@ -7,14 +7,15 @@ on the CPU with their usual initialisation (seeded: identical on every rank) and
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import inspect
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
 
 from modules.embedding import FeatureSpec
-from functools import partial
-
 from modules.models.dcn import DCN
 from modules.models.deepfm import DeepFM
 from modules.models.wide_deep import WideDeep
@@ -27,7 +28,37 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def build_model(name: str, spec: FeatureSpec, params: dict[str, Any], device: torch.device | None = None) -> nn.Module:
-    if name not in MODELS:
-        raise ValueError(f"model.name={name!r} is not a known model; expected one of {sorted(MODELS)}")
-    return MODELS[name](spec, device=device, **params)
+@dataclass
+class ModelConfig:
+    """``model`` (``conf/model/*.yaml``): the architecture and its sizes. The cross-network keys are
+    DCN / DCN-v2 only (None: not set)."""
+
+    name: str = "deepfm"
+    embedding_dim: int = 16
+    mlp: List[int] = field(default_factory=lambda: [400, 400, 400])
+    dropout: float = 0.0
+    batch_norm: bool = False
+    bn_momentum: float = 0.1     # BatchNorm running-stat momentum (PyTorch convention)
+    init_std: float = 0.01
+    cross_layers: Optional[int] = None
+    low_rank: Optional[int] = None
+    num_experts: Optional[int] = None
+    wide: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.name not in MODELS:
+            raise ValueError(f"name={self.name!r} is not a known model; expected one of {sorted(MODELS)}")
+        if self.embedding_dim <= 0 or self.embedding_dim % 4:
+            raise ValueError(f"embedding_dim={self.embedding_dim}: must be a positive multiple of 4 (FBGEMM kernels)")
+        taken = inspect.signature(MODELS[self.name]).parameters
+        extra = [k for k, v in self.arguments().items() if k not in taken]
+        if extra:
+            raise ValueError(f"{extra[0]}={getattr(self, extra[0])}: model {self.name!r} takes no {extra[0]!r}")
+
+    def arguments(self) -> dict:
+        """The constructor's keyword arguments: everything set, but the name."""
+        return {k: v for k, v in asdict(self).items() if k != "name" and v is not None}
+
+
+def build_model(cfg: ModelConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
+    return MODELS[cfg.name](spec, device=device, **cfg.arguments())

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
 
 import lightning as L
 import torch
 
 from modules.embedding import FeatureSpec
 from pipeline.data.batches import BatchLoader
-from pipeline.data.sources import prepare_store, store_dir
+from pipeline.data.sources import DataConfig, prepare_store, store_dir
 from pipeline.data.store import ColumnarStore
 
 
 class CTRDataModule(L.LightningDataModule):
-    def __init__(self, data: Mapping[str, Any], cache_dir: str | Path, batch_size: int,
-                 eval_batch_size: int, seed: int) -> None:
+    def __init__(self, data: DataConfig, cache_dir: str | Path, batch_size: int, eval_batch_size: int,
+                 seed: int) -> None:
         super().__init__()
-        self.data_cfg = dict(data)
+        self.data_cfg = data
         self.cache_dir = Path(cache_dir)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size

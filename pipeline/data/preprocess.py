@@ -38,7 +38,6 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.data.hashing import factorized_string_keys, hash_keys, to_unit
@@ -51,7 +50,7 @@ SPLIT_CODES = {name: i for i, name in enumerate(SPLITS)}
 SPLIT_METHODS = ("random", "sequential", "given")
 
 
-@dataclass(frozen=True)
+@dataclass
 class SplitConfig:
     method: str = "random"
     valid: float = 0.05
@@ -60,13 +59,15 @@ class SplitConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPLIT_METHODS:
-            raise ValueError(f"preprocess.split.method={self.method!r}: expected one of {SPLIT_METHODS}")
+            raise ValueError(f"method={self.method!r}: expected one of {SPLIT_METHODS}")
         if not (0 <= self.valid < 1 and 0 <= self.test < 1 and self.valid + self.test < 1):
-            raise ValueError(f"preprocess.split fractions valid={self.valid}, test={self.test}: each in [0, 1), sum < 1")
+            raise ValueError(f"valid={self.valid}, test={self.test}: expected fractions in [0, 1) with a sum < 1")
 
 
-@dataclass(frozen=True)
+@dataclass
 class PreprocessConfig:
+    """``data.preprocess``."""
+
     min_count: int = 2
     split: SplitConfig = field(default_factory=SplitConfig)
     categorical: str = "vocab"         # vocab | hash
@@ -77,17 +78,13 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         if self.categorical not in ("vocab", "hash"):
-            raise ValueError(f"preprocess.categorical={self.categorical!r}: expected 'vocab' or 'hash'")
+            raise ValueError(f"categorical={self.categorical!r}: expected 'vocab' or 'hash'")
         if self.dense_transform not in ("log1p", "minmax"):
-            raise ValueError(f"preprocess.dense_transform={self.dense_transform!r}: expected 'log1p' or 'minmax'")
+            raise ValueError(f"dense_transform={self.dense_transform!r}: expected 'log1p' or 'minmax'")
+        if self.bad_rows not in ("error", "skip"):
+            raise ValueError(f"bad_rows={self.bad_rows!r}: expected 'error' or 'skip'")
         if self.min_count < 1 or self.hash_buckets < 1:
-            raise ValueError("preprocess.min_count and preprocess.hash_buckets must be >= 1")
-
-    @classmethod
-    def from_mapping(cls, m: Mapping[str, Any]) -> "PreprocessConfig":
-        m = dict(m)
-        split = SplitConfig(**m.pop("split", {}))
-        return cls(split=split, **m)
+            raise ValueError(f"min_count={self.min_count}, hash_buckets={self.hash_buckets}: expected values >= 1")
 
 
 Sources = Sequence[tuple[Path, str | None]]  # (file, fixed split or None)
@@ -258,6 +255,141 @@ def _dense_raw(table: pa.Table, schema: Schema) -> np.ndarray:
     return np.stack([table.column(c).to_numpy().astype(np.float32) for c in schema.dense], axis=1)
 
 
+@dataclass
+class Pass1:
+    """What pass 1 leaves: the spilled rows, split sizes and the training statistics."""
+
+    spill: _Spill
+    split_rows: dict[str, int]
+    key_counts: list[list[tuple[np.ndarray, np.ndarray]]]  # vocab: per field, (keys, counts) parts to merge
+    bucket_counts: np.ndarray | None                       # hash: [fields, buckets] training counts
+    lo: np.ndarray                                         # minmax: each dense column's training range
+    hi: np.ndarray
+    skipped: dict[str, int]
+
+
+def _field_keys(table: pa.Table, column: str, train_rows: np.ndarray | None, codes_out: np.ndarray,
+                hash_buckets: int | None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], np.ndarray | None]:
+    """One field of a block: writes its per-row codes; returns its distinct keys, the training
+    (keys, counts) and, with hashing, the training counts per bucket."""
+    codes_out[:], distinct = factorized_string_keys(table.column(column))
+    k, c = train_counts(codes_out, distinct, train_rows)
+    buckets = None
+    if hash_buckets is not None:
+        buckets = np.bincount((k % np.uint64(hash_buckets)).astype(np.int64), weights=c,
+                              minlength=hash_buckets).astype(np.int64)
+    return distinct, (k, c), buckets
+
+
+def run_pass1(sources: Sources, schema: Schema, cfg: PreprocessConfig, total_rows: int, scratch: Path,
+              pool: ThreadPoolExecutor) -> Pass1:
+    """Parse every file once, in blocks; spill the rows to ``scratch``; gather split sizes and statistics."""
+    hashed = cfg.categorical == "hash"
+    n_cat, n_dense = len(schema.categorical), len(schema.dense)
+    out = Pass1(_Spill(scratch), dict.fromkeys(SPLITS, 0), [[] for _ in range(n_cat)],
+                np.zeros((n_cat, cfg.hash_buckets), np.int64) if hashed else None,
+                np.full(n_dense, np.inf), np.full(n_dense, -np.inf), {})
+    blocks = _Pass(sources, schema, cfg, total_rows, "preprocess pass 1/2")
+    for table, split in prefetch(blocks):
+        codes = np.empty((n_cat, table.num_rows), np.int32)
+        train = split == SPLIT_CODES["train"]
+        train_rows = None if train.all() else train
+        per_field = list(pool.map(lambda j: _field_keys(table, schema.categorical[j], train_rows, codes[j],
+                                                        cfg.hash_buckets if hashed else None), range(n_cat)))
+        dense = _dense_raw(table, schema)
+        label = table.column(schema.label).to_numpy().astype(np.int8)
+        out.spill.append(split, label, dense, codes, [d for d, _, _ in per_field])
+        for name, code in SPLIT_CODES.items():
+            out.split_rows[name] += int(np.count_nonzero(split == code))
+        if n_dense and cfg.dense_transform == "minmax" and train.any():
+            with warnings.catch_warnings():  # a column may be all missing in a block
+                warnings.simplefilter("ignore", RuntimeWarning)
+                out.lo = np.fmin(out.lo, np.nanmin(dense[train], axis=0))
+                out.hi = np.fmax(out.hi, np.nanmax(dense[train], axis=0))
+        for j, (_, kc, buckets) in enumerate(per_field):
+            if hashed:
+                out.bucket_counts[j] += buckets
+                continue
+            out.key_counts[j].append(kc)
+            if len(out.key_counts[j]) >= 8:
+                out.key_counts[j] = [_merge_counts(out.key_counts[j])]
+    out.lo, out.hi = np.where(np.isfinite(out.lo), out.lo, 0.0), np.where(np.isfinite(out.hi), out.hi, 0.0)
+    out.skipped = blocks.skipped()
+    if out.spill.rows == 0:
+        raise ValueError(f"{', '.join(str(p) for p, _ in sources)}: no usable rows to preprocess")
+    return out
+
+
+@dataclass
+class Vocabulary:
+    """Per categorical field: the kept keys in id order (vocab), the table size and the statistics."""
+
+    keys: dict[str, np.ndarray]        # vocab only: key of id FIRST_VOCAB_ID + i at position i
+    counts: dict[str, np.ndarray]      # vocab only: their training counts
+    table_sizes: dict[str, int]
+    stats: dict[str, dict]
+
+
+def build_vocabulary(first: Pass1, schema: Schema, cfg: PreprocessConfig) -> Vocabulary:
+    """Keys with training count >= ``min_count``, most frequent first (ties by key); or hash buckets."""
+    vocab = Vocabulary({}, {}, {}, {})
+    for j, c in enumerate(schema.categorical):
+        if cfg.categorical == "hash":
+            b = first.bucket_counts[j]
+            vocab.stats[c] = _field_stats(b[b > 0], int((b > 0).sum()))
+            vocab.table_sizes[c] = cfg.hash_buckets + FIRST_VOCAB_ID
+            continue
+        parts = first.key_counts[j]
+        k, n = _merge_counts(parts) if parts else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
+        keep = n >= cfg.min_count
+        order = np.lexsort((k[keep], -n[keep]))
+        vocab.keys[c], vocab.counts[c] = k[keep][order], n[keep][order]
+        vocab.stats[c] = _field_stats(n, len(vocab.keys[c]))
+        vocab.table_sizes[c] = len(vocab.keys[c]) + FIRST_VOCAB_ID
+    return vocab
+
+
+def _encode(distinct: np.ndarray, codes: np.ndarray, order: np.ndarray, index: pd.Index | None,
+            hash_buckets: int) -> np.ndarray:
+    """Ids of one field of a block, in ``order``: only the block's distinct keys are looked up."""
+    if index is None:
+        ids = (distinct % np.uint64(hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
+    else:
+        pos = index.get_indexer(distinct)  # -1 where not in the vocabulary
+        ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
+    ids[distinct == 0] = MISSING_ID
+    return ids[codes[order]]
+
+
+def run_pass2(first: Pass1, vocab: Vocabulary, schema: Schema, cfg: PreprocessConfig, writer: StoreWriter,
+              pool: ThreadPoolExecutor) -> dict[str, int]:
+    """Encode the spilled rows and append them to the store; returns the positives per split."""
+    for c in vocab.keys:
+        pq.write_table(pa.table({"key": pa.array(vocab.keys[c], pa.uint64()), "count": vocab.counts[c]}),
+                       writer.vocab_dir / f"{c}.parquet")
+    # a pandas Index keeps its hash table between lookups (pc.index_in would rebuild it per chunk)
+    index = [pd.Index(vocab.keys[c], dtype=np.uint64) if c in vocab.keys else None for c in schema.categorical]
+    positives = dict.fromkeys(SPLITS, 0)
+    for chunk in prefetch(first.spill.read()):
+        # rows grouped by split (file order kept inside each): every split's rows are one slice
+        order = np.argsort(chunk["split"], kind="stable")
+        bounds = np.searchsorted(chunk["split"][order], np.arange(len(SPLITS) + 1))
+        label = chunk["label"][order]
+        dense = transform_dense(chunk["dense"][order], cfg, first.lo, first.hi)
+        sparse = np.empty((len(schema.categorical), len(order)), np.int32)  # field-major: contiguous per field
+
+        def encode(j: int) -> None:
+            sparse[j] = _encode(chunk["distinct"][j], chunk["codes"][j], order, index[j], cfg.hash_buckets)
+
+        list(pool.map(encode, range(len(schema.categorical))))
+        for name, code in SPLIT_CODES.items():
+            rows = slice(bounds[code], bounds[code + 1])
+            if rows.stop > rows.start:
+                writer.append(name, label[rows], dense[rows], sparse[:, rows].T)
+                positives[name] += int(label[rows].sum())
+    return positives
+
+
 def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]], schema: Schema,
                cfg: PreprocessConfig, out_dir: str | os.PathLike, provenance: dict | None = None) -> ColumnarStore:
     """Build the store for ``files`` at ``out_dir`` (atomically; see :class:`StoreWriter`)."""
@@ -266,115 +398,27 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         raise ValueError("preprocess.split.method='given' needs data.path as a mapping split → files (and only then)")
     t0 = time.perf_counter()
     total_rows = sum(_count_lines(p) - int(schema.header) for p, _ in sources) if cfg.split.method == "sequential" else -1
-    hashed = cfg.categorical == "hash"
-    n_cat, n_dense = len(schema.categorical), len(schema.dense)
     writer: StoreWriter | None = None
     scratch = Path(out_dir).with_name(Path(out_dir).name + f".scratch-{os.getpid()}")
     scratch.mkdir(parents=True, exist_ok=True)
-    pool = ThreadPoolExecutor(max_workers=max(1, min(n_cat, os.cpu_count() or 1)))
+    pool = ThreadPoolExecutor(max_workers=max(1, min(len(schema.categorical), os.cpu_count() or 1)))
     try:
-        # Pass 1: parse once; spill rows; split sizes and training statistics.
-        spill = _Spill(scratch)
-        split_rows = dict.fromkeys(SPLITS, 0)
-        counts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n_cat)]
-        bucket_counts = np.zeros((n_cat, cfg.hash_buckets), np.int64) if hashed else None
-        lo, hi = np.full(n_dense, np.inf), np.full(n_dense, -np.inf)
-        first = _Pass(sources, schema, cfg, total_rows, "preprocess pass 1/2")
-        for table, split in prefetch(first):
-            codes = np.empty((n_cat, table.num_rows), np.int32)
-            train = split == SPLIT_CODES["train"]
-            train_rows = None if train.all() else train
-
-            def field_keys(j: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-                codes[j], distinct = factorized_string_keys(table.column(schema.categorical[j]))
-                k, c = train_counts(codes[j], distinct, train_rows)
-                if hashed:
-                    bucket_counts[j] += np.bincount((k % np.uint64(cfg.hash_buckets)).astype(np.int64), weights=c,
-                                                    minlength=cfg.hash_buckets).astype(np.int64)
-                return distinct, (k, c)
-
-            per_field = list(pool.map(field_keys, range(n_cat)))
-            dense = _dense_raw(table, schema)
-            label = table.column(schema.label).to_numpy().astype(np.int8)
-            spill.append(split, label, dense, codes, [d for d, _ in per_field])
-            for name, code in SPLIT_CODES.items():
-                split_rows[name] += int(np.count_nonzero(split == code))
-            if n_dense and cfg.dense_transform == "minmax" and train.any():
-                with warnings.catch_warnings():  # a column may be all missing in a block
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    lo = np.fmin(lo, np.nanmin(dense[train], axis=0))
-                    hi = np.fmax(hi, np.nanmax(dense[train], axis=0))
-            if hashed:
-                continue
-            for j, (_, kc) in enumerate(per_field):
-                counts[j].append(kc)
-                if len(counts[j]) >= 8:
-                    counts[j] = [_merge_counts(counts[j])]
-        if spill.rows == 0:
-            raise ValueError(f"{', '.join(str(p) for p, _ in sources)}: no usable rows to preprocess")
-
-        vocab_keys: list[np.ndarray] = []
-        stats: dict[str, dict] = {}
-        table_sizes: dict[str, int] = {}
-        vocab_tables: dict[str, pa.Table] = {}
-        for j, c in enumerate(schema.categorical):
-            if hashed:
-                b = bucket_counts[j]
-                stats[c] = _field_stats(b[b > 0], int((b > 0).sum()))
-                table_sizes[c] = cfg.hash_buckets + FIRST_VOCAB_ID
-                continue
-            k, n = _merge_counts(counts[j]) if counts[j] else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
-            keep = n >= cfg.min_count
-            order = np.lexsort((k[keep], -n[keep]))
-            kept_keys, kept_counts = k[keep][order], n[keep][order]
-            vocab_keys.append(kept_keys)
-            vocab_tables[c] = pa.table({"key": pa.array(kept_keys, pa.uint64()), "count": kept_counts})
-            stats[c] = _field_stats(n, len(kept_keys))
-            table_sizes[c] = len(kept_keys) + FIRST_VOCAB_ID
-        lo, hi = np.where(np.isfinite(lo), lo, 0.0), np.where(np.isfinite(hi), hi, 0.0)
-
-        # Pass 2: encode the spilled rows and write the store.
-        writer = StoreWriter(out_dir, split_rows, n_dense, n_cat)
-        for c, t in vocab_tables.items():
-            pq.write_table(t, writer.vocab_dir / f"{c}.parquet")
-        # a pandas Index keeps its hash table between lookups (pc.index_in would rebuild it per chunk)
-        vocab_index = [pd.Index(v, dtype=np.uint64) for v in vocab_keys]
-        positives = dict.fromkeys(SPLITS, 0)
-
-        def encode(j: int, chunk: dict[str, Any], order: np.ndarray, out: np.ndarray) -> None:
-            k = chunk["distinct"][j]  # only the block's distinct keys are looked up
-            if hashed:
-                ids = (k % np.uint64(cfg.hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
-            else:
-                pos = vocab_index[j].get_indexer(k)  # -1 where not in the vocabulary
-                ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
-            ids[k == 0] = MISSING_ID
-            out[j] = ids[chunk["codes"][j][order]]
-
-        for chunk in prefetch(spill.read()):
-            # rows grouped by split (file order kept inside each): every split's rows are one slice
-            order = np.argsort(chunk["split"], kind="stable")
-            bounds = np.searchsorted(chunk["split"][order], np.arange(len(SPLITS) + 1))
-            label = chunk["label"][order]
-            dense = transform_dense(chunk["dense"][order], cfg, lo, hi)
-            sparse = np.empty((n_cat, len(order)), np.int32)  # field-major: each field's ids written contiguously
-            list(pool.map(lambda j: encode(j, chunk, order, sparse), range(n_cat)))
-            for name, code in SPLIT_CODES.items():
-                rows = slice(bounds[code], bounds[code + 1])
-                if rows.stop > rows.start:
-                    writer.append(name, label[rows], dense[rows], sparse[:, rows].T)
-                    positives[name] += int(label[rows].sum())
+        first = run_pass1(sources, schema, cfg, total_rows, scratch, pool)
+        vocab = build_vocabulary(first, schema, cfg)
+        writer = StoreWriter(out_dir, first.split_rows, len(schema.dense), len(schema.categorical))
+        positives = run_pass2(first, vocab, schema, cfg, writer, pool)
+        rows = first.split_rows
         meta = {
             "schema": schema.name,
             "dense": list(schema.dense),
             "categorical": list(schema.categorical),
-            "table_sizes": table_sizes,
-            "splits": split_rows,
-            "positive_rate": {k: positives[k] / split_rows[k] if split_rows[k] else None for k in SPLITS},
-            **({"dense_range": {c: [float(lo[j]), float(hi[j])] for j, c in enumerate(schema.dense)}}
+            "table_sizes": vocab.table_sizes,
+            "splits": rows,
+            "positive_rate": {k: positives[k] / rows[k] if rows[k] else None for k in SPLITS},
+            **({"dense_range": {c: [float(first.lo[j]), float(first.hi[j])] for j, c in enumerate(schema.dense)}}
                if cfg.dense_transform == "minmax" else {}),
-            "skipped_rows": first.skipped(),
-            "stats": stats,
+            "skipped_rows": first.skipped,
+            "stats": vocab.stats,
             "preprocess": asdict(cfg),
             "provenance": provenance or {},
             "seconds": time.perf_counter() - t0,

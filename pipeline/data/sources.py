@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, List, Mapping, Optional
 
 from pipeline.data.preprocess import PreprocessConfig, preprocess
 from pipeline.data.schema import SCHEMAS, Schema
@@ -24,28 +24,47 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _schema(data: Mapping[str, Any]) -> Schema:
-    name = data.get("schema")
-    if name not in SCHEMAS:
-        raise ValueError(f"data.schema={name!r}: expected one of {sorted(SCHEMAS)}")
-    return SCHEMAS[name]
+@dataclass
+class DataConfig:
+    """``data`` (``conf/data/*.yaml``): a dataset, its raw files and how they are preprocessed."""
+
+    name: str = "synthetic"
+    schema: str = "criteo"             # column layout of the raw files (pipeline.data.schema)
+    path: Any = None                   # a file, a list of files, or a mapping split → file(s)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # name 'synthetic': the generator
+    shape_only: bool = False           # planning only (python -m pipeline.plan): no file, tables from
+    cardinalities: Optional[List[int]] = None  # these distinct-value counts and
+    zipf_exponent: float = 1.1         # this id-frequency model
+
+    def __post_init__(self) -> None:
+        if self.schema not in SCHEMAS:
+            raise ValueError(f"schema={self.schema!r}: expected one of {sorted(SCHEMAS)}")
+
+    @property
+    def layout(self) -> Schema:
+        return SCHEMAS[self.schema]
+
+    @property
+    def generated(self) -> bool:
+        return self.name == "synthetic"
 
 
-def _paths(data: Mapping[str, Any]) -> list[Path] | dict[str, list[Path]]:
+def _paths(data: DataConfig) -> list[Path] | dict[str, list[Path]]:
     """``data.path``: a file, a list of files, or a mapping split → file(s) (the dataset's own split)."""
-    raw = data.get("path")
+    raw = data.path
     if raw in (None, "", "???") or (isinstance(raw, Mapping) and not raw):
-        raise ValueError(f"data.path is missing: set data.path=<file> (a {data.get('schema')}-format file) "
-                         f"for data={data.get('name')}")
+        raise ValueError(f"data.path is missing: set data.path=<file> (a {data.schema}-format file) "
+                         f"for data={data.name}")
 
     def files(value: Any, key: str) -> list[Path]:
         if value in (None, "", "???"):
-            raise ValueError(f"{key} is missing: expected a {data.get('schema')}-format file")
+            raise ValueError(f"{key} is missing: expected a {data.schema}-format file")
         paths = [Path(str(p)).expanduser() for p in (value if isinstance(value, (list, tuple)) else [value])]
         for p in paths:
             if not p.is_file():
                 raise FileNotFoundError(f"{key}: {p} does not exist or is not a file "
-                                        f"(expected a {data.get('schema')}-format file)")
+                                        f"(expected a {data.schema}-format file)")
         return paths
 
     if isinstance(raw, Mapping):
@@ -56,14 +75,10 @@ def _paths(data: Mapping[str, Any]) -> list[Path] | dict[str, list[Path]]:
     return files(raw, "data.path")
 
 
-def synthetic_config(data: Mapping[str, Any]) -> SyntheticConfig:
-    return SyntheticConfig.from_mapping(dict(data.get("synthetic") or {}))
-
-
-def raw_fingerprint(data: Mapping[str, Any]) -> dict[str, Any]:
+def raw_fingerprint(data: DataConfig) -> dict[str, Any]:
     """What identifies the raw input (without generating or reading it)."""
-    if data.get("name") == "synthetic":
-        return {"synthetic": asdict(synthetic_config(data))}
+    if data.generated:
+        return {"synthetic": asdict(data.synthetic)}
     paths = _paths(data)
     described = {split: [_describe(p) for p in group] for split, group in paths.items()} \
         if isinstance(paths, dict) else [_describe(p) for p in paths]
@@ -75,17 +90,17 @@ def _describe(p: Path) -> dict[str, Any]:
     return {"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def store_dir(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> Path:
-    pre = PreprocessConfig.from_mapping(dict(data.get("preprocess") or {}))
-    key = {"format": FORMAT_VERSION, "schema": _schema(data).name, "raw": raw_fingerprint(data), "preprocess": asdict(pre)}
-    return Path(cache_dir) / "stores" / f"{data['name']}-{_digest(key)}"
+def store_dir(data: DataConfig, cache_dir: str | os.PathLike) -> Path:
+    key = {"format": FORMAT_VERSION, "schema": data.schema, "raw": raw_fingerprint(data),
+           "preprocess": asdict(data.preprocess)}
+    return Path(cache_dir) / "stores" / f"{data.name}-{_digest(key)}"
 
 
-def raw_files(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> tuple[list[Path] | dict[str, list[Path]], dict[str, Any]]:
+def raw_files(data: DataConfig, cache_dir: str | os.PathLike) -> tuple[list[Path] | dict[str, list[Path]], dict[str, Any]]:
     """The raw files (generating the synthetic one if needed) and a provenance record."""
-    if data.get("name") != "synthetic":
+    if not data.generated:
         return _paths(data), raw_fingerprint(data)
-    cfg = synthetic_config(data)
+    cfg = data.synthetic
     path = Path(cache_dir) / "raw" / f"synthetic-{_digest(asdict(cfg))}.tsv"
     summary_path = Path(str(path) + ".json")
     if not (path.is_file() and summary_path.is_file()):
@@ -94,11 +109,10 @@ def raw_files(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> tuple[li
     return [path], {"synthetic_file": str(path), **{k: v for k, v in summary.items() if k != "config"}}
 
 
-def prepare_store(data: Mapping[str, Any], cache_dir: str | os.PathLike) -> ColumnarStore:
+def prepare_store(data: DataConfig, cache_dir: str | os.PathLike) -> ColumnarStore:
     """Return the store for ``data``, building it (and the raw data) on first use."""
     target = store_dir(data, cache_dir)
     if (target / "meta.json").is_file():
         return ColumnarStore(target)
     files, provenance = raw_files(data, cache_dir)
-    pre = PreprocessConfig.from_mapping(dict(data.get("preprocess") or {}))
-    return preprocess(files, _schema(data), pre, target, provenance={"dataset": data["name"], **provenance})
+    return preprocess(files, data.layout, data.preprocess, target, provenance={"dataset": data.name, **provenance})

@@ -1,0 +1,194 @@
+"""The run's configuration as typed objects: Hydra structured configs, parsed and checked once.
+
+``conf/config.yaml`` starts its defaults list with the schema :class:`RunConfig` (registered here in
+Hydra's ConfigStore as ``run_schema``), so every group file and command-line override is merged onto
+typed nodes: a misspelt key or a value of the wrong type stops composition with Hydra's message naming
+the key. :func:`parse_config` then builds the dataclasses, whose ``__post_init__`` checks run once,
+and :func:`check_runnable` checks what training needs of the machine (world size, CUDA, input files). Every error is a
+:class:`ConfigError` whose message starts with the full key.
+
+The dataclasses of the groups live beside the code they configure: ``OptimizerSpec``
+(:mod:`modules.optimizers`), ``CowClipConfig`` (:mod:`modules.cowclip`), ``MergeConfig``
+(:mod:`modules.kstep_merging`), ``TopologySpec`` (:mod:`modules.placement`), ``ModelConfig``
+(:mod:`modules.models`), ``DataConfig`` (:mod:`pipeline.data.sources`) with ``PreprocessConfig`` and
+``SyntheticConfig``; this module adds the trainer, logger and scaling settings and the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+
+from modules.cowclip import CowClipConfig
+from modules.kstep_merging import MergeConfig
+from modules.models import ModelConfig
+from modules.optimizers import OptimizerSpec
+from modules.placement import TopologySpec
+from modules.scaling_rules import RULES
+from pipeline.data.sources import DataConfig, raw_fingerprint
+from pipeline.launch import world_from_env
+
+PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message starts with the full key."""
+
+
+@dataclass
+class OptimConfig:
+    """``optim``: base hyperparameters, tuned for ``scaling.base_batch_size``."""
+
+    dense: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("adam", 1e-3))
+    embedding: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("rowwise_adagrad", 0.01))
+    embedding_l2: float = 0.0          # λ of the per-id L2 term 2λ·w_k on the ids in each batch (0: off)
+
+    def __post_init__(self) -> None:
+        if self.embedding_l2 < 0:
+            raise ValueError(f"embedding_l2={self.embedding_l2}: expected λ >= 0")
+
+
+@dataclass
+class ScalingConfig:
+    """``scaling``: how ``optim`` is rescaled to the run's batch (:mod:`modules.scaling_rules`), and CowClip."""
+
+    rule: str = "none"
+    base_batch_size: int = 1024
+    warmup_epochs: float = 0.0         # linear warmup of the dense LR (fractions allowed)
+    cowclip: CowClipConfig = field(default_factory=CowClipConfig)
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"rule={self.rule!r}: expected one of {RULES}")
+        if self.base_batch_size <= 0 or self.warmup_epochs < 0:
+            raise ValueError(f"base_batch_size={self.base_batch_size}, warmup_epochs={self.warmup_epochs}: "
+                             f"expected a positive batch size and warmup >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """``trainer.checkpoint``: sharded checkpoints (:mod:`pipeline.checkpointing`); ``dir`` None: none."""
+
+    dir: Optional[str] = None
+    every_n_steps: Optional[int] = None   # also every N training steps (always at the end of each epoch)
+    keep: int = 2                         # newest complete checkpoints kept
+
+    def __post_init__(self) -> None:
+        if self.keep < 1 or (self.every_n_steps is not None and self.every_n_steps < 1):
+            raise ValueError(f"keep={self.keep}, every_n_steps={self.every_n_steps}: expected values >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer`` (``conf/trainer/default.yaml`` says what each key does)."""
+
+    batch_size: int = 4096
+    eval_batch_size: int = 16384
+    max_epochs: int = 1
+    max_steps: int = -1
+    precision: str = "32-true"
+    num_threads: Optional[int] = None
+    log_every_n_steps: int = 25
+    val_check_interval: Any = 1.0       # a float: share of an epoch; an int: every that many batches
+    enable_progress_bar: bool = True
+    early_stopping_patience: Optional[int] = None
+    plateau_lr_factor: Optional[float] = None
+    plateau_patience: int = 1
+    merging: MergeConfig = field(default_factory=MergeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: Optional[str] = None
+    nonfinite: str = "stop"
+    callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "eval_batch_size", "max_epochs", "plateau_patience"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key}={getattr(self, key)!r}: expected a positive integer")
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={self.nonfinite!r}: expected one of {NONFINITE_POLICIES}")
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise ValueError(f"early_stopping_patience={self.early_stopping_patience}: expected >= 1 or null")
+        if self.plateau_lr_factor is not None and not 0 < self.plateau_lr_factor < 1:
+            raise ValueError(f"plateau_lr_factor={self.plateau_lr_factor}: expected a factor in (0, 1) or null")
+
+
+@dataclass
+class LoggerConfig:
+    """``logger``: the MLflow tracking store and names."""
+
+    tracking_uri: str = "sqlite:///mlflow.db"
+    experiment_name: str = "ctr"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class PathsConfig:
+    cache_dir: str = ".cache/data"     # generated raw data and preprocessed stores
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    topology: TopologySpec = field(default_factory=TopologySpec)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    seed: int = 2026
+
+
+ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def _build(node: DictConfig, key: str) -> Any:
+    """``OmegaConf.to_object`` with the full key of a failing ``__post_init__`` in the error."""
+    try:
+        return OmegaConf.to_object(node)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is missing: set {e.full_key}=<value>") from None
+    except (ValueError, TypeError) as e:
+        for k in node:  # find the innermost node that fails, for its key
+            child = node._get_node(k)
+            if isinstance(child, DictConfig) and OmegaConf.get_type(child) not in (dict, None):
+                _build(child, f"{key}.{k}" if key else str(k))
+        raise ConfigError(f"{key}.{e}" if key else str(e)) from None
+
+
+def parse_config(cfg: DictConfig) -> RunConfig:
+    """The typed config of a composed one; raises :class:`ConfigError` naming the key."""
+    return _build(cfg if OmegaConf.get_type(cfg) is RunConfig else OmegaConf.merge(RunConfig, cfg), "")
+
+
+def check_runnable(run: RunConfig) -> None:
+    """What training needs of this machine and launch: batch sizes that split over the ranks, CUDA
+    where the topology computes on it, the input files. Raises :class:`ConfigError`."""
+    world, _ = world_from_env()
+    for key in ("batch_size", "eval_batch_size"):
+        bs = getattr(run.trainer, key)
+        if bs % world:
+            raise ConfigError(f"trainer.{key}={bs} is not divisible by the world size {world} (WORLD_SIZE); "
+                              f"each rank needs an equal share of the global batch")
+    if run.topology.compute_device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("topology.compute_device='cuda' but no CUDA device is available; use topology=cpu")
+    if run.data.shape_only:
+        raise ConfigError(f"data={run.data.name} describes a shape for planning only (python -m pipeline.plan); "
+                          f"train on a dataset with files")
+    try:
+        raw_fingerprint(run.data)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+
+
+def plain(obj: Any) -> Any:
+    """A typed config as plain containers (for MLflow parameters and checkpoints)."""
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj

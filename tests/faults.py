@@ -1,0 +1,40 @@
+"""Fault injection for the tests, as Lightning callbacks a test adds to a CLI run:
+
+    python -m pipeline.train ... 'trainer.callbacks=[{_target_: tests.faults.KillRank, rank: 0, step: 33}]'
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class KillRank(Callback):
+    """Global rank ``rank`` SIGKILLs itself after training step ``step`` — in a run that did not resume
+    from a checkpoint (so a restarted torchrun attempt, which resumes, lives)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and trainer.ckpt_path is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NaNLabelsAtStep(Callback):
+    """The batch of training step ``step`` gets NaN labels: its loss is NaN, the forward pass is not
+    touched (no NaN reaches batch-norm statistics)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            batch.labels.fill_(torch.nan)

@@ -1,0 +1,81 @@
+"""The non-finite policy (pipeline/nonfinite.py) and the best-validation bookkeeping
+(pipeline/best_validation.py), on their own; end to end in test_checkpointing.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.best_validation import BestValidation
+from pipeline.nonfinite import NonFiniteGuard
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_stop_names_the_step_and_the_value(value):
+    guard = NonFiniteGuard("stop")
+    with pytest.raises(FloatingPointError, match=f"the loss is {value} at step 7"):
+        guard.bad_loss(torch.tensor(value), "step 7")
+    assert guard.skipped == 0
+
+
+def test_skip_counts_bad_losses_and_gradients_only():
+    guard = NonFiniteGuard("skip")
+    assert not guard.bad_loss(torch.tensor(0.3), "step 0")
+    assert guard.bad_loss(torch.tensor(math.nan), "step 1")
+    assert not guard.bad_gradients([torch.ones(3), None, torch.zeros(2, 2)], "step 2")
+    assert guard.bad_gradients([torch.ones(3), torch.tensor([1.0, math.inf])], "step 3")
+    assert not guard.bad_gradients([None], "step 4")  # nothing to check
+    assert guard.skipped == 2
+
+
+def test_unknown_policy_names_the_key():
+    with pytest.raises(ValueError, match="trainer.nonfinite='ignore'"):
+        NonFiniteGuard("ignore")
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.sanity_checking, self.current_epoch, self.global_step = False, 0, 0
+        self.callback_metrics: dict = {}
+        self.loggers: list = []
+        self.should_stop = False
+
+
+class _Module:
+    def __init__(self) -> None:
+        self.factors: list[float] = []
+
+    def set_lr_factor(self, factor: float) -> None:
+        self.factors.append(factor)
+
+
+def _validate(cb: BestValidation, trainer: _Trainer, module: _Module, aucs: list[float]) -> list[tuple]:
+    """Feed validation AUCs epoch by epoch; (lr factor, stop?) after each."""
+    out = []
+    for epoch, auc in enumerate(aucs):
+        trainer.current_epoch, trainer.callback_metrics = epoch, {"val/auc": torch.tensor(auc)}
+        cb.on_validation_end(trainer, module)
+        out.append((cb.lr_factor, trainer.should_stop))
+    return out
+
+
+def test_plateau_and_early_stopping_follow_their_patience():
+    # reference, by hand: best 0.70 (e0), 0.72 (e1); e2, e3 stale → factor 0.1 after 2 (plateau patience 2);
+    # e4 stale (wait 3) → stop (early-stopping patience 3); e3 does not beat 0.72 although it beats 0.71
+    cb, trainer, module = BestValidation(plateau_factor=0.1, plateau_patience=2, early_stopping_patience=3), \
+        _Trainer(), _Module()
+    got = _validate(cb, trainer, module, [0.70, 0.72, 0.71, 0.715, 0.60])
+    assert [round(f, 6) for f, _ in got] == [1.0, 1.0, 1.0, 0.1, 0.1]
+    assert [s for _, s in got] == [False, False, False, False, True]
+    assert (cb.best, cb.best_epoch, module.factors) == (pytest.approx(0.72), 1, [pytest.approx(0.1)])
+
+
+def test_state_round_trip_reapplies_the_factor():
+    cb, trainer, module = BestValidation(plateau_factor=0.5), _Trainer(), _Module()
+    _validate(cb, trainer, module, [0.8, 0.7, 0.6])
+    restored, again = BestValidation(plateau_factor=0.5), _Module()
+    restored.load_state_dict(cb.state_dict())
+    restored.on_fit_start(trainer, again)
+    assert again.factors == [0.25] and restored.best == pytest.approx(0.8) and restored.stale == 0
