@@ -15,15 +15,20 @@ config, table shapes, world size) — is added and restored by the callback :cla
 the layout is compared before any tensor is read (:class:`CheckpointMismatchError` lists every
 difference).
 
-Writing goes to ``<name>.tmp-<id>`` and, once every rank is done, rank 0 renames it to ``<name>``:
-a checkpoint directory without the ``.tmp-`` suffix is always complete. Loading reads tensors with
+Writing goes to ``<name>.tmp-<id>``; once every rank is done, rank 0 writes ``manifest.json`` (every
+file's size and SHA-256) and renames the directory to ``<name>``: a checkpoint directory without the
+``.tmp-`` suffix is always complete, and :func:`verify_checkpoint` tells whether it is still intact
+(``trainer.resume=auto`` skips a damaged newest checkpoint for the one before). Running out of space
+while writing removes the partial directory and raises :class:`pipeline.errors.DiskFullError`. Loading reads tensors with
 ``weights_only`` and DCP's metadata file through an unpickler that accepts only DCP's own metadata
 classes and plain containers — no arbitrary objects.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import pickle
 import random
@@ -43,7 +48,11 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from pipeline.errors import disk_full, ensure_space
+
+log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.rank{rank}.json"
+MANIFEST = "manifest.json"
 GLOBAL_KEYS = ("state_dict", "fused_optimizer")  # sharded or replicated: one copy in the checkpoint
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                     "torch.distributed.checkpoint._extension", "torch.distributed.checkpoint.planner",
@@ -60,8 +69,56 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint written for another model, table layout or world size."""
 
 
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose files no longer match its manifest (truncated, changed or missing)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """``manifest.json``: size and SHA-256 of every other file of a finished checkpoint directory."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> list[str]:
+    """What is wrong with a checkpoint directory against its manifest (empty: intact)."""
+    folder = Path(folder)
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return [f"{manifest} is missing"]
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return [f"{manifest} is unreadable ({e})"]
+    problems = []
+    for name, want in entries.items():
+        p = folder / name
+        if not p.is_file():
+            problems.append(f"{p} is missing")
+        elif p.stat().st_size != want["size"]:
+            problems.append(f"{p} has {p.stat().st_size:,} bytes, the manifest says {want['size']:,}")
+        elif _sha256(p) != want["sha256"]:
+            problems.append(f"{p} does not match its checksum")
+    return problems
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _local_bytes(t: Any) -> int:
+    """Bytes this rank writes for a tensor: its own shards of a ShardedTensor."""
+    if hasattr(t, "local_shards"):
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in t.local_shards())
+    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
 
 
 def _barrier() -> None:
@@ -215,16 +272,26 @@ class DCPCheckpointIO(CheckpointIO):
             dist.broadcast_object_list(token, src=0)
         tmp = final.with_name(f"{final.name}.tmp-{token[0]}")
         skeleton, tensors = self._split(checkpoint)
+        needed = sum(_local_bytes(t) for t in tensors.values())
+        ensure_space(final.parent, needed)  # refuse before writing anything
         if _rank() == 0:
             tmp.mkdir(parents=True, exist_ok=True)
         _barrier()
-        dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp)))
-        (tmp / STATE_FILE.format(rank=_rank())).write_text(json.dumps(skeleton))
-        _barrier()
-        if _rank() == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+        try:
+            dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp)))
+            (tmp / STATE_FILE.format(rank=_rank())).write_text(json.dumps(skeleton))
+            _barrier()
+            if _rank() == 0:
+                write_manifest(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+        except BaseException as e:  # DCP reports write failures in its own exception types
+            shutil.rmtree(tmp, ignore_errors=True)
+            full = disk_full(e, tmp, needed)
+            if full is not None:
+                raise full from e
+            raise
         _barrier()
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -267,6 +334,28 @@ def complete_checkpoints(folder: str | os.PathLike) -> list[Path]:
         return int(dict(state["__dict__"]).get("global_step", 0)) if "__dict__" in state else 0, p.stat().st_mtime
 
     return sorted(found, key=step)
+
+
+def newest_intact_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``folder`` that matches its manifest; damaged newer ones are
+    skipped with a warning naming them."""
+    for path in reversed(complete_checkpoints(folder)):
+        problems = verify_checkpoint(path)
+        if not problems:
+            return path
+        log.warning("Skipping damaged checkpoint %s: %s", path, "; ".join(problems))
+    return None
+
+
+def checked_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` if it is an intact checkpoint directory; else :class:`CorruptCheckpointError`."""
+    path = Path(path)
+    if not (path / STATE_FILE.format(rank=0)).is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint directory (no {STATE_FILE.format(rank=0)})")
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CorruptCheckpointError(f"{path} is damaged: " + "; ".join(problems))
+    return path
 
 
 def read_rank0_state(path: str | os.PathLike) -> dict[str, Any]:

@@ -122,11 +122,20 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    """``logger``: the MLflow tracking store and names."""
+    """``logger``: the MLflow tracking store and names, and what an unreachable server does
+    (:mod:`pipeline.tracking`)."""
 
     tracking_uri: str = "sqlite:///mlflow.db"
     experiment_name: str = "ctr"
     run_name: Optional[str] = None
+    on_unavailable: str = "fail"      # no server at the start: fail | local (a store in the output folder)
+    connect_timeout_s: float = 5.0    # how long the start waits for the server's answer
+    flush_timeout_s: float = 60.0     # at the end, how long queued calls may take to reach the server
+    retry_max_s: float = 30.0         # longest wait between retries of a failed call
+
+    def __post_init__(self) -> None:
+        if self.on_unavailable not in ("fail", "local"):
+            raise ValueError(f"on_unavailable={self.on_unavailable!r}: expected 'fail' or 'local'")
 
 
 @dataclass

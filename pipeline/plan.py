@@ -8,7 +8,6 @@ id-frequency statistics size the caches) or a shape-only description such as ``c
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 
 import hydra
@@ -17,8 +16,9 @@ from omegaconf import DictConfig
 
 from modules.embedding import FeatureSpec
 from modules.models import build_model
-from modules.placement import GB, PlacementError, zipf_coverage
+from modules.placement import GB, zipf_coverage
 from modules.sharding import PlanResult, plan_model
+from pipeline.cli import exit_on_user_error
 from pipeline.config import ConfigError, parse_config
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import DataConfig
@@ -98,12 +98,7 @@ def plan_for_config(cfg: DictConfig) -> str:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        print(plan_for_config(cfg))
-    except ConfigError as e:
-        sys.exit(f"Config error: {e}")
-    except PlacementError as e:
-        sys.exit(f"Placement error: {e}")
+    print(exit_on_user_error(lambda: plan_for_config(cfg)))
 
 
 if __name__ == "__main__":

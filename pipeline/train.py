@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -22,7 +21,6 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
@@ -30,9 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 from modules.placement import TopologySpec
 from pipeline.best_validation import BestValidation
 from pipeline.callbacks import CommAccounting, CowClipLogging, KStepMerging, ShardedCheckpoint, TrainThroughput
-from pipeline.checkpointing import DCPCheckpointIO, TrainingState, complete_checkpoints, read_rank0_state
-from pipeline.config import ConfigError, LoggerConfig, RunConfig, TrainerConfig, check_runnable, parse_config
+from pipeline.checkpointing import (DCPCheckpointIO, TrainingState, checked_checkpoint, newest_intact_checkpoint,
+                                    read_rank0_state)
+from pipeline.cli import exit_on_user_error
+from pipeline.config import LoggerConfig, RunConfig, TrainerConfig, check_runnable, parse_config
 from pipeline.data.datamodule import CTRDataModule
+from pipeline.errors import TrackingUnavailableError
 from pipeline.launch import global_rank, world_from_env
 from pipeline.numa import bind_to_gpu_numa_node
 from pipeline.plan import format_plan
@@ -40,6 +41,7 @@ from pipeline.process_exit import exit_now, leave_process_group
 from pipeline.result import RunResult
 from pipeline.strategy import TorchRecStrategy
 from pipeline.task import CTRTask
+from pipeline.tracking import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger, bound_http_requests, probe
 
 log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=".*overridden `transfer_batch_to_device`.*")
@@ -52,17 +54,36 @@ def _output_dir() -> Path:
         return Path(tempfile.mkdtemp(prefix="ctr-run-"))
 
 
-def make_logger(cfg: LoggerConfig, run_id: str | None = None) -> MLFlowLogger:
-    """The MLflow logger; ``run_id`` (from a resumed checkpoint) is continued if the store has it."""
+def tracking_uri(cfg: LoggerConfig, output_dir: Path) -> tuple[str, dict[str, str]]:
+    """The store to log to, and tags for the run: ``logger.tracking_uri`` if it answers within
+    ``logger.connect_timeout_s``; else, with ``logger.on_unavailable=local``, a store in ``output_dir``."""
+    bound_http_requests()
+    problem = probe(cfg.tracking_uri, cfg.connect_timeout_s)
+    if problem is None:
+        return cfg.tracking_uri, {}
+    if cfg.on_unavailable == "fail":
+        raise TrackingUnavailableError(f"logger.tracking_uri={cfg.tracking_uri}: no MLflow tracking server answered: "
+                                       f"{problem}")
+    local = f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
+    print(f"MLflow: no tracking server at {cfg.tracking_uri} ({problem}); logging to {local} instead "
+          f"(logger.on_unavailable=local). Replay later: python -m pipeline.mlflow_sync --from {local} "
+          f"--to {cfg.tracking_uri}", flush=True)
+    return local, {ORIGINAL_RUN_TAG: "-", ORIGINAL_URI_TAG: cfg.tracking_uri}
+
+
+def make_logger(cfg: LoggerConfig, run_id: str | None = None, uri: str | None = None,
+                tags: dict[str, str] | None = None) -> TrackedMLflowLogger:
+    """The MLflow logger (not started); ``run_id`` (from a resumed checkpoint) is continued if the store has it."""
+    uri = uri or cfg.tracking_uri
     if run_id is not None:
         try:
-            MlflowClient(cfg.tracking_uri).get_run(run_id)
+            MlflowClient(uri).get_run(run_id)
         except MlflowException:
             log.warning("The checkpoint's MLflow run %s is not in %s (logger.tracking_uri); logging to a new run",
-                        run_id, cfg.tracking_uri)
+                        run_id, uri)
             run_id = None
-    return MLFlowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, tracking_uri=cfg.tracking_uri,
-                        log_model=False, run_id=run_id)
+    return TrackedMLflowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, tracking_uri=uri,
+                               log_model=False, run_id=run_id, tags=tags or None, retry_max_s=cfg.retry_max_s)
 
 
 def resume_checkpoint(cfg: TrainerConfig) -> tuple[str | None, str | None]:
@@ -70,12 +91,11 @@ def resume_checkpoint(cfg: TrainerConfig) -> tuple[str | None, str | None]:
     if not cfg.resume:
         return None, None
     if cfg.resume == "auto":
-        found = complete_checkpoints(cfg.checkpoint.dir) if cfg.checkpoint.dir else []
-        if not found:
+        path = newest_intact_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        if path is None:
             return None, None
-        path = found[-1]
     else:
-        path = Path(cfg.resume)
+        path = checked_checkpoint(cfg.resume)
     state = read_rank0_state(path)
     return str(path), (state.get("pipeline") or {}).get("mlflow_run_id")
 
@@ -95,7 +115,7 @@ def build_callbacks(cfg: RunConfig, topology: TopologySpec, extra: list[L.Callba
     return callbacks + extra
 
 
-def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Callback], logger: MLFlowLogger | bool,
+def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Callback], logger: TrackedMLflowLogger | bool,
                   output_dir: Path) -> L.Trainer:
     world = topology.world_size
     cuda = topology.compute_device == "cuda"
@@ -111,7 +131,7 @@ def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Call
         plugins=[DCPCheckpointIO(state)])
 
 
-def log_summary(logger: MLFlowLogger, params: dict[str, Any], task: CTRTask, trainer: L.Trainer,
+def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTask, trainer: L.Trainer,
                 datamodule: CTRDataModule, output_dir: Path) -> None:
     """Parameters, end-of-run metrics and artifacts (resolved config, sharding plan) of a finished run."""
     try:
@@ -156,20 +176,32 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     OmegaConf.save(OmegaConf.create(params), output_dir / "resolved_config.yaml")
 
     t = run_cfg.trainer
-    datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed)
-    task = CTRTask(run_cfg, topology)
     ckpt_path, run_id = resume_checkpoint(t)
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
-    logger = make_logger(run_cfg.logger, run_id) if global_rank() == 0 else False
+    logger: TrackedMLflowLogger | bool = False
+    if global_rank() == 0:
+        logger = make_logger(run_cfg.logger, run_id, *tracking_uri(run_cfg.logger, output_dir))
+        logger.start()
+    datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed)
+    task = CTRTask(run_cfg, topology)
     callbacks = build_callbacks(run_cfg, topology, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])
     trainer = build_trainer(run_cfg, topology, callbacks, logger, output_dir)
-    trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
-    test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
+    try:
+        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
+        test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
+        if logger:
+            log_summary(logger, params, task, trainer, datamodule, output_dir)
+    except BaseException:
+        if logger:
+            logger.finalize("failed")
+        raise
+    finally:
+        if logger:
+            for line in logger.close(run_cfg.logger.flush_timeout_s, output_dir):
+                print(line, flush=True)
 
     throughput = next(c for c in callbacks if isinstance(c, TrainThroughput))
     comm = next(c for c in callbacks if isinstance(c, CommAccounting))
-    if logger:
-        log_summary(logger, params, task, trainer, datamodule, output_dir)
     result = RunResult(test["test/auc"], test["test/logloss"], throughput.samples_per_s,
                        comm.bytes_per_step()["comm/total_bytes_per_step"], logger.run_id if logger else None,
                        str(output_dir))
@@ -181,9 +213,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        result = run(cfg)
-    except ConfigError as e:
-        sys.exit(f"Config error: {e}")
+        result = exit_on_user_error(lambda: run(cfg))
     finally:
         leave_process_group()
     if result.mlflow_run_id is not None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,47 @@ def train_cli(args: list[str], run_dir: Path, launcher: list[str] | None = None,
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return proc, read_result(run_dir) if (run_dir / "result.json").is_file() else None
+
+
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite store in ``folder``; can be killed and started
+    again on the same port and store."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.port = folder, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> "MlflowServer":
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.folder}/server.db",
+             "--artifacts-destination", str(self.folder / "art"), "--workers", "1"],
+            cwd=self.folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.kill()
+                    pytest.fail("mlflow server did not start")
+                time.sleep(0.3)
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers (an outage, not a shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
 
 
 @pytest.fixture(scope="session")

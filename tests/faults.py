@@ -38,3 +38,15 @@ class NaNLabelsAtStep(Callback):
                              batch_idx: int) -> None:
         if trainer.global_step == self.step:
             batch.labels.fill_(torch.nan)
+
+
+class RaiseAtStep(Callback):
+    """A bug stand-in: raises ``RuntimeError`` after training step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("injected failure")

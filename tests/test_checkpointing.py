@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.checkpointing import (SafeFileSystemReader, complete_checkpoints, join_tensors, read_rank0_state,
-                                    split_tensors)
+                                    split_tensors, verify_checkpoint)
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 STEPS_PER_EPOCH = 20  # 100k rows → 85k training rows / batch 4096
@@ -160,3 +160,24 @@ def test_split_and_join_round_trip():
     back = join_tensors(skeleton, tensors)
     assert back["b"][:4] == [1, 2.5, "x", None] and isinstance(back["b"][4], tuple) and torch.equal(back["a"], obj["a"])
     assert torch.equal(back[3]["c"], obj[3]["c"])
+
+
+def test_damaged_newest_checkpoint_is_refused_explicitly_and_skipped_by_auto_resume(ckpt_overrides, straight_run,
+                                                                                      tmp_path):
+    ckpt = tmp_path / "ckpt"
+    stopped, _ = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", _kill(0, 33)], tmp_path, check=False)
+    assert stopped.returncode != 0
+    newest = complete_checkpoints(ckpt)[-1]
+    assert newest.name == "step-000000030" and verify_checkpoint(newest) == []
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as fh:  # a shard file cut short, as by a crash of the storage
+        fh.truncate(shard.stat().st_size // 2)
+    assert verify_checkpoint(newest) and "has" in verify_checkpoint(newest)[0]
+    refused, _ = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", f"trainer.resume={newest}"], tmp_path,
+                      check=False)
+    assert refused.returncode != 0 and f"{newest} is damaged: {shard}" in refused.stderr
+    proc, resumed = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path)
+    assert f"Skipping damaged checkpoint {newest}" in proc.stdout + proc.stderr  # Hydra logs to stdout
+    # resumed from step 20 instead: exact resume gives the straight run's weights and metrics all the same
+    _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_run[1], ("state_dict/", "fused_optimizer/"))
+    assert (resumed.test_auc, resumed.test_logloss) == (straight_run[0].test_auc, straight_run[0].test_logloss)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.result import RunResult, read_result
-from tests.conftest import PYTHON, ROOT, free_port, subprocess_env, train_cli
+from tests.conftest import PYTHON, ROOT, MlflowServer, free_port, subprocess_env, train_cli
 
 MIN_AUC = 0.72  # small data (100k rows, 2 epochs, oracle AUC ≈ 0.90); a model that learns nothing gives 0.5
 
@@ -38,35 +36,11 @@ def _check_run(client: MlflowClient, result: RunResult, epochs: int) -> None:
     assert {"resolved_config.yaml", "sharding_plan.txt"} <= artifacts
 
 
-@pytest.fixture()
-def mlflow_server(tmp_path: Path):
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(Path(PYTHON).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art"),
-         "--workers", "1"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail("mlflow server did not start")
-            time.sleep(0.5)
-    yield uri
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, mlflow_server, tmp_path):
-    result = _train(small_overrides, mlflow_server, tmp_path / "run")
-    assert result.test_auc > MIN_AUC, result
-    _check_run(MlflowClient(tracking_uri=mlflow_server), result, epochs=2)
+def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, tmp_path):
+    with MlflowServer(tmp_path) as server:
+        result = _train(small_overrides, server.uri, tmp_path / "run")
+        assert result.test_auc > MIN_AUC, result
+        _check_run(MlflowClient(tracking_uri=server.uri), result, epochs=2)
 
 
 @pytest.mark.parametrize("model", ["wide_deep", "dcn", "dcnv2"])

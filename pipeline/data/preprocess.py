@@ -42,9 +42,10 @@ import pyarrow.parquet as pq
 
 from pipeline.data.hashing import factorized_string_keys, hash_keys, to_unit
 from pipeline.data.prefetch import prefetch
-from pipeline.data.reader import RawReader, open_lines
+from pipeline.data.reader import BadInputError, RawReader, open_lines
 from pipeline.data.schema import Schema
 from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID, SPLITS, ColumnarStore, StoreWriter
+from pipeline.errors import DiskFullError, disk_full, ensure_space
 
 SPLIT_CODES = {name: i for i, name in enumerate(SPLITS)}
 SPLIT_METHODS = ("random", "sequential", "given")
@@ -197,7 +198,7 @@ class _Spill:
         arrays = {"split": split, "label": label, "dense": dense, "codes": codes,
                   "distinct": np.concatenate(distinct) if distinct else np.zeros(0, np.uint64)}
         for name, a in arrays.items():
-            np.ascontiguousarray(a, dtype=self.SPECS[name]).tofile(self.handles[name])
+            self.handles[name].write(np.ascontiguousarray(a, dtype=self.SPECS[name]).data)  # errno on a full disk
         self.blocks.append((len(split), dense.shape[1], tuple(len(d) for d in distinct)))
 
     def read(self) -> Iterator[dict[str, Any]]:
@@ -316,7 +317,8 @@ def run_pass1(sources: Sources, schema: Schema, cfg: PreprocessConfig, total_row
     out.lo, out.hi = np.where(np.isfinite(out.lo), out.lo, 0.0), np.where(np.isfinite(out.hi), out.hi, 0.0)
     out.skipped = blocks.skipped()
     if out.spill.rows == 0:
-        raise ValueError(f"{', '.join(str(p) for p, _ in sources)}: no usable rows to preprocess")
+        raise BadInputError(f"{', '.join(str(p) for p, _ in sources)}: no data rows to preprocess"
+                            + (f" ({sum(out.skipped.values())} skipped as bad)" if out.skipped else ""))
     return out
 
 
@@ -399,12 +401,16 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
     t0 = time.perf_counter()
     total_rows = sum(_count_lines(p) - int(schema.header) for p, _ in sources) if cfg.split.method == "sequential" else -1
     writer: StoreWriter | None = None
+    first: Pass1 | None = None
     scratch = Path(out_dir).with_name(Path(out_dir).name + f".scratch-{os.getpid()}")
-    scratch.mkdir(parents=True, exist_ok=True)
     pool = ThreadPoolExecutor(max_workers=max(1, min(len(schema.categorical), os.cpu_count() or 1)))
     try:
+        row_bytes = 1 + 4 * len(schema.dense) + 4 * len(schema.categorical)  # label, dense values, ids
+        ensure_space(scratch, sum(os.path.getsize(p) for p, _ in sources) // 2)  # spill ≈ the parsed rows
+        scratch.mkdir(parents=True, exist_ok=True)
         first = run_pass1(sources, schema, cfg, total_rows, scratch, pool)
         vocab = build_vocabulary(first, schema, cfg)
+        ensure_space(out_dir, first.spill.rows * row_bytes)
         writer = StoreWriter(out_dir, first.split_rows, len(schema.dense), len(schema.categorical))
         positives = run_pass2(first, vocab, schema, cfg, writer, pool)
         rows = first.split_rows
@@ -424,9 +430,14 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             "seconds": time.perf_counter() - t0,
         }
         return writer.commit(meta)
-    except BaseException:
+    except BaseException as e:
         if writer is not None:
             writer.abort()
+        if isinstance(e, OSError) and not isinstance(e, DiskFullError):
+            needed = first.spill.rows * row_bytes if first is not None else sum(os.path.getsize(p) for p, _ in sources)
+            full = disk_full(e, writer.tmp_dir if writer is not None else scratch, needed)
+            if full is not None:
+                raise full from e
         raise
     finally:
         pool.shutdown()

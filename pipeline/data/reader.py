@@ -5,7 +5,7 @@ Each file (``.gz`` decompressed on the fly) is cut into newline-aligned chunks o
 typed columns — label and integer columns → int64, categorical columns → UTF-8 strings (empty =
 missing). Only a chunk that fails there is parsed again in careful mode (raw bytes, validated
 column by column here). Memory is bounded by one chunk; line numbers are exact (newlines are
-counted per chunk). Quoted fields must not contain newlines.
+counted per chunk). Quoted fields must not contain newlines (such a file is refused at that line).
 
 Bad input — a row with the wrong number of columns, a non-integer in an integer column, bytes
 that are not UTF-8, a label other than 0/1, an empty file — is handled by ``policy``:
@@ -62,6 +62,10 @@ def open_lines(path: Path):
     return open(path, "rb")
 
 
+def _newlines(chunk: memoryview) -> int:
+    return int(np.count_nonzero(np.frombuffer(chunk, dtype=np.uint8) == 10))
+
+
 @dataclass
 class RawReader:
     """Iterates typed record batches of ``files`` (see module docstring)."""
@@ -111,7 +115,15 @@ class RawReader:
             i = int(np.argmax(bad))
             self._fail(path, self._line_of(rows_before, i), name, col[i].as_py() or "", expected)
         clean = pc.if_else(pa.array(bad), pa.scalar(None, pa.string()), col) if bad.any() else col
-        return pc.cast(clean, pa.int64()), bad
+        try:
+            return pc.cast(clean, pa.int64()), bad
+        except pa.ArrowInvalid:  # digits beyond the 64-bit range
+            huge = np.array([v is not None and not -2**63 <= int(v) < 2**63 for v in clean.to_pylist()])
+            if self.policy == "error":
+                i = int(np.argmax(huge))
+                self._fail(path, self._line_of(rows_before, i), name, col[i].as_py() or "",
+                           f"{expected} within ±9.2e18 (64 bits)")
+            return pc.cast(pc.if_else(pa.array(huge), pa.scalar(None, pa.string()), clean), pa.int64()), bad | huge
 
     def _typed(self, path: Path, rows_before: int, batch: pa.Table) -> pa.Table:
         s = self.schema
@@ -224,13 +236,34 @@ class RawReader:
             text = text.rstrip(b"\r")
             if text.count(delim) + 1 != n:
                 shown = text[:120].decode("utf-8", "backslashreplace")
-                return BadInputError(f"{path}:{first_line + i}: {text.count(delim) + 1} columns, expected {n} "
-                                     f"({self.schema.name} layout); the line reads {shown!r}")
+                found = text.count(delim) + 1
+                other = max((d for d in (b",", b"\t", b";", b"|") if d != delim), key=text.count)
+                hint = f"; it splits into {text.count(other) + 1} columns at {other.decode()!r}: a file of " \
+                    f"another layout?" if found == 1 and text.count(other) else ""
+                return BadInputError(f"{path}:{first_line + i}: {found} column{'s' * (found != 1)}, expected {n} "
+                                     f"({self.schema.name} layout, separated by {self.schema.delimiter!r}){hint}; "
+                                     f"the line reads {shown!r}")
         return BadInputError(f"{path}: a row has the wrong number of columns (expected {n})")
+
+    def _unparsable(self, path: Path, chunk: memoryview, first_line: int, err: Exception) -> BadInputError:
+        found = self._column_count_error(path, chunk, first_line)
+        if found.args[0].startswith(f"{path}:{first_line}") or ": a row has" not in found.args[0]:
+            return found
+        return BadInputError(f"{path}:{first_line}: cannot be parsed as {self.schema.name}-format rows ({err})")
+
+    def _quoted_newline_error(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError:
+        quote = str(self.schema.quote_char).encode()
+        for i, text in enumerate(bytes(chunk).split(b"\n")):
+            if text.count(quote) % 2:
+                return BadInputError(f"{path}:{first_line + i}: a quoted value runs over a line break (quoted values "
+                                     f"must fit on one line)")
+        return BadInputError(f"{path}:{first_line}: a quoted value runs over a line break")
 
     def _fast_ok(self, table: pa.Table) -> bool:
         """A typed chunk needs the careful path if a label is not 0/1 or a required integer is missing."""
         s = self.schema
+        if table.num_rows == 0:  # every row was cut by its column count: reported as such
+            return True
         label = table.column(s.label)
         if label.null_count or pc.max(label).as_py() > 1 or pc.min(label).as_py() < 0:
             return False
@@ -250,7 +283,12 @@ class RawReader:
                 careful = True
             if careful:
                 bad_rows = []
-                table = self._parse(chunk, names, careful=True, bad_rows=bad_rows)
+                try:
+                    table = self._parse(chunk, names, careful=True, bad_rows=bad_rows)
+                except pa.ArrowInvalid as e:  # e.g. a lone line that pyarrow rejects before the row handler
+                    raise self._unparsable(path, chunk, self._line_at(path, offset), e) from None
+            if s.quote_char and table.num_rows + len(bad_rows) != _newlines(chunk) + (chunk[-1:] != b"\n"):
+                raise self._quoted_newline_error(path, chunk, self._line_at(path, offset))
             if bad_rows:
                 if self.policy == "error":
                     raise self._column_count_error(path, chunk, self._line_at(path, offset))

@@ -104,7 +104,7 @@ class StoreWriter:
         if end > self.split_rows[split]:
             raise RuntimeError(f"split {split} overflows its {self.split_rows[split]} planned rows")
         for name, values in (("label", label), ("dense", dense), ("sparse", sparse)):
-            np.ascontiguousarray(values, dtype=ARRAYS[name]).tofile(self.files[split][name])
+            self.files[split][name].write(np.ascontiguousarray(values, dtype=ARRAYS[name]).data)  # errno when full
         self.cursor[split] = end
 
     def _close(self) -> None:

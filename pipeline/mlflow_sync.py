@@ -1,0 +1,80 @@
+"""Replay runs kept in a local fallback store to a tracking server:
+``python -m pipeline.mlflow_sync --from sqlite:///<output>/mlflow_fallback.db --to http://host:5000``.
+
+Each run of the local store that carries the tag ``ctr.original_run_id`` (written by
+:mod:`pipeline.tracking` when logging calls could not reach the server in time) is copied into that
+original run on the target — or into a new run of the same experiment if the target does not have
+it: parameters, every metric's full history (values, steps, timestamps), tags, artifacts and the
+final status. A synced local run is tagged ``ctr.synced_to`` and skipped the next time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from pipeline.tracking import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
+
+SYNCED_TAG = "ctr.synced_to"
+BATCH = 1000  # MLflow's log_batch limit on metrics per call
+
+
+def _target_run(target: MlflowClient, run_id: str, experiment: str) -> str:
+    try:
+        return target.get_run(run_id).info.run_id
+    except MlflowException:
+        found = target.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found else target.create_experiment(experiment)
+        return target.create_run(exp_id, tags={ORIGINAL_RUN_TAG: run_id}).info.run_id
+
+
+def sync(source_uri: str, target_uri: str) -> list[tuple[str, str, int]]:
+    """Copy every unsynced fallback run; returns (local run, target run, metric values copied)."""
+    source, target = MlflowClient(source_uri), MlflowClient(target_uri)
+    done = []
+    for exp in source.search_experiments():
+        for run in source.search_runs([exp.experiment_id], filter_string=f"tags.`{ORIGINAL_RUN_TAG}` != ''"):
+            if SYNCED_TAG in run.data.tags:
+                continue
+            dest = _target_run(target, run.data.tags[ORIGINAL_RUN_TAG], exp.name)
+            params = [Param(k, v) for k, v in run.data.params.items()]
+            tags = [RunTag(k, v) for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "ctr."))]
+            target.log_batch(dest, params=params, tags=tags)
+            metrics = [Metric(m.key, m.value, m.timestamp, m.step) for key in run.data.metrics
+                       for m in source.get_metric_history(run.info.run_id, key)]
+            for i in range(0, len(metrics), BATCH):
+                target.log_batch(dest, metrics=metrics[i:i + BATCH])
+            with tempfile.TemporaryDirectory() as tmp:
+                if source.list_artifacts(run.info.run_id):
+                    target.log_artifacts(dest, source.download_artifacts(run.info.run_id, "", tmp))
+            if run.info.end_time:
+                target.set_terminated(dest, run.info.status)
+            source.set_tag(run.info.run_id, SYNCED_TAG, f"{target_uri} {dest}")
+            done.append((run.info.run_id, dest, len(metrics)))
+    return done
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--from", dest="source", required=True, help="the local fallback store (sqlite:///...)")
+    p.add_argument("--to", dest="target", default=None,
+                   help=f"the tracking server (default: each run's {ORIGINAL_URI_TAG} tag)")
+    args = p.parse_args(argv)
+    target = args.target
+    if target is None:
+        uris = {r.data.tags.get(ORIGINAL_URI_TAG) for e in MlflowClient(args.source).search_experiments()
+                for r in MlflowClient(args.source).search_runs([e.experiment_id])} - {None}
+        if len(uris) != 1:
+            sys.exit(f"--to is needed: the store's runs come from {sorted(uris) or 'no known server'}")
+        target = uris.pop()
+    for local, dest, n in sync(args.source, target):
+        print(f"run {local} -> {target} run {dest}: {n} metric values")
+
+
+if __name__ == "__main__":
+    main()
