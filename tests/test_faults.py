@@ -225,3 +225,41 @@ def test_unexpected_errors_keep_their_traceback(small_overrides, tmp_path):
     proc, _ = _train([*small_overrides, "trainer.max_steps=2",
                       "trainer.callbacks=[{_target_:tests.faults.RaiseAtStep,step:1}]"], tmp_path / "run", check=False)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "RuntimeError: injected failure" in proc.stderr
+
+
+def test_undelivered_logging_is_kept_locally_and_replays_to_the_server(tmp_path):
+    """The server dies for good after the run starts: the queued calls land in the fallback store;
+    once a server is back, pipeline.mlflow_sync puts every value into the original run."""
+    from pipeline.tracking import QueuedClient, TrackedMLflowLogger, bound_http_requests
+
+    bound_http_requests()
+    server = MlflowServer(tmp_path / "srv").start()
+    try:
+        logger = TrackedMLflowLogger(experiment_name="outage", tracking_uri=server.uri)
+        run_id = logger.start()
+        assert isinstance(logger.experiment, QueuedClient)
+        server.kill()
+        t0 = time.perf_counter()
+        for step in range(5):
+            logger.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)  # returns at once: queued
+        logger.log_hyperparams({"model": {"name": "deepfm"}})
+        assert time.perf_counter() - t0 < 1.0
+        lines = logger.close(timeout_s=2, folder=tmp_path / "out")
+        assert len(lines) == 2 and "did not reach" in lines[0] and "pipeline.mlflow_sync" in lines[1], lines
+        local = f"sqlite:///{(tmp_path / 'out' / FALLBACK_DB).resolve()}"
+        kept = MlflowClient(local).search_runs([e.experiment_id for e in MlflowClient(local).search_experiments()])
+        assert len(kept) == 1 and kept[0].data.tags[ORIGINAL_RUN_TAG] == run_id
+        server.start()
+        sync = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", "--from", local], cwd=ROOT, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert sync.returncode == 0 and f"{server.uri} run {run_id}: 5 metric values" in sync.stdout, sync.stderr
+        client = MlflowClient(server.uri)
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+        assert history == [(s, 1.0 / (s + 1)) for s in range(5)]
+        assert client.get_run(run_id).data.params["model/name"] == "deepfm"
+        assert client.get_run(run_id).info.status == "FINISHED"
+        again = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", "--from", local], cwd=ROOT,
+                               env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and again.stdout == ""  # synced runs are not copied twice
+    finally:
+        server.kill()
