@@ -1,4 +1,4 @@
-# CUDA image: torch 2.11 (CUDA 13) + fbgemm-gpu 1.6.0 + torchrec 1.6.0, the project installed.
+# CUDA image: torch 2.11 (CUDA 13) + fbgemm-gpu 1.6.0 + torchrec 1.6.1, the project installed.
 #   docker build -t ctr-pipeline .
 #   docker run --gpus all --rm ctr-pipeline                                  # 1 GPU, synthetic default
 #   docker run --gpus all --rm ctr-pipeline torchrun --nproc_per_node=8 -m pipeline.train topology=8gpu_node
@@ -9,7 +9,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
 RUN python3 -m venv $VIRTUAL_ENV \
     && pip install --no-cache-dir torch==2.11.0 --index-url https://download.pytorch.org/whl/cu130 \
-    && pip install --no-cache-dir fbgemm-gpu==1.6.0 torchrec==1.6.0
+    && pip install --no-cache-dir fbgemm-gpu==1.6.0 torchrec==1.6.1
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml tools/fbgemm_gpu_shim/pyproject.toml
 	$(PY) -c "import torchrec, fbgemm_gpu, lightning, hydra, mlflow"
 	touch $(STAMP)
 
-.PHONY: install train test
+.PHONY: install train test check-pins
 install: $(STAMP)
 
 train: $(STAMP)
@@ -22,3 +22,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
+
+# Every pinned version (CPU and GPU extras, Dockerfile, README) exists on the package index (CI runs it).
+check-pins: $(STAMP)
+	$(PY) tools/check_pins.py
