@@ -157,6 +157,10 @@ class RunConfig:
 
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
+# for conf/hydra/launcher/slurm.yaml: the first value that is set; GPUs per node on CUDA topologies
+OmegaConf.register_new_resolver("ctr_first", lambda *values: next((v for v in values if v is not None), None),
+                                replace=True)
+OmegaConf.register_new_resolver("ctr_gpus", lambda device, ranks: ranks if device == "cuda" else None, replace=True)
 
 
 def _build(node: DictConfig, key: str) -> Any:

@@ -8,13 +8,18 @@ import socket
 
 
 def world_from_env() -> tuple[int, int]:
-    """(world size, ranks per node) as torchrun sets them; (1, 1) for a plain process."""
+    """(world size, ranks per node) as torchrun sets them — or SLURM, for a job whose tasks it started
+    itself (``hydra/launcher=slurm``); (1, 1) for a plain process."""
+    if "WORLD_SIZE" not in os.environ and "SLURM_NTASKS" in os.environ:
+        world = int(os.environ["SLURM_NTASKS"])
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", str(world)).split("(")[0].split(",")[0]
+        return world, int(per_node)
     world = int(os.environ.get("WORLD_SIZE", 1))
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def global_rank() -> int:
-    return int(os.environ.get("RANK", 0))
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
 def free_port() -> int:

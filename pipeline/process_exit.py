@@ -38,3 +38,12 @@ def exit_now(code: int = 0) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def stop_worker_pools() -> None:
+    """Stop the worker processes a joblib sweep left idle (``hydra/launcher=joblib``): they hold the
+    command's output open and would otherwise linger for loky's idle timeout (5 minutes)."""
+    if "joblib.externals.loky" in sys.modules:
+        from joblib.externals.loky import get_reusable_executor
+
+        get_reusable_executor().shutdown(wait=True, kill_workers=True)

@@ -47,12 +47,17 @@ class RunSummary:
         return self.rule if self.clip == (self.rule == "cowclip") else f"{self.rule}{'+clip' if self.clip else '-clip'}"
 
 
-def collect_runs(client: MlflowClient, experiment: str) -> list[RunSummary]:
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        raise SystemExit(f"MLflow experiment {experiment!r} not found at {client.tracking_uri}")
+def collect_runs(client: MlflowClient, experiment: str, parent: str | None = None) -> list[RunSummary]:
+    """The latest finished run per (batch size, rule) of an experiment — or of a sweep's parent run."""
+    if parent is not None:
+        exp_id, only = client.get_run(parent).info.experiment_id, f" and tags.`mlflow.parentRunId` = '{parent}'"
+    else:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            raise SystemExit(f"MLflow experiment {experiment!r} not found at {client.tracking_uri}")
+        exp_id, only = exp.experiment_id, ""
     latest: dict[tuple[int, str], RunSummary] = {}
-    for run in client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+    for run in client.search_runs([exp_id], filter_string="attributes.status = 'FINISHED'" + only,
                                   max_results=5000):
         p, m = run.data.params, run.data.metrics
         if "test/auc" not in m or "scaling/rule" not in p:
@@ -138,26 +143,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experiment", default="batch_scaling")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
+    parser.add_argument("--parent", default=None, help="report on the child runs of this sweep parent run "
+                                                       "(and log the report there)")
     parser.add_argument("--out", default=None, help="output folder (default: reports/<experiment>)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log the report to MLflow")
     args = parser.parse_args()
     client = MlflowClient(tracking_uri=args.tracking_uri)
-    runs = collect_runs(client, args.experiment)
+    runs = collect_runs(client, args.experiment, args.parent)
     if not runs:
-        raise SystemExit(f"no finished training runs in experiment {args.experiment!r}")
-    out = Path(args.out or f"reports/{args.experiment}")
+        raise SystemExit(f"no finished training runs in {f'sweep {args.parent}' if args.parent else args.experiment!r}")
+    out = Path(args.out or f"reports/{args.parent or args.experiment}")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(runs)
     (out / "report.md").write_text(table)
     plot(runs, out / "auc_vs_batch.png", f"{args.experiment}: test AUC vs batch size")
     print(table)
     if not args.no_mlflow:
-        exp = client.get_experiment_by_name(args.experiment)
-        run = client.create_run(exp.experiment_id, run_name="report", tags={"report": "true"})
+        if args.parent is not None:  # onto the sweep's own parent run
+            target = args.parent
+        else:
+            exp = client.get_experiment_by_name(args.experiment)
+            target = client.create_run(exp.experiment_id, run_name="report", tags={"report": "true"}).info.run_id
         for name in ("report.md", "auc_vs_batch.png"):
-            client.log_artifact(run.info.run_id, str(out / name))
-        client.set_terminated(run.info.run_id)
-        print(f"report logged to MLflow run {run.info.run_id}; files in {out}")
+            client.log_artifact(target, str(out / name), artifact_path="report" if args.parent else None)
+        if args.parent is None:
+            client.set_terminated(target)
+        print(f"report logged to MLflow run {target}; files in {out}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ class RunResult:
     comm_bytes_per_step: float      # bytes of collectives one rank issued per training step
     mlflow_run_id: str | None
     output_dir: str
+    best_val_auc: float | None = None   # what a sweep optimises
 
     def line(self) -> str:
         return (f"RESULT test_auc={self.test_auc:.6f} test_logloss={self.test_logloss:.6f} "

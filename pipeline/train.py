@@ -11,8 +11,10 @@ into the run's output folder (:mod:`pipeline.result`) and ends with one line::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
@@ -37,9 +40,10 @@ from pipeline.errors import TrackingUnavailableError
 from pipeline.launch import global_rank, world_from_env
 from pipeline.numa import bind_to_gpu_numa_node
 from pipeline.plan import format_plan
-from pipeline.process_exit import exit_now, leave_process_group
+from pipeline.process_exit import exit_now, leave_process_group, stop_worker_pools
 from pipeline.result import RunResult
 from pipeline.strategy import TorchRecStrategy
+from pipeline.sweep_tracking import parent_tags, record_failure
 from pipeline.task import CTRTask
 from pipeline.tracking import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger, bound_http_requests, probe
 
@@ -47,11 +51,33 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=".*overridden `transfer_batch_to_device`.*")
 
 
+def _hydra() -> DictConfig | None:
+    """Hydra's own config of this job (None when not under @hydra.main: tests compose configs themselves)."""
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
 def _output_dir() -> Path:
-    try:
-        return Path(HydraConfig.get().runtime.output_dir)
-    except ValueError:  # not under @hydra.main (tests compose the config themselves)
-        return Path(tempfile.mkdtemp(prefix="ctr-run-"))
+    hydra_cfg = _hydra()
+    return Path(hydra_cfg.runtime.output_dir) if hydra_cfg else Path(tempfile.mkdtemp(prefix="ctr-run-"))
+
+
+def sweep_job_tags() -> dict[str, str]:
+    """In a multirun: the parent run's tag, the job's overrides and a run name saying which job it is."""
+    hydra_cfg = _hydra()
+    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+        return {}
+    return {**parent_tags(), "ctr.overrides": " ".join(hydra_cfg.overrides.task),
+            "mlflow.runName": f"job {hydra_cfg.job.num}"}
+
+
+def threads_per_job() -> int | None:
+    """Under the joblib launcher, each of its ``n_jobs`` parallel jobs gets an equal share of the cores."""
+    hydra_cfg = _hydra()
+    if hydra_cfg is None or "joblib" not in str(hydra_cfg.launcher.get("_target_", "")):
+        return None
+    cores = os.cpu_count() or 1
+    jobs = int(hydra_cfg.launcher.n_jobs)
+    return max(1, cores // (jobs if jobs > 0 else cores))
 
 
 def tracking_uri(cfg: LoggerConfig, output_dir: Path) -> tuple[str, dict[str, str]]:
@@ -167,8 +193,9 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     topology = run_cfg.topology.for_world(world, local_world)
     if topology.compute_device == "cuda":
         bind_to_gpu_numa_node(int(os.environ.get("LOCAL_RANK", 0)), topology.numa)
-    if run_cfg.trainer.num_threads:
-        torch.set_num_threads(run_cfg.trainer.num_threads)
+    threads = run_cfg.trainer.num_threads or threads_per_job()
+    if threads:
+        torch.set_num_threads(threads)
     L.seed_everything(run_cfg.seed, workers=True, verbose=False)
     output_dir = output_dir or _output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +207,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
     logger: TrackedMLflowLogger | bool = False
     if global_rank() == 0:
-        logger = make_logger(run_cfg.logger, run_id, *tracking_uri(run_cfg.logger, output_dir))
+        uri, tags = tracking_uri(run_cfg.logger, output_dir)
+        logger = make_logger(run_cfg.logger, run_id, uri, {**tags, **sweep_job_tags()})
         logger.start()
     datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed)
     task = CTRTask(run_cfg, topology)
@@ -202,27 +230,44 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
 
     throughput = next(c for c in callbacks if isinstance(c, TrainThroughput))
     comm = next(c for c in callbacks if isinstance(c, CommAccounting))
+    best = next(c for c in callbacks if isinstance(c, BestValidation))
     result = RunResult(test["test/auc"], test["test/logloss"], throughput.samples_per_s,
                        comm.bytes_per_step()["comm/total_bytes_per_step"], logger.run_id if logger else None,
-                       str(output_dir))
+                       str(output_dir), best.best)
     if global_rank() == 0:
         result.write()
     return result
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def run_sweep_job(cfg: DictConfig) -> RunResult | None:
+    """One job of a multirun: a failure is recorded (job log, sweep parent run) instead of ending the sweep."""
     try:
-        result = exit_on_user_error(lambda: run(cfg))
+        return run(cfg)
+    except Exception as e:  # noqa: BLE001 - any failure of this job; the others go on
+        log.error("Job failed: %s\n%s", e, traceback.format_exc())
+        record_failure(cfg, f"{type(e).__name__}: {' '.join(str(e).split())}")
+        return None
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    """Returns the best validation AUC (what a sweeper maximises); NaN for a failed sweep job."""
+    multirun = _hydra() is not None and _hydra().mode == RunMode.MULTIRUN
+    try:
+        result = run_sweep_job(cfg) if multirun else exit_on_user_error(lambda: run(cfg))
     finally:
         leave_process_group()
+    if result is None:
+        return math.nan
     if result.mlflow_run_id is not None:
         print(f"MLflow run {result.mlflow_run_id} in experiment '{cfg.logger.experiment_name}' at "
               f"{cfg.logger.tracking_uri} (browse: mlflow ui --backend-store-uri {cfg.logger.tracking_uri})")
         print(f"Output folder: {result.output_dir} (result.json, resolved_config.yaml, sharding_plan.txt)")
         print(result.line(), flush=True)
+    return math.nan if result.best_val_auc is None else result.best_val_auc
 
 
 if __name__ == "__main__":
     main()
+    stop_worker_pools()
     exit_now(0)  # a finished run: no interpreter teardown (see pipeline.process_exit)

@@ -25,9 +25,9 @@ PYTHON = sys.executable
 SMALL_ROWS = 100_000
 
 
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
+def compose_config(overrides: list[str] | None = None, return_hydra_config: bool = False) -> DictConfig:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides or []))
+        return compose(config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

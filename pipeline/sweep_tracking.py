@@ -1,0 +1,130 @@
+"""A Hydra multirun as one MLflow parent run with each job as a child run (nested in the MLflow UI).
+
+Registered as a Hydra callback (``hydra.callbacks.mlflow_sweep`` in ``conf/config.yaml``):
+
+* ``on_multirun_start`` (the launching process): creates the parent run in ``logger.experiment_name``
+  with the sweep's overrides, its search space (``hydra.sweeper.params``) and launcher as parameters,
+  and puts its id into the environment (``CTR_MLFLOW_PARENT_RUN``) that the jobs inherit — in this
+  process (basic launcher) or in the worker processes started after it (joblib, submitit);
+* each job's run is created with the tag ``mlflow.parentRunId`` (:func:`parent_tags`);
+* a job that fails does not stop the sweep: :func:`pipeline.train.main` records the error on the
+  parent as ``failed.<job number>`` = overrides and error (:func:`record_failure`) and returns NaN,
+  which the Optuna sweeper counts as a failed trial; ``on_job_end`` records jobs that Hydra itself
+  saw fail;
+* ``on_multirun_end``: ``sweep_summary.md`` (every child: overrides, best validation AUC, test AUC,
+  status; the best first) as an artifact of the parent, its best values as metrics, the parent closed
+  (FAILED if no job finished). ``python -m pipeline.report --parent <id>`` reports on the children.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from mlflow.entities import Param
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+PARENT_ENV = "CTR_MLFLOW_PARENT_RUN"
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def parent_tags() -> dict[str, str]:
+    """Tags that make a job's run a child of the running sweep's parent run (none outside a sweep)."""
+    parent = os.environ.get(PARENT_ENV)
+    return {PARENT_TAG: parent} if parent else {}
+
+
+def record_failure(config: DictConfig, why: str) -> None:
+    """Write ``failed.<job number>`` = the job's overrides and ``why`` on the sweep's parent run (called in
+    the job's process, where Hydra's config says which job it is)."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or not HydraConfig.initialized():
+        return
+    job = HydraConfig.get().job
+    overrides = " ".join(HydraConfig.get().overrides.task)
+    try:
+        MlflowClient(config.logger.tracking_uri).set_tag(parent, f"failed.{job.num}", f"{overrides}: {why}"[:5000])
+    except MlflowException as e:  # the record is lost, not the sweep
+        log.warning("could not record the failure of job %s on the sweep's MLflow run %s: %s", job.num, parent, e)
+
+
+def _experiment_id(client: MlflowClient, name: str) -> str:
+    found = client.get_experiment_by_name(name)
+    return found.experiment_id if found else client.create_experiment(name)
+
+
+def child_rows(client: MlflowClient, parent: str) -> list[dict[str, Any]]:
+    """The parent's children: run id, name, swept overrides, metrics, status; best validation AUC first."""
+    run = client.get_run(parent)
+    children = client.search_runs([run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent}'",
+                                  max_results=10000)
+    rows = [{"run_id": c.info.run_id, "name": c.info.run_name, "status": c.info.status,
+             "overrides": c.data.tags.get("ctr.overrides", ""), "val_auc": c.data.metrics.get("val/best_auc"),
+             "test_auc": c.data.metrics.get("test/auc")} for c in children]
+    return sorted(rows, key=lambda r: -(r["val_auc"] if r["val_auc"] is not None else -math.inf))
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    def num(x: float | None) -> str:
+        return "–" if x is None else f"{x:.5f}"
+
+    lines = ["| run | overrides | best val AUC | test AUC | status |", "|---|---|---:|---:|---|"]
+    lines += [f"| {r['name']} ({r['run_id'][:8]}) | {r['overrides']} | {num(r['val_auc'])} | {num(r['test_auc'])} | "
+              f"{r['status']} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+class MlflowSweep(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        client = MlflowClient(config.logger.tracking_uri)
+        exp = _experiment_id(client, config.logger.experiment_name)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        run = client.create_run(exp, run_name=f"sweep {sweep_dir.name}", tags={"ctr.sweep": "parent"})
+        params = {"sweep/overrides": " ".join(config.hydra.overrides.task) or "(none)",
+                  "sweep/sweeper": config.hydra.sweeper.get("_target_", "?"),
+                  "sweep/launcher": config.hydra.launcher.get("_target_", "?"), "sweep/dir": str(sweep_dir)}
+        searched = config.hydra.sweeper.get("params")
+        space = OmegaConf.to_container(searched, resolve=False) if searched else {}
+        params.update({f"space/{k}": str(v) for k, v in space.items()})
+        client.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in params.items()])
+        os.environ[PARENT_ENV] = run.info.run_id
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / "mlflow_parent_run_id").write_text(run.info.run_id + "\n")
+        print(f"MLflow: sweep parent run {run.info.run_id} in experiment '{config.logger.experiment_name}'", flush=True)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.FAILED:
+            error = job_return._return_value
+            record_failure(config, f"{type(error).__name__}: {error}")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        parent = os.environ.pop(PARENT_ENV, None)
+        if parent is None:
+            return
+        client = MlflowClient(config.logger.tracking_uri)
+        rows = child_rows(client, parent)
+        out = Path(config.hydra.sweep.dir) / "sweep_summary.md"
+        failed = {k: v for k, v in client.get_run(parent).data.tags.items() if k.startswith("failed.")}
+        text = summary_table(rows) + ("\nFailed jobs:\n\n" + "\n".join(f"- job {k[7:]}: {v}" for k, v in
+                                                                         sorted(failed.items())) + "\n" if failed else "")
+        out.write_text(text)
+        client.log_artifact(parent, str(out))
+        best = next((r for r in rows if r["val_auc"] is not None), None)
+        if best is not None:
+            client.log_metric(parent, "sweep/best_val_auc", best["val_auc"])
+            client.set_tag(parent, "sweep/best_run", best["run_id"])
+            client.set_tag(parent, "sweep/best_overrides", best["overrides"])
+        client.log_metric(parent, "sweep/jobs", len(rows))
+        client.log_metric(parent, "sweep/failed_jobs", len(failed))
+        finished = any(r["status"] == "FINISHED" for r in rows)
+        client.set_terminated(parent, "FINISHED" if finished else "FAILED")
+        print(text, flush=True)
