@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence, TypeVar
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -17,6 +17,13 @@ from modules.comm_accounting import CommCounter, ddp_counting_hook
 from modules.kstep_merging import KStepMerger, MergeConfig
 from modules.optimizers import replicated_parameters
 from pipeline.checkpointing import complete_checkpoints
+
+C = TypeVar("C", bound=Callback)
+
+
+def find_callback(callbacks: Sequence[Callback], cls: type[C]) -> C | None:
+    """The run's callback of type ``cls`` (None if it has none)."""
+    return next((c for c in callbacks if isinstance(c, cls)), None)
 
 
 class TrainThroughput(Callback):
@@ -161,9 +168,9 @@ class ShardedCheckpoint(Callback):
         self.dirpath, self.every_n_steps, self.keep = dirpath, every_n_steps, max(1, keep)
 
     def _save(self, trainer: L.Trainer) -> None:
-        for cb in trainer.callbacks:
-            if isinstance(cb, KStepMerging):
-                cb.merge_if_dirty()
+        merging = find_callback(trainer.callbacks, KStepMerging)
+        if merging is not None:
+            merging.merge_if_dirty()
         trainer.save_checkpoint(str(Path(self.dirpath) / f"step-{trainer.global_step:09d}"))
         if trainer.is_global_zero:
             for old in complete_checkpoints(self.dirpath)[:-self.keep]:

@@ -300,8 +300,7 @@ class DCPCheckpointIO(CheckpointIO):
         if not state_file.is_file():
             raise CheckpointMismatchError(f"{path} has no state for rank {_rank()}: written by fewer processes?")
         skeleton = json.loads(state_file.read_text())
-        saved = join_tensors(skeleton, {p["__tensor__"]: None for p in _placeholders(skeleton)})
-        differs = _differences(saved["pipeline"]["layout"], self.state.layout())
+        differs = _differences(_without_tensors(skeleton)["pipeline"]["layout"], self.state.layout())
         if differs:
             raise CheckpointMismatchError(f"{path}: the checkpoint does not match this run: " + "; ".join(differs))
         live = self.state.live_tensors()
@@ -358,10 +357,14 @@ def checked_checkpoint(path: str | os.PathLike) -> Path:
     return path
 
 
-def read_rank0_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON (non-tensor) part of rank 0's checkpoint state, tensors left as placeholders."""
-    skeleton = json.loads((Path(path) / STATE_FILE.format(rank=0)).read_text())
+def _without_tensors(skeleton: dict[str, Any]) -> dict[str, Any]:
+    """A state file's contents with None where its tensors go."""
     return join_tensors(skeleton, {p["__tensor__"]: None for p in _placeholders(skeleton)})
+
+
+def read_rank0_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON (non-tensor) part of rank 0's checkpoint state, tensors left as None."""
+    return _without_tensors(json.loads((Path(path) / STATE_FILE.format(rank=0)).read_text()))
 
 
 def _numpy_rng_state(state: tuple) -> list:

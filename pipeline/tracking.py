@@ -20,7 +20,6 @@ retry; set the variables to override), so an unanswered call costs seconds, not 
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import threading
 import time
@@ -32,7 +31,6 @@ from typing import Any
 from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 
-log = logging.getLogger(__name__)
 FALLBACK_DB = "mlflow_fallback.db"
 ORIGINAL_RUN_TAG = "ctr.original_run_id"
 ORIGINAL_URI_TAG = "ctr.original_tracking_uri"
@@ -83,8 +81,6 @@ class QueuedClient:
         self._queue: collections.deque[Call] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
-        self.delivered = 0
-        self.failed_attempts = 0
         self.last_error: str | None = None
         self._thread = threading.Thread(target=self._deliver, name="mlflow-queue", daemon=True)
         self._thread.start()
@@ -113,7 +109,6 @@ class QueuedClient:
             try:
                 getattr(self._client, name)(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - any failure of the server: retry later
-                self.failed_attempts += 1
                 self.last_error = f"{type(e).__name__}: {e}"[:300]
                 with self._cv:
                     self._cv.wait(timeout=delay)
@@ -122,7 +117,6 @@ class QueuedClient:
             delay = 0.5
             with self._cv:
                 self._queue.popleft()
-                self.delivered += 1
 
     def pending(self) -> int:
         with self._cv:

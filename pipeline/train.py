@@ -30,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from modules.placement import TopologySpec
 from pipeline.best_validation import BestValidation
-from pipeline.callbacks import CommAccounting, CowClipLogging, KStepMerging, ShardedCheckpoint, TrainThroughput
+from pipeline.callbacks import (CommAccounting, CowClipLogging, KStepMerging, ShardedCheckpoint, TrainThroughput,
+                                find_callback)
 from pipeline.checkpointing import (DCPCheckpointIO, TrainingState, checked_checkpoint, newest_intact_checkpoint,
                                     read_rank0_state)
 from pipeline.cli import exit_on_user_error
@@ -56,6 +57,11 @@ def _hydra() -> DictConfig | None:
     return HydraConfig.get() if HydraConfig.initialized() else None
 
 
+def _in_sweep() -> bool:
+    hydra_cfg = _hydra()
+    return hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN
+
+
 def _output_dir() -> Path:
     hydra_cfg = _hydra()
     return Path(hydra_cfg.runtime.output_dir) if hydra_cfg else Path(tempfile.mkdtemp(prefix="ctr-run-"))
@@ -63,9 +69,9 @@ def _output_dir() -> Path:
 
 def sweep_job_tags() -> dict[str, str]:
     """In a multirun: the parent run's tag, the job's overrides and a run name saying which job it is."""
-    hydra_cfg = _hydra()
-    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+    if not _in_sweep():
         return {}
+    hydra_cfg = _hydra()
     return {**parent_tags(), "ctr.overrides": " ".join(hydra_cfg.overrides.task),
             "mlflow.runName": f"job {hydra_cfg.job.num}"}
 
@@ -146,7 +152,6 @@ def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Call
     world = topology.world_size
     cuda = topology.compute_device == "cuda"
     t = cfg.trainer
-    state = next(c for c in callbacks if isinstance(c, TrainingState))
     return L.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=topology.ranks_per_node, num_nodes=world // topology.ranks_per_node,
         strategy=TorchRecStrategy(process_group_backend="nccl" if cuda else "gloo"),
@@ -154,7 +159,7 @@ def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Call
         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=False, default_root_dir=str(output_dir),
-        plugins=[DCPCheckpointIO(state)])
+        plugins=[DCPCheckpointIO(find_callback(callbacks, TrainingState))])
 
 
 def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTask, trainer: L.Trainer,
@@ -167,9 +172,8 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
     logger.log_hyperparams({**task.scaled_hyperparameters(), "cowclip/global_tables": len(task.cowclip.global_lookups),
                             "cowclip/local_tables": len(task.cowclip.local_lookups)})
     meta = datamodule.store.meta
-    throughput = next(c for c in trainer.callbacks if isinstance(c, TrainThroughput))
-    comm = next(c for c in trainer.callbacks if isinstance(c, CommAccounting))
-    best = next(c for c in trainer.callbacks if isinstance(c, BestValidation))
+    throughput, comm, best = (find_callback(trainer.callbacks, cls) for cls in (TrainThroughput, CommAccounting,
+                                                                                 BestValidation))
     metrics = {"train/samples_per_s_run": throughput.samples_per_s, "world_size": trainer.world_size,
                **comm.bytes_per_step(), "train/epochs": trainer.current_epoch,
                **{f"data/{k}_rows": v for k, v in meta["splits"].items()},
@@ -228,9 +232,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
             for line in logger.close(run_cfg.logger.flush_timeout_s, output_dir):
                 print(line, flush=True)
 
-    throughput = next(c for c in callbacks if isinstance(c, TrainThroughput))
-    comm = next(c for c in callbacks if isinstance(c, CommAccounting))
-    best = next(c for c in callbacks if isinstance(c, BestValidation))
+    throughput, comm, best = (find_callback(callbacks, cls) for cls in (TrainThroughput, CommAccounting,
+                                                                        BestValidation))
     result = RunResult(test["test/auc"], test["test/logloss"], throughput.samples_per_s,
                        comm.bytes_per_step()["comm/total_bytes_per_step"], logger.run_id if logger else None,
                        str(output_dir), best.best)
@@ -252,9 +255,8 @@ def run_sweep_job(cfg: DictConfig) -> RunResult | None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     """Returns the best validation AUC (what a sweeper maximises); NaN for a failed sweep job."""
-    multirun = _hydra() is not None and _hydra().mode == RunMode.MULTIRUN
     try:
-        result = run_sweep_job(cfg) if multirun else exit_on_user_error(lambda: run(cfg))
+        result = run_sweep_job(cfg) if _in_sweep() else exit_on_user_error(lambda: run(cfg))
     finally:
         leave_process_group()
     if result is None:

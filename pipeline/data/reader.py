@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -229,35 +229,43 @@ class RawReader:
             convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(s.read_columns),
                                                  strings_can_be_null=True))
 
-    def _column_count_error(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError:
+    @staticmethod
+    def _first_line(chunk: memoryview, bad: Callable[[bytes], bool]) -> tuple[int, bytes] | None:
+        """(index, text without the line end) of the chunk's first line for which ``bad`` holds."""
+        for i, text in enumerate(bytes(chunk).split(b"\n")):
+            if bad(text.rstrip(b"\r")):
+                return i, text.rstrip(b"\r")
+        return None
+
+    def _wrong_column_count(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError | None:
+        """The error for the chunk's first line with a column count other than the layout's (None: none)."""
         n = len(self.schema.columns)
         delim = self.schema.delimiter.encode()
-        for i, text in enumerate(bytes(chunk).split(b"\n")):
-            text = text.rstrip(b"\r")
-            if text.count(delim) + 1 != n:
-                shown = text[:120].decode("utf-8", "backslashreplace")
-                found = text.count(delim) + 1
-                other = max((d for d in (b",", b"\t", b";", b"|") if d != delim), key=text.count)
-                hint = f"; it splits into {text.count(other) + 1} columns at {other.decode()!r}: a file of " \
-                    f"another layout?" if found == 1 and text.count(other) else ""
-                return BadInputError(f"{path}:{first_line + i}: {found} column{'s' * (found != 1)}, expected {n} "
-                                     f"({self.schema.name} layout, separated by {self.schema.delimiter!r}){hint}; "
-                                     f"the line reads {shown!r}")
-        return BadInputError(f"{path}: a row has the wrong number of columns (expected {n})")
+        hit = self._first_line(chunk, lambda text: text.count(delim) + 1 != n)
+        if hit is None:
+            return None
+        i, text = hit
+        found = text.count(delim) + 1
+        other = max((d for d in (b",", b"\t", b";", b"|") if d != delim), key=text.count)
+        hint = f"; it splits into {text.count(other) + 1} columns at {other.decode()!r}: a file of " \
+            f"another layout?" if found == 1 and text.count(other) else ""
+        return BadInputError(f"{path}:{first_line + i}: {found} column{'s' * (found != 1)}, expected {n} "
+                             f"({self.schema.name} layout, separated by {self.schema.delimiter!r}){hint}; "
+                             f"the line reads {text[:120].decode('utf-8', 'backslashreplace')!r}")
+
+    def _column_count_error(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError:
+        return self._wrong_column_count(path, chunk, first_line) or \
+            BadInputError(f"{path}: a row has the wrong number of columns (expected {len(self.schema.columns)})")
 
     def _unparsable(self, path: Path, chunk: memoryview, first_line: int, err: Exception) -> BadInputError:
-        found = self._column_count_error(path, chunk, first_line)
-        if found.args[0].startswith(f"{path}:{first_line}") or ": a row has" not in found.args[0]:
-            return found
-        return BadInputError(f"{path}:{first_line}: cannot be parsed as {self.schema.name}-format rows ({err})")
+        return self._wrong_column_count(path, chunk, first_line) or \
+            BadInputError(f"{path}:{first_line}: cannot be parsed as {self.schema.name}-format rows ({err})")
 
     def _quoted_newline_error(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError:
         quote = str(self.schema.quote_char).encode()
-        for i, text in enumerate(bytes(chunk).split(b"\n")):
-            if text.count(quote) % 2:
-                return BadInputError(f"{path}:{first_line + i}: a quoted value runs over a line break (quoted values "
-                                     f"must fit on one line)")
-        return BadInputError(f"{path}:{first_line}: a quoted value runs over a line break")
+        hit = self._first_line(chunk, lambda text: text.count(quote) % 2 == 1)
+        return BadInputError(f"{path}:{first_line + (hit[0] if hit else 0)}: a quoted value runs over a line break "
+                             f"(quoted values must fit on one line)")
 
     def _fast_ok(self, table: pa.Table) -> bool:
         """A typed chunk needs the careful path if a label is not 0/1 or a required integer is missing."""
