@@ -38,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_project(path: str, out: str) -> dict:
-    from pipeline.data.preprocess import PreprocessConfig, preprocess
-    from pipeline.data.schema import CRITEO
+    from pipeline.data.dataset import builtin_layout
+    from pipeline.data.preprocess import preprocess
+    from pipeline.data.preprocess_config import PreprocessConfig
 
     t0 = time.perf_counter()
-    store = preprocess([path], CRITEO, PreprocessConfig(min_count=2), out)
+    store = preprocess([path], builtin_layout("criteo", PreprocessConfig(min_count=2)), out)
     return {"seconds": time.perf_counter() - t0, "rows": sum(store.meta["splits"].values())}
 
 
@@ -50,13 +51,15 @@ def run_pandas(path: str, out: str) -> dict:
     import numpy as np
     import pandas as pd
 
-    from pipeline.data.schema import CRITEO
+    from pipeline.data.dataset import builtin_layout
+
+    CRITEO = builtin_layout("criteo")
 
     t0 = time.perf_counter()
     df = pd.read_csv(path, sep="\t", header=None, names=list(CRITEO.columns),
-                     dtype={**{c: "float64" for c in CRITEO.dense}, **{c: "object" for c in CRITEO.categorical}})
+                     dtype={**{c: "float64" for c in CRITEO.numeric}, **{c: "object" for c in CRITEO.categorical}})
     codes = {c: pd.factorize(df[c])[0] for c in CRITEO.categorical}
-    dense = np.log1p(np.maximum(df[list(CRITEO.dense)].to_numpy(), 0))
+    dense = np.log1p(np.maximum(df[list(CRITEO.numeric)].to_numpy(), 0))
     assert len(codes) == 26 and dense.shape[0] == len(df)
     return {"seconds": time.perf_counter() - t0, "rows": len(df)}
 

@@ -1,107 +1,165 @@
-"""The sparse side every model shares: one TorchRec EmbeddingBagCollection over all fields.
+"""The sparse side every model shares: TorchRec embedding collections over all sparse features.
 
-Per categorical field ``f`` the collection holds
+A feature reads an embedding *table* (its own, or another feature's with ``share_table_with``):
 
-* ``emb_<f>``: the field's embedding table (``embedding_dim`` columns), read by the KJT key ``f``
-  and used by the FM / deep / cross parts and by CowClip;
-* (optional) the field's first-order ("wide", linear) weights: rows ``[o_f, o_f + n_f)`` of one
-  table ``wide`` shared by all fields, read by the key ``wide_<f>`` whose ids are the field's ids
-  shifted by ``o_f`` (:func:`wide_row_offsets`; :meth:`SparseArch.forward` adds these keys). FBGEMM
-  kernels need a column count divisible by 4, so the table has 4 columns and only column 0 is used:
-  exactly a scalar weight per id for element-wise optimizers (the other columns get zero gradient).
+* ``emb_<t>``: table ``t`` (``embedding_dim`` columns), read by the KJT key of every feature on it,
+  used by the FM / deep / cross parts and by CowClip;
+* (optional) the first-order ("wide", linear) weights of table ``t``: rows ``[o_t, o_t + n_t)`` of one
+  table shared by all tables, read by the key ``wide_<f>`` whose ids are the feature's ids shifted by
+  ``o_t`` (:func:`wide_row_offsets`; :meth:`SparseArch.forward` adds these keys). FBGEMM kernels need
+  a column count divisible by 4, so the table has 4 columns and only column 0 is used: exactly a
+  scalar weight per id for element-wise optimizers (the other columns get zero gradient).
+
+Tables read only by categorical (one-id) features live in an ``EmbeddingBagCollection`` (``ebc``;
+first-order table ``wide``): a one-id bag's pooled output is the row itself. Tables read by a sequence
+(multi-hot) feature live in an ``EmbeddingCollection`` (``ec``; first-order table ``wide_seq``), which
+returns one row per id; :class:`SparseArch` pools each bag itself (sum or mean, per feature), so
+features of any pooling can share a table and the gradient of every occurrence of an id is there to
+be clipped exactly (:class:`UnpooledLookups`).
 
 Why one wide table rather than one per field: every id is looked up, gradient-sorted and updated by
 the embedding backward once per table it feeds; on CPU, FBGEMM's row-wise Adagrad backward takes
 ≈ 19 ms for 26 four-column tables at batch 8,192 and ≈ 9 ms for the same lookups as 26 features
 of one table (benchmarks in docs/throughput.md). The update of a row is the same either way: each
-row belongs to one field.
+row belongs to one table.
 
-CowClip and the per-id L2 term work per *lookup* — ``emb_<f>`` or ``wide_<f>`` — whatever table it
+CowClip and the per-id L2 term work per *lookup* — ``emb_<t>`` or ``wide_<f>`` — whatever table it
 reads (:attr:`SparseArch.lookup_names`, :func:`lookup_name`); they are attached from outside
-(:mod:`modules.cowclip_hooks`), to the sharded lookups or to :class:`PooledLookups`. A sharded
-collection returns its outputs in sharding order, not config order, so the outputs are selected by
-key (``KeyedTensor.regroup``), never by position.
+(:mod:`modules.cowclip_hooks`), to the sharded lookups or to :class:`PooledLookups` /
+:class:`UnpooledLookups`. A sharded collection returns its outputs in sharding order, not config
+order, so the outputs are selected by key (``KeyedTensor.regroup``), never by position.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
+                      KeyedJaggedTensor, KeyedTensor, PoolingType)
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
 WIDE_PREFIX = "wide_"
 WIDE_TABLE = "wide"
+WIDE_SEQ_TABLE = "wide_seq"
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """What a model needs to know about the data: field names and table sizes."""
+    """What a model needs to know about the data: features, the tables they read, table sizes."""
 
     dense: tuple[str, ...]
-    categorical: tuple[str, ...]
-    table_sizes: dict[str, int]
+    categorical: tuple[str, ...]                 # one id per row
+    table_sizes: dict[str, int]                  # rows of each table (vocabulary + OOV + missing)
+    sequence: tuple[str, ...] = ()               # a bag of ids per row
+    pooling: dict[str, str] = field(default_factory=dict)  # sequence feature → "sum" | "mean"
+    tables: dict[str, str] = field(default_factory=dict)   # feature → the table it reads (default: its own)
 
     @classmethod
     def from_store_meta(cls, meta: dict) -> "FeatureSpec":
+        features = meta.get("features", [])
         return cls(tuple(meta["dense"]), tuple(meta["categorical"]),
-                   {k: int(v) for k, v in meta["table_sizes"].items()})
+                   {k: int(v) for k, v in meta["table_sizes"].items()}, tuple(meta.get("sequence", ())),
+                   {f["name"]: f["pooling"] for f in features if "pooling" in f},
+                   {f["name"]: f["table"] for f in features if f["table"] != f["name"]})
+
+    @classmethod
+    def of_data(cls, data: Any, table_sizes: dict[str, int]) -> "FeatureSpec":
+        """The spec of a dataset declaration (:class:`pipeline.data.dataset.DataConfig`) with these table sizes."""
+        sparse = (*data.categorical, *data.sequence)
+        return cls(tuple(data.numeric), tuple(data.categorical), dict(table_sizes), tuple(data.sequence),
+                   {f: data.decl(f).pooling for f in data.sequence},
+                   {f: data.table_of(f) for f in sparse if data.table_of(f) != f})
+
+    @property
+    def sparse(self) -> tuple[str, ...]:
+        return self.categorical + self.sequence
+
+    def table_of(self, feature: str) -> str:
+        return self.tables.get(feature, feature)
+
+    @property
+    def unpooled_tables(self) -> tuple[str, ...]:
+        """Tables read by a sequence feature (they live in the EmbeddingCollection)."""
+        return tuple(dict.fromkeys(self.table_of(f) for f in self.sequence))
+
+    @property
+    def bag_features(self) -> tuple[str, ...]:
+        return tuple(f for f in self.sparse if self.table_of(f) not in self.unpooled_tables)
+
+    @property
+    def seq_features(self) -> tuple[str, ...]:
+        return tuple(f for f in self.sparse if self.table_of(f) in self.unpooled_tables)
+
+    @property
+    def kjt_keys(self) -> tuple[str, ...]:
+        """The batch's KJT keys, in order: the bag collection's features, then the sequence collection's."""
+        return self.bag_features + self.seq_features
 
 
-def wide_row_offsets(spec: FeatureSpec) -> dict[str, int]:
-    """First row of each field's first-order weights in the shared ``wide`` table (fields in order)."""
-    offsets, row = {}, 0
-    for f in spec.categorical:
-        offsets[f] = row
-        row += spec.table_sizes[f]
+def wide_row_offsets(spec: FeatureSpec, features: Sequence[str] | None = None) -> dict[str, int]:
+    """First row of each feature's first-order weights in its shared first-order table: tables in order
+    of first use by ``features`` (default: the bag collection's), each table's rows once."""
+    offsets, table_rows, row = {}, {}, 0
+    for f in spec.bag_features if features is None else features:
+        t = spec.table_of(f)
+        if t not in table_rows:
+            table_rows[t] = row
+            row += spec.table_sizes[t]
+        offsets[f] = table_rows[t]
     return offsets
 
 
 def field_of(feature: str) -> str:
-    """The categorical field a KJT key reads: ``f`` for ``f`` and for ``wide_<f>``."""
+    """The feature a KJT key reads: ``f`` for ``f`` and for ``wide_<f>``."""
     return feature[len(WIDE_PREFIX):] if feature.startswith(WIDE_PREFIX) else feature
 
 
 def lookup_field(lookup: str) -> str:
-    """The categorical field of a lookup name: ``f`` for ``emb_<f>`` and for ``wide_<f>``."""
+    """The table (``emb_<t>``) or feature (``wide_<f>``) of a lookup name."""
     for prefix in (EMB_PREFIX, WIDE_PREFIX):
         if lookup.startswith(prefix):
             return lookup[len(prefix):]
-    raise ValueError(f"{lookup!r} is not a lookup name (expected {EMB_PREFIX}<field> or {WIDE_PREFIX}<field>)")
+    raise ValueError(f"{lookup!r} is not a lookup name (expected {EMB_PREFIX}<table> or {WIDE_PREFIX}<feature>)")
 
 
 def lookup_name(table: str, feature: str) -> str:
-    """The lookup a (table, KJT key) pair makes: the table's name, or ``wide_<f>`` in the shared table."""
-    return feature if table == WIDE_TABLE else table
+    """The lookup a (table, KJT key) pair makes: the table's name, or ``wide_<f>`` in a first-order table."""
+    return feature if table in (WIDE_TABLE, WIDE_SEQ_TABLE) else table
 
 
-def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool) -> list[EmbeddingBagConfig]:
+def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
+                  unpooled: bool = False) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
+    """The tables of the bag collection (``unpooled`` False) or of the sequence collection (True):
+    ``emb_<t>`` per table in order of first use, then the first-order table of their features."""
     if embedding_dim % 4:
         raise ValueError(f"model.embedding_dim={embedding_dim}: FBGEMM kernels need a multiple of 4")
+    features = spec.seq_features if unpooled else spec.bag_features
+    make = EmbeddingConfig if unpooled else partial(EmbeddingBagConfig, pooling=PoolingType.SUM)
+    by_table: dict[str, list[str]] = {}
+    for f in features:
+        by_table.setdefault(spec.table_of(f), []).append(f)
     normal = partial(nn.init.normal_, mean=0.0, std=init_std)
-    tables = [EmbeddingBagConfig(name=EMB_PREFIX + f, embedding_dim=embedding_dim,
-                                 num_embeddings=spec.table_sizes[f], feature_names=[f],
-                                 pooling=PoolingType.SUM, init_fn=normal)
-              for f in spec.categorical]
-    if wide:
-        clash = [f for f in spec.categorical if f.startswith(WIDE_PREFIX)]
+    tables = [make(name=EMB_PREFIX + t, embedding_dim=embedding_dim, num_embeddings=spec.table_sizes[t],
+                   feature_names=names, init_fn=normal) for t, names in by_table.items()]
+    if wide and features:
+        clash = [f for f in features if f.startswith(WIDE_PREFIX)]
         if clash:
-            raise ValueError(f"categorical fields {clash}: names starting with {WIDE_PREFIX!r} are reserved for the "
+            raise ValueError(f"sparse features {clash}: names starting with {WIDE_PREFIX!r} are reserved for the "
                              "first-order lookups")
-        tables.append(EmbeddingBagConfig(name=WIDE_TABLE, embedding_dim=WIDE_COLUMNS,
-                                         num_embeddings=sum(spec.table_sizes[f] for f in spec.categorical),
-                                         feature_names=[WIDE_PREFIX + f for f in spec.categorical],
-                                         pooling=PoolingType.SUM, init_fn=nn.init.zeros_))
+        tables.append(make(name=WIDE_SEQ_TABLE if unpooled else WIDE_TABLE, embedding_dim=WIDE_COLUMNS,
+                           num_embeddings=sum(spec.table_sizes[t] for t in by_table),
+                           feature_names=[WIDE_PREFIX + f for f in features], init_fn=nn.init.zeros_))
     return tables
 
 
 class PooledLookups(nn.Module):
-    """Identity over the pooled lookups of one batch: ``emb`` [B, F·D], ``wide`` [B, F·4] or None, and the
-    KJT they were looked up with (ids of the ``emb`` keys first, then the ``wide_<f>`` keys).
+    """Identity over the pooled lookups of the bag collection: ``emb`` [B, F·D], ``wide`` [B, F·4] or None,
+    and the KJT they were looked up with (ids of the ``emb`` keys first, then the ``wide_<f>`` keys).
 
     A named place in the model where gradient hooks attach from outside (local-scope CowClip and the
     per-id L2 term, :mod:`modules.cowclip_hooks`), as TorchRec's sharded lookups are for global scope.
@@ -112,53 +170,115 @@ class PooledLookups(nn.Module):
         return emb, wide
 
 
-class SparseArch(nn.Module):
-    """Looks up all fields: returns embeddings ``[B, F, D]`` and first-order logits ``[B]`` (or None).
+class UnpooledLookups(nn.Module):
+    """Identity over the sequence collection's rows before pooling: ``emb`` [N, D] (one row per id of the
+    sequence-collection keys, key after key), ``wide`` [N, 4] or None (the same ids' first-order rows),
+    and the KJT they were looked up with (those keys, then their ``wide_<f>`` keys). Where CowClip sees
+    every occurrence of an id with its own gradient (:mod:`modules.cowclip_hooks`)."""
 
-    Takes a KeyedJaggedTensor keyed by the categorical fields.
-    """
+    def forward(self, emb: torch.Tensor, wide: torch.Tensor | None,
+                features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return emb, wide
+
+
+def pool_bags(rows: torch.Tensor, lengths: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Pool ``rows`` [N, D] into bags of ``lengths`` [K·B] (key-major): the sum, divided by the length for
+    the keys where ``mean`` [K] is set. Returns [K·B, D]; an empty bag pools to 0."""
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths,
+                                   output_size=rows.shape[0])
+    pooled = torch.zeros(lengths.numel(), rows.shape[1], dtype=rows.dtype, device=rows.device).index_add_(0, bags, rows)
+    if bool(mean.any()):
+        per_key = lengths.view(mean.numel(), -1)
+        divisor = torch.where(mean[:, None], per_key.clamp_min(1), torch.ones_like(per_key)).reshape(-1, 1)
+        pooled = pooled / divisor.to(rows.dtype)
+    return pooled
+
+
+def with_wide_keys(features: KeyedJaggedTensor, offsets: torch.Tensor, wide_dtype: torch.dtype | None) -> KeyedJaggedTensor:
+    """``features`` plus one key ``wide_<f>`` per key: the same bags, ids shifted by the key's ``offsets``."""
+    keys = features.keys()
+    values, lengths = features.values(), features.lengths()
+    per_key = lengths.view(len(keys), -1).sum(dim=1)  # on the device: no host round trip
+    shift = torch.repeat_interleave(offsets.to(values.device), per_key, output_size=values.numel())
+    ids = values.to(wide_dtype or values.dtype)
+    known = features.length_per_key_or_none()  # passed on when cached: TorchRec's input split sizes
+    return KeyedJaggedTensor(keys=keys + [WIDE_PREFIX + f for f in keys], values=torch.cat([ids, ids + shift]),
+                             lengths=torch.cat([lengths, lengths]), stride=features.stride(),
+                             length_per_key=None if known is None else known * 2)
+
+
+class SparseArch(nn.Module):
+    """Looks up all sparse features: returns embeddings ``[B, F, D]`` (features in ``spec.kjt_keys``
+    order) and first-order logits ``[B]`` (or None). Takes a KeyedJaggedTensor with those keys."""
 
     def __init__(self, spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        self.num_fields = len(spec.categorical)
+        self.fields = list(spec.kjt_keys)
+        self.num_fields = len(self.fields)
         self.embedding_dim = embedding_dim
         self.wide = wide
-        self.fields = list(spec.categorical)
-        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide), device=device)
+        self.bag_fields, self.seq_fields = list(spec.bag_features), list(spec.seq_features)
+        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide), device=device) \
+            if self.bag_fields else None
+        self.ec = EmbeddingCollection(tables=table_configs(spec, embedding_dim, init_std, wide, unpooled=True),
+                                      device=device) if self.seq_fields else None
         self.pooled = PooledLookups()
-        self._wide_keys = [WIDE_PREFIX + f for f in self.fields] if wide else []
-        self._groups = [self.fields] + ([self._wide_keys] if wide else [])
-        self._flat_keys = self.fields + self._wide_keys  # pooled output keys in group order
-        self.lookup_names = [EMB_PREFIX + f for f in self.fields] + self._wide_keys
-        self._group_widths = [self.num_fields * embedding_dim] + ([self.num_fields * WIDE_COLUMNS] if wide else [])
-        offsets = wide_row_offsets(spec)
-        self._wide_dtype = torch.int64 if sum(spec.table_sizes[f] for f in self.fields) >= 2**31 else None
-        self.register_buffer("_wide_offsets", torch.tensor([offsets[f] for f in self.fields]), persistent=False)
-
-    def with_wide_keys(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``features`` plus one key ``wide_<f>`` per field: the same bags, ids shifted to the field's rows."""
-        if features.keys() != self.fields:
-            raise ValueError(f"SparseArch expects the KJT keys {self.fields}, got {features.keys()}")
-        values, lengths = features.values(), features.lengths()
-        per_key = lengths.view(len(self.fields), -1).sum(dim=1)  # on the device: no host round trip
-        shift = torch.repeat_interleave(self._wide_offsets.to(values.device), per_key, output_size=values.numel())
-        ids = values.to(self._wide_dtype or values.dtype)
-        known = features.length_per_key_or_none()  # passed on when cached: TorchRec's input split sizes
-        return KeyedJaggedTensor(keys=self.fields + self._wide_keys, values=torch.cat([ids, ids + shift]),
-                                 lengths=torch.cat([lengths, lengths]), stride=features.stride(),
-                                 length_per_key=None if known is None else known * 2)
+        self.unpooled = UnpooledLookups()
+        self._wide_keys = [WIDE_PREFIX + f for f in self.bag_fields] if wide else []
+        self._groups = [self.bag_fields] + ([self._wide_keys] if wide else [])
+        self._flat_keys = self.bag_fields + self._wide_keys  # pooled output keys in group order
+        self.lookup_names = [EMB_PREFIX + t for t in dict.fromkeys(spec.table_of(f) for f in self.fields)] \
+            + ([WIDE_PREFIX + f for f in self.fields] if wide else [])
+        self.tables = {f: spec.table_of(f) for f in self.fields}
+        self._group_widths = [len(self.bag_fields) * embedding_dim] + ([len(self.bag_fields) * WIDE_COLUMNS] if wide else [])
+        rows = sum(spec.table_sizes[t] for t in dict.fromkeys(self.tables.values()))
+        self._wide_dtype = torch.int64 if rows >= 2**31 else None
+        bag_offsets, seq_offsets = wide_row_offsets(spec), wide_row_offsets(spec, self.seq_fields)
+        self.register_buffer("_wide_offsets", torch.tensor([bag_offsets[f] for f in self.bag_fields]),
+                             persistent=False)
+        self.register_buffer("_seq_wide_offsets", torch.tensor([seq_offsets[f] for f in self.seq_fields]),
+                             persistent=False)
+        self.register_buffer("_seq_mean", torch.tensor([spec.pooling.get(f) == "mean" for f in self.seq_fields],
+                                                       dtype=torch.bool), persistent=False)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if features.keys() != self.fields:
+            raise ValueError(f"SparseArch expects the KJT keys {self.fields}, got {features.keys()}")
+        if self.ec is None:
+            return self._bags(features)
+        if self.ebc is None:
+            return self._sequences(features)
+        bags, sequences = features.split([len(self.bag_fields), len(self.seq_fields)])
+        emb, first = self._bags(bags)
+        seq_emb, seq_first = self._sequences(sequences)
+        return torch.cat([emb, seq_emb], dim=1), None if first is None else first + seq_first
+
+    def _bags(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.wide:
-            features = self.with_wide_keys(features)
+            features = with_wide_keys(features, self._wide_offsets, self._wide_dtype)
         pooled = self.ebc(features)
         if pooled.keys() == self._flat_keys:  # the groups are column ranges of the values: views, no copy
             groups = list(pooled.values().split(self._group_widths, dim=1))
         else:
             groups = KeyedTensor.regroup([pooled], self._groups)
         emb, wide = self.pooled(groups[0], groups[1] if self.wide else None, features)
-        emb = emb.reshape(-1, self.num_fields, self.embedding_dim)
+        emb = emb.reshape(-1, len(self.bag_fields), self.embedding_dim)
         if wide is None:
             return emb, None
-        return emb, wide.reshape(-1, self.num_fields, WIDE_COLUMNS)[..., 0].sum(dim=1)
+        return emb, wide.reshape(-1, len(self.bag_fields), WIDE_COLUMNS)[..., 0].sum(dim=1)
+
+    def _sequences(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, k = features.stride(), len(self.seq_fields)
+        lengths = features.lengths()
+        if self.wide:
+            features = with_wide_keys(features, self._seq_wide_offsets, self._wide_dtype)
+        rows = self.ec(features)
+        emb = torch.cat([rows[f].values() for f in self.seq_fields])
+        wide = torch.cat([rows[WIDE_PREFIX + f].values() for f in self.seq_fields]) if self.wide else None
+        emb, wide = self.unpooled(emb, wide, features)
+        pooled = pool_bags(emb, lengths, self._seq_mean).view(k, b, self.embedding_dim).transpose(0, 1)
+        if wide is None:
+            return pooled, None
+        first = pool_bags(wide[:, :1], lengths, self._seq_mean).view(k, b).sum(dim=0)
+        return pooled, first

@@ -21,8 +21,9 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec import EmbeddingBagCollection
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
@@ -65,16 +66,31 @@ def build_topology(topology: TopologySpec) -> Topology:
                                            kernel_config=KernelConfig(compute_device=topology.compute_device))
 
 
-def table_infos(ebc: EmbeddingBagCollection, coverage: Mapping[str, Mapping[float, int]] | None = None) -> list[TableInfo]:
-    """Tables of a collection with the id-coverage statistics of the fields they read.
+Collection = EmbeddingBagCollection | EmbeddingCollection
+SHARDERS = (EmbeddingBagCollectionSharder, EmbeddingCollectionSharder)
 
-    A table read by several fields (the shared first-order table) holds each field's rows once: the
-    rows covering a share q of its lookups are at most the sum of each field's rows covering q.
+
+def collection_tables(collection: Collection) -> list:
+    """The table configs of a bag or sequence collection."""
+    if isinstance(collection, EmbeddingBagCollection):
+        return collection.embedding_bag_configs()
+    return collection.embedding_configs()
+
+
+def table_infos(ebc: Collection, coverage: Mapping[str, Mapping[float, int]] | None = None,
+                table_of: Mapping[str, str] | None = None) -> list[TableInfo]:
+    """Tables of a collection with the id-coverage statistics (per embedding table, multi-hot occurrences
+    counted) of the tables they hold rows of (``table_of``: feature → table; default: the feature's own).
+
+    The first-order tables hold the rows of several tables once each: the rows covering a share q of
+    their lookups are at most the sum of each table's rows covering q.
     """
     coverage = coverage or {}
+    table_of = table_of or {}
     infos = []
-    for t in ebc.embedding_bag_configs():
-        per_field = [coverage.get(field_of(f), {}) for f in t.feature_names]
+    for t in collection_tables(ebc):
+        sources = dict.fromkeys(table_of.get(field_of(f), field_of(f)) for f in t.feature_names)
+        per_field = [coverage.get(name, {}) for name in sources]
         levels = set.intersection(*(set(c) for c in per_field)) if all(per_field) else set()
         infos.append(TableInfo(t.name, t.num_embeddings, t.embedding_dim,
                                {q: sum(int(c[q]) for c in per_field) for q in sorted(levels)}))
@@ -96,7 +112,7 @@ def table_constraints(placements: Mapping[str, Placement], topology: TopologySpe
     return out
 
 
-def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[str, ParameterConstraints],
+def manual_plan(ebcs: dict[str, Collection], constraints: Mapping[str, ParameterConstraints],
                 topology: TopologySpec) -> ShardingPlan:
     """A plan without the planner: first allowed sharding type per table, greedy table-wise placement."""
     world_size, local_world_size = topology.world_size, topology.ranks_per_node or 1
@@ -104,7 +120,7 @@ def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[st
     plans = {}
     for path, ebc in ebcs.items():
         per_param = {}
-        for cfg in sorted(ebc.embedding_bag_configs(), key=lambda c: -c.num_embeddings * c.embedding_dim):
+        for cfg in sorted(collection_tables(ebc), key=lambda c: -c.num_embeddings * c.embedding_dim):
             c = constraints[cfg.name]
             st, kernel = c.sharding_types[0], c.compute_kernels[0]
             if st == ShardingType.TABLE_WISE.value:
@@ -126,7 +142,7 @@ def manual_plan(ebcs: dict[str, EmbeddingBagCollection], constraints: Mapping[st
 
 
 @contextlib.contextmanager
-def planner_sees_optimizer(ebcs: Mapping[str, EmbeddingBagCollection], optimizer: str) -> Iterator[None]:
+def planner_sees_optimizer(ebcs: Mapping[str, Collection], optimizer: str) -> Iterator[None]:
     """Let the planner's storage estimates include the embedding optimizer's state, while planning only.
 
     The estimator reads the optimizer class from the tensor attribute ``apply_optimizer_in_backward``
@@ -153,20 +169,21 @@ class PlanResult:
 
 
 def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
-               coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False) -> PlanResult:
+               coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False,
+               table_of: Mapping[str, str] | None = None) -> PlanResult:
     """Place every table on a tier and plan its sharding over ``topology.world_size`` ranks (a topology
     :meth:`~modules.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts."""
-    ebcs = {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+    ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
     for ebc in ebcs.values():
-        placements.update(place_tables(table_infos(ebc, coverage), topology, embedding_optim.name, fusable))
+        placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable))
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
     if topology.planner == "manual" or (topology.compute_device == "cpu" and forced_unplanned):
         return PlanResult(manual_plan(ebcs, constraints, topology), placements, None)
     planner = EmbeddingShardingPlanner(topology=build_topology(topology), constraints=constraints)
-    sharders = [EmbeddingBagCollectionSharder()]
+    sharders = [cls() for cls in SHARDERS]
     with planner_sees_optimizer(ebcs, embedding_optim.name):
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if collective \
             else planner.plan(model, sharders)
@@ -186,7 +203,8 @@ class DeviceOnlyWrapper(DataParallelWrapper):
 
 def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
                 device: torch.device, data_parallel: bool = True,
-                coverage: Mapping[str, Mapping[float, int]] | None = None) -> tuple[DistributedModelParallel, PlanResult]:
+                coverage: Mapping[str, Mapping[float, int]] | None = None,
+                table_of: Mapping[str, str] | None = None) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
@@ -195,15 +213,15 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     than one rank and ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step
     merging, :mod:`modules.kstep_merging`).
     """
-    ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    ebcs = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     if is_fusable(embedding_optim, device.type):
         for ebc in ebcs:
             apply_optimizer_in_backward(OPTIMIZERS[embedding_optim.name], ebc.parameters(),
                                         embedding_optim.fused_kwargs())
     world = dist.get_world_size()
     topology = topology.for_world(world, min(world, topology.ranks_per_node or world))
-    result = plan_model(model, embedding_optim, topology, coverage, collective=True)
+    result = plan_model(model, embedding_optim, topology, coverage, collective=True, table_of=table_of)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
-    dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[EmbeddingBagCollectionSharder()],
+    dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[cls() for cls in SHARDERS],
                                    data_parallel_wrapper=wrapper)
     return dmp, result

@@ -10,7 +10,7 @@ and :func:`check_runnable` checks what training needs of the machine (world size
 The dataclasses of the groups live beside the code they configure: ``OptimizerSpec``
 (:mod:`modules.optimizers`), ``CowClipConfig`` (:mod:`modules.cowclip`), ``MergeConfig``
 (:mod:`modules.kstep_merging`), ``TopologySpec`` (:mod:`modules.placement`), ``ModelConfig``
-(:mod:`modules.models`), ``DataConfig`` (:mod:`pipeline.data.sources`) with ``PreprocessConfig`` and
+(:mod:`modules.models`), ``DataConfig`` (:mod:`pipeline.data.dataset`) with ``PreprocessConfig`` and
 ``SyntheticConfig``; this module adds the trainer, logger and scaling settings and the root.
 """
 
@@ -22,7 +22,7 @@ from typing import Any, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
+from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
 from modules.cowclip import CowClipConfig
 from modules.kstep_merging import MergeConfig
@@ -30,7 +30,8 @@ from modules.models import ModelConfig
 from modules.optimizers import OptimizerSpec
 from modules.placement import TopologySpec
 from modules.scaling_rules import RULES
-from pipeline.data.sources import DataConfig, raw_fingerprint
+from pipeline.data.dataset import DataConfig
+from pipeline.data.sources import raw_fingerprint
 from pipeline.launch import world_from_env
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
@@ -174,6 +175,10 @@ def _build(node: DictConfig, key: str) -> Any:
             child = node._get_node(k)
             if isinstance(child, DictConfig) and OmegaConf.get_type(child) not in (dict, None):
                 _build(child, f"{key}.{k}" if key else str(k))
+            elif isinstance(child, ListConfig) and not child._is_none():  # lists of typed entries (data.features)
+                for i, item in enumerate(child):
+                    if isinstance(item, DictConfig) and OmegaConf.get_type(item) not in (dict, None):
+                        _build(item, f"{key}.{k}[{i}]" if key else f"{k}[{i}]")
         raise ConfigError(f"{key}.{e}" if key else str(e)) from None
 
 
@@ -193,6 +198,9 @@ def check_runnable(run: RunConfig) -> None:
                               f"each rank needs an equal share of the global batch")
     if run.topology.compute_device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("topology.compute_device='cuda' but no CUDA device is available; use topology=cpu")
+    if not run.data.declared():
+        raise ConfigError(f"data.features is empty: declare the features of data={run.data.name} "
+                          f"(see docs/datasets.md)")
     if run.data.shape_only:
         raise ConfigError(f"data={run.data.name} describes a shape for planning only (python -m pipeline.plan); "
                           f"train on a dataset with files")

@@ -21,20 +21,20 @@ from modules.sharding import PlanResult, plan_model
 from pipeline.cli import exit_on_user_error
 from pipeline.config import ConfigError, parse_config
 from pipeline.data.datamodule import CTRDataModule
-from pipeline.data.sources import DataConfig
+from pipeline.data.dataset import DataConfig
 from pipeline.data.store import FIRST_VOCAB_ID
 
 
 def spec_and_coverage(data: DataConfig, cache_dir: str) -> tuple[FeatureSpec, dict[str, dict[float, int]]]:
     """Feature spec and id-coverage statistics of a dataset (prepared on first use) or a shape-only config."""
     if data.shape_only:
-        schema = data.layout
-        if data.cardinalities is None or len(data.cardinalities) != len(schema.categorical):
-            raise ConfigError(f"data.cardinalities: expected {len(schema.categorical)} counts (one per categorical "
-                              f"column of the {data.schema} layout)")
-        sizes = {f: int(n) + FIRST_VOCAB_ID for f, n in zip(schema.categorical, data.cardinalities)}
-        coverage = {f: zipf_coverage(n, data.zipf_exponent) for f, n in sizes.items()}
-        return FeatureSpec(schema.dense, schema.categorical, sizes), coverage
+        tables = list(dict.fromkeys(data.table_of(f) for f in (*data.categorical, *data.sequence)))
+        if data.cardinalities is None or len(data.cardinalities) != len(tables):
+            raise ConfigError(f"data.cardinalities: expected {len(tables)} counts (one per embedding table: "
+                              f"{tables[:5]}{' ...' if len(tables) > 5 else ''})")
+        sizes = {t: int(n) + FIRST_VOCAB_ID for t, n in zip(tables, data.cardinalities)}
+        coverage = {t: zipf_coverage(n, data.zipf_exponent) for t, n in sizes.items()}
+        return FeatureSpec.of_data(data, sizes), coverage
     dm = CTRDataModule(data, cache_dir, batch_size=1, eval_batch_size=1, seed=0)
     dm.prepare_data()
     dm.setup()
@@ -89,7 +89,8 @@ def plan_for_config(cfg: DictConfig) -> str:
     feature_spec, coverage = spec_and_coverage(run.data, run.paths.cache_dir)
     model = build_model(run.model, feature_spec, device=torch.device("meta"))
     optim = run.optim.embedding
-    result = plan_model(model, optim, topology, coverage)
+    result = plan_model(model, optim, topology, coverage,
+                        table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse})
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}\n")

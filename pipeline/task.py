@@ -62,8 +62,10 @@ class CTRTask(L.LightningModule):
         data = self.trainer.datamodule
         net = build_model(self.model_cfg, data.feature_spec, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
+        spec = data.feature_spec
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
-                                            data_parallel=self.data_parallel, coverage=data.coverage)
+                                            data_parallel=self.data_parallel, coverage=data.coverage,
+                                            table_of={f: spec.table_of(f) for f in spec.sparse})
         self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2)
         self.val_metrics.to(device)
         self.test_metrics.to(device)

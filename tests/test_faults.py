@@ -123,13 +123,14 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(small_over
 STORE_FULL = textwrap.dedent(r'''
     import resource, signal, sys
     from pathlib import Path
-    from pipeline.data.preprocess import PreprocessConfig, preprocess
-    from pipeline.data.schema import CRITEO
+    from pipeline.data.dataset import builtin_layout
+    from pipeline.data.preprocess import preprocess
+    from pipeline.data.preprocess_config import PreprocessConfig
     from pipeline.errors import DiskFullError
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # writes past the limit fail with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
     try:
-        preprocess([sys.argv[1]], CRITEO, PreprocessConfig(min_count=1), Path(sys.argv[2]))
+        preprocess([sys.argv[1]], builtin_layout("criteo", PreprocessConfig(min_count=1)), Path(sys.argv[2]))
     except DiskFullError as e:
         print(e.strerror)
         sys.exit(3)

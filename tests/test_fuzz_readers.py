@@ -15,13 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.data.preprocess import PreprocessConfig, SplitConfig, preprocess
+from pipeline.data.dataset import builtin_layout
+from pipeline.data.preprocess import preprocess
+from pipeline.data.preprocess_config import PreprocessConfig, SplitConfig
 from pipeline.data.reader import BadInputError
-from pipeline.data.schema import AVAZU, CRITEO, FRAPPE
 from tests.conftest import shared_file
 
-SAMPLES = {"criteo": ("criteo_sample/dac_sample.tsv", CRITEO), "avazu": ("avazu_sample/avazu_sample.csv", AVAZU),
-           "frappe": ("frappe_x1/valid.csv", FRAPPE)}
+SAMPLES = {"criteo": ("criteo_sample/dac_sample.tsv", builtin_layout("criteo")),
+           "avazu": ("avazu_sample/avazu_sample.csv", builtin_layout("avazu")),
+           "frappe": ("frappe_x1/valid.csv", builtin_layout("frappe"))}
 ROWS = 30
 EXAMPLES = int(os.environ.get("CTR_FUZZ_EXAMPLES", 60))
 VALUES = [b"\xff\xfe", b"\xc3", "é".encode(), b"9" * 25, b"-9" * 12, b"NaN", b"inf", b"-inf", b"1e400", b'"q"',
@@ -82,7 +84,7 @@ def test_mutated_files_preprocess_or_fail_with_file_and_line(layout, tmp_path_fa
         path.write_bytes(data)
         cfg = PreprocessConfig(min_count=1, split=SplitConfig(valid=0.2, test=0.2))
         try:
-            store = preprocess([path], schema, cfg, out)
+            store = preprocess([path], builtin_layout(layout, cfg), out)
         except BadInputError as e:
             assert re.match(rf"{re.escape(str(path))}(:\d+)?: ", str(e)), str(e)
             assert sorted(p.name for p in folder.iterdir()) == [path.name]  # no store, nothing half-written

@@ -10,11 +10,14 @@ import pandas as pd
 import pytest
 
 from pipeline.config import parse_config
-from pipeline.data.preprocess import PreprocessConfig, SplitConfig, preprocess
-from pipeline.data.schema import CRITEO
+from pipeline.data.dataset import builtin_layout
+from pipeline.data.preprocess import preprocess
+from pipeline.data.preprocess_config import PreprocessConfig, SplitConfig
 from pipeline.data.sources import prepare_store, store_dir
 from tests.conftest import compose_config, shared_file
 from tests.test_readers import key_of
+
+CRITEO = builtin_layout("criteo")
 
 
 @pytest.fixture()
@@ -36,7 +39,7 @@ def test_round_trip_values_vocab_oov_missing(tmp_path):
     path = tmp_path / "t.tsv"
     path.write_text("\n".join(rows) + "\n")
     cfg = PreprocessConfig(min_count=2, split=SplitConfig(method="sequential", valid=0.0, test=4 / 12))
-    store = preprocess([path], CRITEO, cfg, tmp_path / "store")
+    store = preprocess([path], builtin_layout("criteo", cfg), tmp_path / "store")
     assert store.meta["splits"] == {"train": 8, "valid": 0, "test": 4}
     # vocabulary: count >= 2, most frequent first -> aa=2, bb=3; cc rare -> OOV (0); missing -> 1
     assert store.table_sizes["C1"] == 2 + 2
@@ -56,7 +59,7 @@ def test_round_trip_values_vocab_oov_missing(tmp_path):
 
 def test_real_criteo_sample_matches_pandas(tmp_path, dac):
     cfg = PreprocessConfig(min_count=3, split=SplitConfig(method="random", valid=0.0, test=0.0))
-    store = preprocess([dac], CRITEO, cfg, tmp_path / "dac")
+    store = preprocess([dac], builtin_layout("criteo", cfg), tmp_path / "dac")
     df = pd.read_csv(dac, sep="\t", header=None, names=list(CRITEO.columns), dtype={c: str for c in CRITEO.categorical})
     assert store.meta["splits"]["train"] == len(df) == 7577
     tr = store.split("train")
@@ -69,14 +72,14 @@ def test_real_criteo_sample_matches_pandas(tmp_path, dac):
         want = [1 if pd.isna(v) else ids.get(v, 0) for v in df[c]]
         assert store.table_sizes[c] == len(order) + 2, c
         np.testing.assert_array_equal(tr.sparse[:, j], want, err_msg=c)
-    dense = df[list(CRITEO.dense)].to_numpy(dtype=np.float64)
+    dense = df[list(CRITEO.numeric)].to_numpy(dtype=np.float64)
     np.testing.assert_allclose(tr.dense, np.nan_to_num(np.log1p(np.maximum(dense, 0)), nan=0.0), rtol=1e-6)
 
 
 def test_random_split_is_deterministic_and_independent_of_block_size(tmp_path, dac):
     cfg = PreprocessConfig(min_count=1, split=SplitConfig(method="random", valid=0.1, test=0.2, seed=5))
-    a = preprocess([dac], CRITEO, cfg, tmp_path / "a")
-    b = preprocess([dac], CRITEO, PreprocessConfig(min_count=1, split=cfg.split, block_size=1 << 16), tmp_path / "b")
+    a = preprocess([dac], builtin_layout("criteo", cfg), tmp_path / "a")
+    b = preprocess([dac], builtin_layout("criteo", PreprocessConfig(min_count=1, split=cfg.split, block_size=1 << 16)), tmp_path / "b")
     n = a.meta["splits"]
     assert sum(n.values()) == 7577
     assert abs(n["valid"] / 7577 - 0.1) < 0.015 and abs(n["test"] / 7577 - 0.2) < 0.015
@@ -102,7 +105,7 @@ def test_failed_build_leaves_no_store(tmp_path):
     bad.write_text(_row(0, [1], ["aa"]) + "\n" + "1\tnot-a-number\n")
     target = tmp_path / "store"
     with pytest.raises(Exception):
-        preprocess([bad], CRITEO, PreprocessConfig(), target)
+        preprocess([bad], builtin_layout("criteo", PreprocessConfig()), target)
     assert not target.exists()
     assert not list(tmp_path.glob("store.tmp-*"))
 
@@ -111,4 +114,4 @@ def test_empty_file_is_refused_with_its_name(tmp_path):
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
     with pytest.raises(Exception, match="empty"):
-        preprocess([empty], CRITEO, PreprocessConfig(), tmp_path / "s")
+        preprocess([empty], builtin_layout("criteo", PreprocessConfig()), tmp_path / "s")

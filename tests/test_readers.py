@@ -8,10 +8,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.data.preprocess import PreprocessConfig, SplitConfig, preprocess
+from pipeline.data.dataset import builtin_layout
+from pipeline.data.preprocess import preprocess
+from pipeline.data.preprocess_config import PreprocessConfig, SplitConfig
 from pipeline.data.reader import BadInputError
-from pipeline.data.schema import AVAZU, CRITEO, FRAPPE
 from tests.conftest import shared_file
+
+CRITEO = builtin_layout("criteo")
 
 
 def _criteo_line(label="1", dense=None, cats=None) -> str:
@@ -23,7 +26,7 @@ def _criteo_line(label="1", dense=None, cats=None) -> str:
 def test_criteo_hashing_matches_python_reference(tmp_path):
     dac = shared_file("criteo_sample/dac_sample.tsv")
     cfg = PreprocessConfig(categorical="hash", hash_buckets=1000, split=SplitConfig(valid=0.0, test=0.0))
-    store = preprocess([dac], CRITEO, cfg, tmp_path / "h")
+    store = preprocess([dac], builtin_layout("criteo", cfg), tmp_path / "h")
     df = pd.read_csv(dac, sep="\t", header=None, names=list(CRITEO.columns), dtype=str, keep_default_na=False)
     tr = store.split("train")
     assert store.table_sizes == {c: 1002 for c in CRITEO.categorical}
@@ -35,14 +38,18 @@ def test_criteo_hashing_matches_python_reference(tmp_path):
 
 def test_minmax_and_sequential_split(tmp_path):
     dac = shared_file("criteo_sample/dac_sample.tsv")
-    cfg = PreprocessConfig(dense_transform="minmax", split=SplitConfig(method="sequential", valid=0.0, test=1 / 7))
-    store = preprocess([dac], CRITEO, cfg, tmp_path / "m")
+    cfg = PreprocessConfig(split=SplitConfig(method="sequential", valid=0.0, test=1 / 7))
+    layout = builtin_layout("criteo", cfg)
+    for f in layout.features:
+        if f.type == "numeric":
+            f.transform = "minmax"
+    store = preprocess([dac], layout, tmp_path / "m")
     n_test = store.meta["splits"]["test"]
     assert n_test == round(7577 / 7)
     df = pd.read_csv(dac, sep="\t", header=None, names=list(CRITEO.columns))
     train, test = df.iloc[:-n_test], df.iloc[-n_test:]
     np.testing.assert_array_equal(store.split("test").label, test["label"].to_numpy())
-    for j, c in enumerate(CRITEO.dense):
+    for j, c in enumerate(CRITEO.numeric):
         lo, hi = train[c].min(), train[c].max()
         want = np.nan_to_num(np.clip((test[c].to_numpy(float) - lo) / (hi - lo), 0, 1), nan=0.0)
         np.testing.assert_allclose(store.split("test").dense[:, j], want, rtol=1e-6, atol=1e-7, err_msg=c)
@@ -50,7 +57,7 @@ def test_minmax_and_sequential_split(tmp_path):
 
 def test_avazu_sample(tmp_path):
     path = shared_file("avazu_sample/avazu_sample.csv")
-    store = preprocess([path], AVAZU, PreprocessConfig(min_count=2, split=SplitConfig(valid=0.0, test=0.0)), tmp_path / "a")
+    store = preprocess([path], builtin_layout("avazu", PreprocessConfig(min_count=2, split=SplitConfig(valid=0.0, test=0.0))), tmp_path / "a")
     df = pd.read_csv(path, dtype=str)
     assert store.meta["splits"]["train"] == len(df) == 8087
     assert "id" not in store.categorical_names and "hour" not in store.categorical_names
@@ -73,7 +80,7 @@ def test_avazu_sample(tmp_path):
 
 def test_frappe_given_splits_and_oov_from_train_only(tmp_path):
     files = {s: [shared_file(f"frappe_x1/{s}.csv")] for s in ("train", "valid", "test")}
-    store = preprocess(files, FRAPPE, PreprocessConfig(min_count=3, split=SplitConfig(method="given")), tmp_path / "f")
+    store = preprocess(files, builtin_layout("frappe", PreprocessConfig(min_count=3, split=SplitConfig(method="given"))), tmp_path / "f")
     assert store.meta["splits"] == {"train": 202_027, "valid": 57_722, "test": 28_860}
     train, test = (pd.read_csv(files[s][0], dtype=str) for s in ("train", "test"))
     j = store.categorical_names.index("user")
@@ -88,8 +95,8 @@ def test_frappe_given_splits_and_oov_from_train_only(tmp_path):
 BAD_CASES = {
     # name: (line to corrupt (1-based), replacement, message fragments, skip-count key)
     "wrong_column_count": (3, "1\t2\t3", ["bad.tsv:3:", "3 columns, expected 40"], "wrong_column_count"),
-    "not_an_integer": (4, _criteo_line(dense=["1"] * 4 + ["abc"] + ["1"] * 8), ["bad.tsv:4:", "column 'I5'", "'abc'",
-                                                                              "expected an integer"], "not_an_integer"),
+    "not_a_number": (4, _criteo_line(dense=["1"] * 4 + ["abc"] + ["1"] * 8), ["bad.tsv:4:", "column 'I5'", "'abc'",
+                                                                             "expected a number"], "not_a_number"),
     "not_utf8": (2, None, ["bad.tsv:2:", "column 'C3'", "expected UTF-8 text"], "not_utf8"),
     "label": (5, _criteo_line(label="7"), ["bad.tsv:5:", "column 'label'", "'7'", "expected 0 or 1"], "label_not_0_1"),
 }
@@ -113,7 +120,7 @@ def _bad_file(tmp_path, case: str, rows: int = 50):
 def test_bad_input_error_names_file_line_column_and_value(tmp_path, case):
     path = _bad_file(tmp_path, case)
     with pytest.raises(BadInputError) as err:
-        preprocess([path], CRITEO, PreprocessConfig(block_size=1 << 10), tmp_path / "s")
+        preprocess([path], builtin_layout("criteo", PreprocessConfig(block_size=1 << 10)), tmp_path / "s")
     for fragment in BAD_CASES[case][2]:
         assert fragment in str(err.value), str(err.value)
     assert not (tmp_path / "s").exists() and not list(tmp_path.glob("s.tmp-*"))
@@ -122,7 +129,7 @@ def test_bad_input_error_names_file_line_column_and_value(tmp_path, case):
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 def test_bad_input_skip_policy_counts(tmp_path, case):
     path = _bad_file(tmp_path, case)
-    store = preprocess([path], CRITEO, PreprocessConfig(bad_rows="skip", split=SplitConfig(valid=0, test=0)),
+    store = preprocess([path], builtin_layout("criteo", PreprocessConfig(bad_rows="skip", split=SplitConfig(valid=0, test=0))),
                        tmp_path / "s")
     skipped = store.meta["skipped_rows"]
     assert skipped[BAD_CASES[case][3]] == 1 and sum(skipped.values()) == 1
@@ -137,11 +144,11 @@ def test_line_numbers_are_exact_across_blocks_and_files(tmp_path):
     bad = tmp_path / "second.tsv"
     bad.write_text("\n".join(lines) + "\n")
     with pytest.raises(BadInputError, match=r"second\.tsv:337: column 'I13' has 'x7'"):
-        preprocess([good, bad], CRITEO, PreprocessConfig(block_size=4096), tmp_path / "s")
+        preprocess([good, bad], builtin_layout("criteo", PreprocessConfig(block_size=4096)), tmp_path / "s")
     lines[336] = "1\t2"
     bad.write_text("\n".join(lines) + "\n")
     with pytest.raises(BadInputError, match=r"second\.tsv:337: 2 columns, expected 40"):
-        preprocess([good, bad], CRITEO, PreprocessConfig(block_size=4096), tmp_path / "s")
+        preprocess([good, bad], builtin_layout("criteo", PreprocessConfig(block_size=4096)), tmp_path / "s")
 
 
 def test_gzip_input_matches_plain(tmp_path):
@@ -151,15 +158,15 @@ def test_gzip_input_matches_plain(tmp_path):
     gz = tmp_path / "day_0.gz"
     gz.write_bytes(gzip.compress(dac.read_bytes()))
     cfg = PreprocessConfig(split=SplitConfig(valid=0, test=0))
-    a, b = preprocess([dac], CRITEO, cfg, tmp_path / "a"), preprocess([gz], CRITEO, cfg, tmp_path / "b")
+    a, b = preprocess([dac], builtin_layout("criteo", cfg), tmp_path / "a"), preprocess([gz], builtin_layout("criteo", cfg), tmp_path / "b")
     np.testing.assert_array_equal(a.split("train").sparse, b.split("train").sparse)
 
 
 def test_header_missing_columns_is_refused(tmp_path):
     path = tmp_path / "f.csv"
     path.write_text("label,user,item\n1,2,3\n")
-    with pytest.raises(BadInputError, match=r"f\.csv:1: the header lacks columns"):
-        preprocess([path], FRAPPE, PreprocessConfig(), tmp_path / "s")
+    with pytest.raises(BadInputError, match=r"f\.csv:1: the header lacks columns 'daytime', .*the file has \['label', 'user', 'item'\]"):
+        preprocess([path], builtin_layout("frappe", PreprocessConfig()), tmp_path / "s")
 
 
 def key_of(b: bytes) -> int:

@@ -34,7 +34,7 @@ class DCN(nn.Module):
         if cross not in CROSS_TYPES:
             raise ValueError(f"model.cross={cross!r}: expected one of {CROSS_TYPES}")
         self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=wide, device=device)
-        width = len(spec.categorical) * embedding_dim + len(spec.dense)
+        width = len(spec.sparse) * embedding_dim + len(spec.dense)
         if cross == "vector":
             self.cross = VectorCrossNet(width, cross_layers)
         elif low_rank:

@@ -21,7 +21,7 @@ class WideDeep(nn.Module):
                  device: torch.device | None = None) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device)
-        n_dense, n_cat = len(spec.dense), len(spec.categorical)
+        n_dense, n_cat = len(spec.dense), len(spec.sparse)
         self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
         deep_in = (n_cat * embedding_dim, n_dense) if n_dense else n_cat * embedding_dim
         self.mlp = MLP(deep_in, mlp, 1, dropout, batch_norm, bn_momentum)

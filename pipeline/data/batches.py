@@ -20,7 +20,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.datasets.utils import Batch
 
-from pipeline.data.store import SplitArrays
+from pipeline.data.store import Ragged, SplitArrays
 
 
 @dataclass
@@ -46,19 +46,42 @@ class CTRBatch(Batch):
         return self.labels.shape[0] if self.num_valid < 0 else self.num_valid
 
 
-def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_valid: int = -1) -> CTRBatch:
-    """Gather ``rows`` and lay them out as dense tensor + one-hot KeyedJaggedTensor + labels."""
-    sparse = arrays.sparse[rows]  # [b, F] int32
-    b, f = sparse.shape
-    values = torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1))
-    kjt = KeyedJaggedTensor(
-        keys=list(keys),
-        values=values,
-        lengths=torch.ones(b * f, dtype=torch.int32),
-        stride=b,
-        length_per_key=[b] * f,
-        offset_per_key=[i * b for i in range(f + 1)],
-    )
+def gather_bags(bags: Ragged, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths [b], ids) of the bags ``rows`` of a sequence feature."""
+    starts, ends = bags.offsets[rows], bags.offsets[rows + 1]
+    lengths = ends - starts
+    first = np.cumsum(lengths) - lengths
+    index = np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()))
+    return lengths, bags.values[index]
+
+
+def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_valid: int = -1,
+               categorical: Sequence[str] | None = None) -> CTRBatch:
+    """Gather ``rows`` and lay them out as dense tensor + KeyedJaggedTensor (``keys``: categorical
+    features, one id per bag, are columns of ``arrays.sparse`` in ``categorical`` order; the others are
+    sequence features with their real bag lengths; default: every key is categorical) + labels."""
+    b = len(rows)
+    categorical = list(keys) if categorical is None else categorical
+    if list(keys) == list(categorical):  # one id per bag everywhere: the id matrix, feature-major
+        sparse = arrays.sparse[rows]  # [b, F] int32
+        f = sparse.shape[1]
+        kjt = KeyedJaggedTensor(keys=list(keys), values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),
+                                lengths=torch.ones(b * f, dtype=torch.int32), stride=b,
+                                length_per_key=[b] * f, offset_per_key=[i * b for i in range(f + 1)])
+    else:
+        onehot = arrays.sparse[rows] if len(categorical) else None
+        values, lengths = [], []
+        for key in keys:
+            if key in arrays.sequences:
+                n, ids = gather_bags(arrays.sequences[key], rows)
+            else:
+                n, ids = np.ones(b, np.int64), onehot[:, list(categorical).index(key)]
+            values.append(ids.astype(np.int32, copy=False))
+            lengths.append(n.astype(np.int32))
+        per_key = [int(n.sum()) for n in lengths]
+        kjt = KeyedJaggedTensor(keys=list(keys), values=torch.from_numpy(np.concatenate(values)),
+                                lengths=torch.from_numpy(np.concatenate(lengths)), stride=b,
+                                length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
     return CTRBatch(
         dense_features=torch.from_numpy(np.ascontiguousarray(arrays.dense[rows])),
         sparse_features=kjt,
@@ -81,11 +104,13 @@ class BatchLoader:
     """Iterable of this rank's :class:`CTRBatch` es for one split (see module docstring)."""
 
     def __init__(self, arrays: SplitArrays, keys: Sequence[str], global_batch_size: int, rank: int,
-                 world_size: int, train: bool, seed: int = 0, pin_memory: bool = False) -> None:
+                 world_size: int, train: bool, seed: int = 0, pin_memory: bool = False,
+                 categorical: Sequence[str] | None = None) -> None:
         if global_batch_size % world_size:
             raise ValueError(f"batch size {global_batch_size} is not divisible by world size {world_size}")
         self.arrays = arrays
         self.keys = list(keys)
+        self.categorical = list(keys if categorical is None else categorical)  # the columns of arrays.sparse
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // world_size
         self.rank = rank
@@ -134,5 +159,5 @@ class BatchLoader:
         self._resume = None
         for i in range(start, self.num_batches):
             rows, valid = self.local_rows(i, order)
-            batch = make_batch(self.arrays, rows, self.keys, -1 if self.train else valid)
+            batch = make_batch(self.arrays, rows, self.keys, -1 if self.train else valid, self.categorical)
             yield batch.pin_memory() if self.pin_memory else batch

@@ -9,7 +9,8 @@ import torch
 
 from modules.embedding import FeatureSpec
 from pipeline.data.batches import BatchLoader
-from pipeline.data.sources import DataConfig, prepare_store, store_dir
+from pipeline.data.dataset import DataConfig
+from pipeline.data.sources import prepare_store, store_dir
 from pipeline.data.store import ColumnarStore
 
 
@@ -40,7 +41,7 @@ class CTRDataModule(L.LightningDataModule):
 
     @property
     def coverage(self) -> dict[str, dict[float, int]]:
-        """Per field: how many of the hottest ids carry each share of the training occurrences."""
+        """Per table: how many of the hottest ids carry each share of the training occurrences."""
         assert self.store is not None, "setup() first"
         return {f: {float(q): int(n) for q, n in s.get("coverage_rows", {}).items()}
                 for f, s in self.store.meta["stats"].items()}
@@ -49,10 +50,10 @@ class CTRDataModule(L.LightningDataModule):
         assert self.store is not None, "setup() first"
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return BatchLoader(self.store.split(split), self.store.categorical_names,
+        return BatchLoader(self.store.split(split), self.feature_spec.kjt_keys,
                            self.batch_size if train else self.eval_batch_size, rank, world, train, self.seed,
                            pin_memory=torch.cuda.is_available() and trainer is not None
-                           and trainer.strategy.root_device.type == "cuda")
+                           and trainer.strategy.root_device.type == "cuda", categorical=self.store.categorical_names)
 
     def train_dataloader(self) -> BatchLoader:
         loader = self._loader("train", train=True)

@@ -31,7 +31,7 @@ import shutil
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -42,52 +42,15 @@ import pyarrow.parquet as pq
 
 from pipeline.data.hashing import factorized_string_keys, hash_keys, to_unit
 from pipeline.data.prefetch import prefetch
+from pipeline.data.dataset import DataConfig
+from pipeline.data.features import FeatureBlock, extract, sparse_features
+from pipeline.data.other_readers import open_reader
+from pipeline.data.preprocess_config import SplitConfig
 from pipeline.data.reader import BadInputError, RawReader, open_lines
-from pipeline.data.schema import Schema
 from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID, SPLITS, ColumnarStore, StoreWriter
 from pipeline.errors import DiskFullError, disk_full, ensure_space
 
 SPLIT_CODES = {name: i for i, name in enumerate(SPLITS)}
-SPLIT_METHODS = ("random", "sequential", "given")
-
-
-@dataclass
-class SplitConfig:
-    method: str = "random"
-    valid: float = 0.05
-    test: float = 0.1
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method not in SPLIT_METHODS:
-            raise ValueError(f"method={self.method!r}: expected one of {SPLIT_METHODS}")
-        if not (0 <= self.valid < 1 and 0 <= self.test < 1 and self.valid + self.test < 1):
-            raise ValueError(f"valid={self.valid}, test={self.test}: expected fractions in [0, 1) with a sum < 1")
-
-
-@dataclass
-class PreprocessConfig:
-    """``data.preprocess``."""
-
-    min_count: int = 2
-    split: SplitConfig = field(default_factory=SplitConfig)
-    categorical: str = "vocab"         # vocab | hash
-    hash_buckets: int = 1 << 20        # buckets per field with categorical=hash
-    dense_transform: str = "log1p"     # log1p | minmax
-    bad_rows: str = "error"            # error | skip
-    block_size: int = 32 << 20         # bytes of text per parsed block
-
-    def __post_init__(self) -> None:
-        if self.categorical not in ("vocab", "hash"):
-            raise ValueError(f"categorical={self.categorical!r}: expected 'vocab' or 'hash'")
-        if self.dense_transform not in ("log1p", "minmax"):
-            raise ValueError(f"dense_transform={self.dense_transform!r}: expected 'log1p' or 'minmax'")
-        if self.bad_rows not in ("error", "skip"):
-            raise ValueError(f"bad_rows={self.bad_rows!r}: expected 'error' or 'skip'")
-        if self.min_count < 1 or self.hash_buckets < 1:
-            raise ValueError(f"min_count={self.min_count}, hash_buckets={self.hash_buckets}: expected values >= 1")
-
-
 Sources = Sequence[tuple[Path, str | None]]  # (file, fixed split or None)
 
 
@@ -112,12 +75,14 @@ def assign_splits(row_index: np.ndarray, total_rows: int, cfg: SplitConfig) -> n
     return codes
 
 
-def _count_lines(path: Path) -> int:
+def _count_rows(path: Path, data: DataConfig) -> int:
+    if data.format == "parquet":
+        return pq.ParquetFile(path).metadata.num_rows
     n = 0
     with open_lines(path) as fh:
         while chunk := fh.read(1 << 24):
             n += chunk.count(b"\n")
-    return n
+    return n - int(data.header)
 
 
 def _merge_counts(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -135,22 +100,26 @@ def train_counts(codes: np.ndarray, distinct: np.ndarray, train: np.ndarray | No
     return distinct[seen], c[seen].astype(np.int64)
 
 
-def transform_dense(x: np.ndarray, cfg: PreprocessConfig, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """[n, d] raw float32 values (NaN = missing) → float32 features (missing → 0). Works in place."""
+def transform_dense(x: np.ndarray, transforms: Sequence[str], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """[n, d] raw float32 values (NaN = missing) → float32 features (missing → 0), column j by
+    ``transforms[j]``: ``log1p`` — log(1 + max(x, 0)); ``minmax`` — (x − lo) / (hi − lo) clipped to
+    [0, 1] (0 where the training range is empty); ``none`` — x. Works in place."""
     y = np.asarray(x, dtype=np.float32)
-    if cfg.dense_transform == "log1p":
-        # log(1 + x) is log1p(x) to float32 rounding for the integer counts read here (dense columns
-        # are integer columns) and, unlike log1p, vectorised: 5x faster
+    kinds = np.asarray(transforms)
+    log = np.flatnonzero(kinds == "log1p")
+    if len(log) == y.shape[1]:
+        # log(1 + x) is log1p(x) to float32 rounding for integer counts (Criteo's) and, unlike log1p,
+        # vectorised: 5x faster
         np.maximum(y, 0.0, out=y)
         y += 1.0
         np.log(y, out=y)
-    else:
-        lo32, hi32 = lo.astype(np.float32), hi.astype(np.float32)
+    elif len(log):
+        y[:, log] = np.log(np.maximum(y[:, log], 0.0) + 1.0)
+    mm = np.flatnonzero(kinds == "minmax")
+    if len(mm):
+        lo32, hi32 = lo[mm].astype(np.float32), hi[mm].astype(np.float32)
         span = np.where(hi32 > lo32, hi32 - lo32, np.float32(1.0))
-        y -= lo32
-        y /= span
-        np.clip(y, 0.0, 1.0, out=y)
-        y[:, ~(hi32 > lo32)] = 0.0
+        y[:, mm] = np.clip((y[:, mm] - lo32) / span, 0.0, 1.0) * (hi32 > lo32)
     return np.nan_to_num(y, copy=False, nan=0.0)
 
 
@@ -179,27 +148,33 @@ def _field_stats(counts: np.ndarray, kept: int) -> dict:
 
 
 class _Spill:
-    """Pass-1 blocks on disk: split code, label, raw dense values (NaN = missing), each field's
-    per-row codes (field-major, [fields, rows]) and each field's distinct keys (concatenated)."""
+    """Pass-1 blocks on disk: split code, label, raw numeric values (NaN = missing), each sparse
+    feature's codes (one per row, or one per value of a sequence; concatenated), each sparse feature's
+    distinct keys (concatenated) and the bag lengths of the sequence features ([sequences, rows])."""
 
-    SPECS = {"split": np.int8, "label": np.int8, "dense": np.float32, "codes": np.int32, "distinct": np.uint64}
+    SPECS = {"split": np.int8, "label": np.int8, "dense": np.float32, "codes": np.int32, "distinct": np.uint64,
+             "lengths": np.int32}
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.blocks: list[tuple[int, int, tuple[int, ...]]] = []  # rows, dense width, distinct keys per field
+        # rows, dense width, codes per feature, distinct keys per feature, sequence features
+        self.blocks: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int]] = []
         self.handles = {name: open(folder / f"{name}.bin", "wb") for name in self.SPECS}
 
     @property
     def rows(self) -> int:
         return sum(b[0] for b in self.blocks)
 
-    def append(self, split: np.ndarray, label: np.ndarray, dense: np.ndarray, codes: np.ndarray,
-               distinct: list[np.ndarray]) -> None:
-        arrays = {"split": split, "label": label, "dense": dense, "codes": codes,
-                  "distinct": np.concatenate(distinct) if distinct else np.zeros(0, np.uint64)}
+    def append(self, split: np.ndarray, block: FeatureBlock, codes: list[np.ndarray], distinct: list[np.ndarray]) -> None:
+        lengths = [x for x in block.lengths if x is not None]
+        empty = np.zeros(0)
+        arrays = {"split": split, "label": block.label, "dense": block.numeric,
+                  "codes": np.concatenate(codes) if codes else empty, "distinct": np.concatenate(distinct) if distinct else empty,
+                  "lengths": np.concatenate(lengths) if lengths else empty}
         for name, a in arrays.items():
             self.handles[name].write(np.ascontiguousarray(a, dtype=self.SPECS[name]).data)  # errno on a full disk
-        self.blocks.append((len(split), dense.shape[1], tuple(len(d) for d in distinct)))
+        self.blocks.append((len(split), block.numeric.shape[1], tuple(len(c) for c in codes),
+                            tuple(len(d) for d in distinct), len(lengths)))
 
     def read(self) -> Iterator[dict[str, Any]]:
         for fh in self.handles.values():
@@ -209,38 +184,44 @@ class _Spill:
         def take(name: str, count: int) -> np.ndarray:
             return np.fromfile(readers[name], dtype=self.SPECS[name], count=count)
 
+        def parts(a: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
+            return np.split(a, np.cumsum(sizes)[:-1]) if sizes else []
+
         try:
-            for n, width, sizes in self.blocks:
+            for n, width, code_sizes, sizes, n_seq in self.blocks:
                 distinct = take("distinct", sum(sizes))
                 yield {"split": take("split", n), "label": take("label", n),
                        "dense": take("dense", n * width).reshape(n, width),
-                       "codes": take("codes", n * len(sizes)).reshape(len(sizes), n),
-                       "distinct": np.split(distinct, np.cumsum(sizes)[:-1]) if sizes else []}
+                       "codes": parts(take("codes", sum(code_sizes)), code_sizes),
+                       "distinct": parts(distinct, sizes),
+                       "lengths": take("lengths", n * n_seq).reshape(n_seq, n)}
         finally:
             for fh in readers.values():
                 fh.close()
 
 
 class _Pass:
-    """Iterates (table, split codes) over all sources; row numbers continue across files."""
+    """Iterates (feature block, split codes) over all sources; row numbers continue across files."""
 
-    def __init__(self, sources: Sources, schema: Schema, cfg: PreprocessConfig, total_rows: int, desc: str):
-        self.sources, self.schema, self.cfg, self.total_rows, self.desc = sources, schema, cfg, total_rows, desc
+    def __init__(self, sources: Sources, data: DataConfig, total_rows: int, desc: str):
+        self.sources, self.data, self.total_rows, self.desc = sources, data, total_rows, desc
         self.readers: list[RawReader] = []
+        self.truncated: dict[str, int] = {}
 
-    def __iter__(self):
-        row0 = 0
+    def __iter__(self) -> Iterator[tuple[FeatureBlock, np.ndarray]]:
+        row0, cfg = 0, self.data.preprocess
         for path, fixed in self.sources:
-            reader = RawReader([path], self.schema, self.cfg.block_size, self.cfg.bad_rows, self.desc)
+            reader = open_reader([path], self.data, cfg.block_size, cfg.bad_rows, self.desc)
             self.readers.append(reader)
             for table in reader:
-                n = table.num_rows
+                block = extract(table, self.data, reader.where, self.truncated)
+                n = block.rows
                 if fixed is not None:
                     codes = np.full(n, SPLIT_CODES[fixed], dtype=np.int8)
                 else:
-                    codes = assign_splits(np.arange(row0, row0 + n, dtype=np.uint64), self.total_rows, self.cfg.split)
+                    codes = assign_splits(np.arange(row0, row0 + n, dtype=np.uint64), self.total_rows, cfg.split)
                 row0 += n
-                yield table, codes
+                yield block, codes
 
     def skipped(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -250,10 +231,18 @@ class _Pass:
         return out
 
 
-def _dense_raw(table: pa.Table, schema: Schema) -> np.ndarray:
-    if not schema.dense:
-        return np.zeros((table.num_rows, 0), np.float32)
-    return np.stack([table.column(c).to_numpy().astype(np.float32) for c in schema.dense], axis=1)
+@dataclass(frozen=True)
+class Tables:
+    """The embedding tables of a declaration: ``of[j]`` is the table index of sparse feature j."""
+
+    names: tuple[str, ...]
+    of: tuple[int, ...]
+
+    @classmethod
+    def of_data(cls, data: DataConfig) -> "Tables":
+        feats = sparse_features(data)
+        names = tuple(dict.fromkeys(data.table_of(f.name) for f in feats))
+        return cls(names, tuple(names.index(data.table_of(f.name)) for f in feats))
 
 
 @dataclass
@@ -262,60 +251,63 @@ class Pass1:
 
     spill: _Spill
     split_rows: dict[str, int]
-    key_counts: list[list[tuple[np.ndarray, np.ndarray]]]  # vocab: per field, (keys, counts) parts to merge
-    bucket_counts: np.ndarray | None                       # hash: [fields, buckets] training counts
-    lo: np.ndarray                                         # minmax: each dense column's training range
+    split_values: dict[str, list[int]]                     # per split: values of each sequence feature
+    key_counts: list[list[tuple[np.ndarray, np.ndarray]]]  # vocab: per table, (keys, counts) parts to merge
+    bucket_counts: np.ndarray | None                       # hash: [tables, buckets] training counts
+    lo: np.ndarray                                         # minmax: each numeric feature's training range
     hi: np.ndarray
     skipped: dict[str, int]
+    truncated: dict[str, int]
 
 
-def _field_keys(table: pa.Table, column: str, train_rows: np.ndarray | None, codes_out: np.ndarray,
-                hash_buckets: int | None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], np.ndarray | None]:
-    """One field of a block: writes its per-row codes; returns its distinct keys, the training
-    (keys, counts) and, with hashing, the training counts per bucket."""
-    codes_out[:], distinct = factorized_string_keys(table.column(column))
-    k, c = train_counts(codes_out, distinct, train_rows)
-    buckets = None
-    if hash_buckets is not None:
-        buckets = np.bincount((k % np.uint64(hash_buckets)).astype(np.int64), weights=c,
-                              minlength=hash_buckets).astype(np.int64)
-    return distinct, (k, c), buckets
+def _feature_keys(values: pa.Array, train: np.ndarray | None, codes_out: np.ndarray
+                  ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """One sparse feature of a block: writes its codes (one per value); returns its distinct keys and
+    the training (keys, counts)."""
+    codes_out[:], distinct = factorized_string_keys(values)
+    return distinct, train_counts(codes_out, distinct, train)
 
 
-def run_pass1(sources: Sources, schema: Schema, cfg: PreprocessConfig, total_rows: int, scratch: Path,
-              pool: ThreadPoolExecutor) -> Pass1:
+def run_pass1(sources: Sources, data: DataConfig, total_rows: int, scratch: Path, pool: ThreadPoolExecutor) -> Pass1:
     """Parse every file once, in blocks; spill the rows to ``scratch``; gather split sizes and statistics."""
+    cfg = data.preprocess
     hashed = cfg.categorical == "hash"
-    n_cat, n_dense = len(schema.categorical), len(schema.dense)
-    out = Pass1(_Spill(scratch), dict.fromkeys(SPLITS, 0), [[] for _ in range(n_cat)],
-                np.zeros((n_cat, cfg.hash_buckets), np.int64) if hashed else None,
-                np.full(n_dense, np.inf), np.full(n_dense, -np.inf), {})
-    blocks = _Pass(sources, schema, cfg, total_rows, "preprocess pass 1/2")
-    for table, split in prefetch(blocks):
-        codes = np.empty((n_cat, table.num_rows), np.int32)
+    tables = Tables.of_data(data)
+    n_dense = len(data.numeric)
+    out = Pass1(_Spill(scratch), dict.fromkeys(SPLITS, 0), {s: [0] * len(data.sequence) for s in SPLITS},
+                [[] for _ in tables.names], np.zeros((len(tables.names), cfg.hash_buckets), np.int64) if hashed else None,
+                np.full(n_dense, np.inf), np.full(n_dense, -np.inf), {}, {})
+    blocks = _Pass(sources, data, total_rows, "preprocess pass 1/2")
+    minmax = [j for j, f in enumerate(data.numeric) if data.decl(f).transform == "minmax"]
+    for block, split in prefetch(blocks):
         train = split == SPLIT_CODES["train"]
-        train_rows = None if train.all() else train
-        per_field = list(pool.map(lambda j: _field_keys(table, schema.categorical[j], train_rows, codes[j],
-                                                        cfg.hash_buckets if hashed else None), range(n_cat)))
-        dense = _dense_raw(table, schema)
-        label = table.column(schema.label).to_numpy().astype(np.int8)
-        out.spill.append(split, label, dense, codes, [d for d, _, _ in per_field])
+        masks = [None if train.all() else train if lengths is None else np.repeat(train, lengths)
+                 for lengths in block.lengths]
+        codes = [np.empty(len(v), np.int32) for v in block.sparse]
+        per_feature = list(pool.map(lambda j: _feature_keys(block.sparse[j], masks[j], codes[j]),
+                                    range(len(codes))))
+        out.spill.append(split, block, codes, [d for d, _ in per_feature])
         for name, code in SPLIT_CODES.items():
-            out.split_rows[name] += int(np.count_nonzero(split == code))
-        if n_dense and cfg.dense_transform == "minmax" and train.any():
+            rows = split == code
+            out.split_rows[name] += int(np.count_nonzero(rows))
+            for k, lengths in enumerate(x for x in block.lengths if x is not None):
+                out.split_values[name][k] += int(lengths[rows].sum())
+        if minmax and train.any():
             with warnings.catch_warnings():  # a column may be all missing in a block
                 warnings.simplefilter("ignore", RuntimeWarning)
-                out.lo = np.fmin(out.lo, np.nanmin(dense[train], axis=0))
-                out.hi = np.fmax(out.hi, np.nanmax(dense[train], axis=0))
-        for j, (_, kc, buckets) in enumerate(per_field):
+                out.lo[minmax] = np.fmin(out.lo[minmax], np.nanmin(block.numeric[train][:, minmax], axis=0))
+                out.hi[minmax] = np.fmax(out.hi[minmax], np.nanmax(block.numeric[train][:, minmax], axis=0))
+        for j, (_, (k, c)) in enumerate(per_feature):
+            t = tables.of[j]
             if hashed:
-                out.bucket_counts[j] += buckets
+                out.bucket_counts[t] += np.bincount((k % np.uint64(cfg.hash_buckets)).astype(np.int64), weights=c,
+                                                    minlength=cfg.hash_buckets).astype(np.int64)
                 continue
-            out.key_counts[j].append(kc)
-            if len(out.key_counts[j]) >= 8:
-                out.key_counts[j] = [_merge_counts(out.key_counts[j])]
+            out.key_counts[t].append((k, c))
+            if len(out.key_counts[t]) >= 8:
+                out.key_counts[t] = [_merge_counts(out.key_counts[t])]
     out.lo, out.hi = np.where(np.isfinite(out.lo), out.lo, 0.0), np.where(np.isfinite(out.hi), out.hi, 0.0)
-    out.skipped = blocks.skipped()
+    out.skipped, out.truncated = blocks.skipped(), blocks.truncated
     if out.spill.rows == 0:
         raise BadInputError(f"{', '.join(str(p) for p, _ in sources)}: no data rows to preprocess"
                             + (f" ({sum(out.skipped.values())} skipped as bad)" if out.skipped else ""))
@@ -324,7 +316,8 @@ def run_pass1(sources: Sources, schema: Schema, cfg: PreprocessConfig, total_row
 
 @dataclass
 class Vocabulary:
-    """Per categorical field: the kept keys in id order (vocab), the table size and the statistics."""
+    """Per embedding table: the kept keys in id order (vocab), the table size and the statistics
+    (occurrences: every value of every feature reading the table, sequences included)."""
 
     keys: dict[str, np.ndarray]        # vocab only: key of id FIRST_VOCAB_ID + i at position i
     counts: dict[str, np.ndarray]      # vocab only: their training counts
@@ -332,98 +325,134 @@ class Vocabulary:
     stats: dict[str, dict]
 
 
-def build_vocabulary(first: Pass1, schema: Schema, cfg: PreprocessConfig) -> Vocabulary:
+def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
     """Keys with training count >= ``min_count``, most frequent first (ties by key); or hash buckets."""
+    cfg = data.preprocess
     vocab = Vocabulary({}, {}, {}, {})
-    for j, c in enumerate(schema.categorical):
+    for t, name in enumerate(Tables.of_data(data).names):
         if cfg.categorical == "hash":
-            b = first.bucket_counts[j]
-            vocab.stats[c] = _field_stats(b[b > 0], int((b > 0).sum()))
-            vocab.table_sizes[c] = cfg.hash_buckets + FIRST_VOCAB_ID
+            b = first.bucket_counts[t]
+            vocab.stats[name] = _field_stats(b[b > 0], int((b > 0).sum()))
+            vocab.table_sizes[name] = cfg.hash_buckets + FIRST_VOCAB_ID
             continue
-        parts = first.key_counts[j]
+        parts = first.key_counts[t]
         k, n = _merge_counts(parts) if parts else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
         keep = n >= cfg.min_count
         order = np.lexsort((k[keep], -n[keep]))
-        vocab.keys[c], vocab.counts[c] = k[keep][order], n[keep][order]
-        vocab.stats[c] = _field_stats(n, len(vocab.keys[c]))
-        vocab.table_sizes[c] = len(vocab.keys[c]) + FIRST_VOCAB_ID
+        vocab.keys[name], vocab.counts[name] = k[keep][order], n[keep][order]
+        vocab.stats[name] = _field_stats(n, len(vocab.keys[name]))
+        vocab.table_sizes[name] = len(vocab.keys[name]) + FIRST_VOCAB_ID
     return vocab
 
 
-def _encode(distinct: np.ndarray, codes: np.ndarray, order: np.ndarray, index: pd.Index | None,
-            hash_buckets: int) -> np.ndarray:
-    """Ids of one field of a block, in ``order``: only the block's distinct keys are looked up."""
+def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: pd.Index | None, hash_buckets: int) -> np.ndarray:
+    """Ids of one feature's values given as (distinct keys, code per value): only the distinct keys
+    are looked up (``index``: the table's vocabulary; None: hashing)."""
     if index is None:
         ids = (distinct % np.uint64(hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
     else:
         pos = index.get_indexer(distinct)  # -1 where not in the vocabulary
         ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
     ids[distinct == 0] = MISSING_ID
-    return ids[codes[order]]
+    return ids[codes]
 
 
-def run_pass2(first: Pass1, vocab: Vocabulary, schema: Schema, cfg: PreprocessConfig, writer: StoreWriter,
+def ragged_take(lengths: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, values) of the bags ``rows`` of a ragged array given by its ``lengths`` per row."""
+    starts = np.cumsum(lengths) - lengths
+    picked = lengths[rows]
+    index = np.repeat(starts[rows] - (np.cumsum(picked) - picked), picked) + np.arange(int(picked.sum()))
+    return picked, values[index]
+
+
+def run_pass2(first: Pass1, vocab: Vocabulary, data: DataConfig, writer: StoreWriter,
               pool: ThreadPoolExecutor) -> dict[str, int]:
     """Encode the spilled rows and append them to the store; returns the positives per split."""
-    for c in vocab.keys:
-        pq.write_table(pa.table({"key": pa.array(vocab.keys[c], pa.uint64()), "count": vocab.counts[c]}),
-                       writer.vocab_dir / f"{c}.parquet")
+    cfg = data.preprocess
+    for name in vocab.keys:
+        pq.write_table(pa.table({"key": pa.array(vocab.keys[name], pa.uint64()), "count": vocab.counts[name]}),
+                       writer.vocab_dir / f"{name}.parquet")
+    tables = Tables.of_data(data)
     # a pandas Index keeps its hash table between lookups (pc.index_in would rebuild it per chunk)
-    index = [pd.Index(vocab.keys[c], dtype=np.uint64) if c in vocab.keys else None for c in schema.categorical]
+    index = {name: pd.Index(vocab.keys[name], dtype=np.uint64) if name in vocab.keys else None
+             for name in tables.names}
+    n_cat = len(data.categorical)
+    transforms = [data.decl(f).transform for f in data.numeric]
     positives = dict.fromkeys(SPLITS, 0)
     for chunk in prefetch(first.spill.read()):
         # rows grouped by split (file order kept inside each): every split's rows are one slice
         order = np.argsort(chunk["split"], kind="stable")
         bounds = np.searchsorted(chunk["split"][order], np.arange(len(SPLITS) + 1))
         label = chunk["label"][order]
-        dense = transform_dense(chunk["dense"][order], cfg, first.lo, first.hi)
-        sparse = np.empty((len(schema.categorical), len(order)), np.int32)  # field-major: contiguous per field
+        dense = transform_dense(chunk["dense"][order], transforms, first.lo, first.hi)
+        sparse = np.empty((n_cat, len(order)), np.int32)  # field-major: contiguous per field
+        sequences: list[tuple[np.ndarray, np.ndarray]] = []
 
-        def encode(j: int) -> None:
-            sparse[j] = _encode(chunk["distinct"][j], chunk["codes"][j], order, index[j], cfg.hash_buckets)
+        def encode(j: int) -> np.ndarray:
+            return encode_ids(chunk["distinct"][j], chunk["codes"][j], index[tables.names[tables.of[j]]],
+                              cfg.hash_buckets)
 
-        list(pool.map(encode, range(len(schema.categorical))))
+        for j, ids in enumerate(pool.map(encode, range(len(tables.of)))):
+            if j < n_cat:
+                sparse[j] = ids[order]
+            else:
+                sequences.append(ragged_take(chunk["lengths"][j - n_cat], ids, order))
         for name, code in SPLIT_CODES.items():
-            rows = slice(bounds[code], bounds[code + 1])
-            if rows.stop > rows.start:
-                writer.append(name, label[rows], dense[rows], sparse[:, rows].T)
-                positives[name] += int(label[rows].sum())
+            lo, hi = int(bounds[code]), int(bounds[code + 1])
+            if hi > lo:
+                bags = [(lengths[lo:hi], values[lengths[:lo].sum():lengths[:hi].sum()])
+                        for lengths, values in sequences]
+                writer.append(name, label[lo:hi], dense[lo:hi], sparse[:, lo:hi].T, bags)
+                positives[name] += int(label[lo:hi].sum())
     return positives
 
 
-def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]], schema: Schema,
-               cfg: PreprocessConfig, out_dir: str | os.PathLike, provenance: dict | None = None) -> ColumnarStore:
-    """Build the store for ``files`` at ``out_dir`` (atomically; see :class:`StoreWriter`)."""
+def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | os.PathLike]], data: DataConfig,
+               out_dir: str | os.PathLike, provenance: dict | None = None) -> ColumnarStore:
+    """Build the store of dataset ``data`` from ``files`` at ``out_dir`` (atomically; see :class:`StoreWriter`)."""
+    cfg = data.preprocess
+    if not data.declared():
+        raise ValueError(f"data.features is empty: declare the features of data={data.name} (docs/datasets.md)")
     sources = sources_from(files)
     if (cfg.split.method == "given") != all(split is not None for _, split in sources):
         raise ValueError("preprocess.split.method='given' needs data.path as a mapping split → files (and only then)")
     t0 = time.perf_counter()
-    total_rows = sum(_count_lines(p) - int(schema.header) for p, _ in sources) if cfg.split.method == "sequential" else -1
+    total_rows = sum(_count_rows(p, data) for p, _ in sources) if cfg.split.method == "sequential" else -1
     writer: StoreWriter | None = None
     first: Pass1 | None = None
     scratch = Path(out_dir).with_name(Path(out_dir).name + f".scratch-{os.getpid()}")
-    pool = ThreadPoolExecutor(max_workers=max(1, min(len(schema.categorical), os.cpu_count() or 1)))
+    sparse = sparse_features(data)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(len(sparse), os.cpu_count() or 1)))
     try:
-        row_bytes = 1 + 4 * len(schema.dense) + 4 * len(schema.categorical)  # label, dense values, ids
+        row_bytes = 1 + 4 * len(data.numeric) + 4 * len(data.categorical)  # label, dense values, ids
         ensure_space(scratch, sum(os.path.getsize(p) for p, _ in sources) // 2)  # spill ≈ the parsed rows
         scratch.mkdir(parents=True, exist_ok=True)
-        first = run_pass1(sources, schema, cfg, total_rows, scratch, pool)
-        vocab = build_vocabulary(first, schema, cfg)
-        ensure_space(out_dir, first.spill.rows * row_bytes)
-        writer = StoreWriter(out_dir, first.split_rows, len(schema.dense), len(schema.categorical))
-        positives = run_pass2(first, vocab, schema, cfg, writer, pool)
+        first = run_pass1(sources, data, total_rows, scratch, pool)
+        vocab = build_vocabulary(first, data)
+        seq_bytes = 12 * sum(sum(v) for v in first.split_values.values())  # values + offsets, roughly
+        ensure_space(out_dir, first.spill.rows * row_bytes + seq_bytes)
+        writer = StoreWriter(out_dir, first.split_rows, len(data.numeric), len(data.categorical),
+                             {s: dict(zip(data.sequence, v)) for s, v in first.split_values.items()})
+        positives = run_pass2(first, vocab, data, writer, pool)
         rows = first.split_rows
+        tables = Tables.of_data(data)
         meta = {
-            "schema": schema.name,
-            "dense": list(schema.dense),
-            "categorical": list(schema.categorical),
+            "dataset": data.name,
+            "dense": list(data.numeric),
+            "categorical": list(data.categorical),
+            "sequence": list(data.sequence),
+            "features": [{"name": f.name, "type": f.type, "table": tables.names[t],
+                          **({"pooling": f.pooling} if f.type == "sequence" else {})}
+                         for f, t in zip(sparse, tables.of)],
+            "transforms": {f: data.decl(f).transform for f in data.numeric},
             "table_sizes": vocab.table_sizes,
             "splits": rows,
             "positive_rate": {k: positives[k] / rows[k] if rows[k] else None for k in SPLITS},
-            **({"dense_range": {c: [float(first.lo[j]), float(first.hi[j])] for j, c in enumerate(schema.dense)}}
-               if cfg.dense_transform == "minmax" else {}),
+            **({"dense_range": {c: [float(first.lo[j]), float(first.hi[j])] for j, c in enumerate(data.numeric)
+                                if data.decl(c).transform == "minmax"}}
+               if any(data.decl(c).transform == "minmax" for c in data.numeric) else {}),
             "skipped_rows": first.skipped,
+            "truncated_rows": first.truncated,
             "stats": vocab.stats,
             "preprocess": asdict(cfg),
             "provenance": provenance or {},

@@ -2,12 +2,13 @@
 
 Each file (``.gz`` decompressed on the fly) is cut into newline-aligned chunks of about
 ``block_size`` bytes; each chunk is parsed by pyarrow's multi-threaded ``read_csv`` straight into
-typed columns — label and integer columns → int64, categorical columns → UTF-8 strings (empty =
-missing). Only a chunk that fails there is parsed again in careful mode (raw bytes, validated
+typed columns of the dataset's declaration (:mod:`pipeline.data.dataset`) — the label → int64,
+numeric columns → float64, the columns of categorical and sequence features → UTF-8 strings (empty
+= missing). Only a chunk that fails there is parsed again in careful mode (raw bytes, validated
 column by column here). Memory is bounded by one chunk; line numbers are exact (newlines are
 counted per chunk). Quoted fields must not contain newlines (such a file is refused at that line).
 
-Bad input — a row with the wrong number of columns, a non-integer in an integer column, bytes
+Bad input — a row with the wrong number of columns, a non-number in a numeric column, bytes
 that are not UTF-8, a label other than 0/1, an empty file — is handled by ``policy``:
 
 * ``error`` (default): stop with a :class:`BadInputError` naming the file, the line, the column,
@@ -28,10 +29,11 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 from tqdm import tqdm
 
-from pipeline.data.schema import Schema
+from pipeline.data.dataset import DataConfig
 
 POLICIES = ("error", "skip")
 INT_PATTERN = r"^[+-]?[0-9]+$"
+NUMBER_PATTERN = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
 
 
 class BadInputError(ValueError):
@@ -41,16 +43,16 @@ class BadInputError(ValueError):
 @dataclass
 class SkipCounts:
     wrong_column_count: int = 0
-    not_an_integer: int = 0
+    not_a_number: int = 0
     not_utf8: int = 0
     label_not_0_1: int = 0
 
     @property
     def total(self) -> int:
-        return self.wrong_column_count + self.not_an_integer + self.not_utf8 + self.label_not_0_1
+        return self.wrong_column_count + self.not_a_number + self.not_utf8 + self.label_not_0_1
 
     def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in ("wrong_column_count", "not_an_integer", "not_utf8", "label_not_0_1")}
+        return {k: getattr(self, k) for k in ("wrong_column_count", "not_a_number", "not_utf8", "label_not_0_1")}
 
 
 def open_lines(path: Path):
@@ -71,11 +73,17 @@ class RawReader:
     """Iterates typed record batches of ``files`` (see module docstring)."""
 
     files: Sequence[Path]
-    schema: Schema
+    data: DataConfig
     block_size: int = 32 << 20
     policy: str = "error"
     desc: str = "read"
     skipped: SkipCounts = field(default_factory=SkipCounts)
+    position: tuple[Path, int] = (Path(), 0)  # file and line of the first row of the block last yielded
+    _names: list[str] = field(default_factory=list)
+
+    def where(self, index: int) -> str:
+        """``file:line`` of row ``index`` of the block last yielded (exact unless rows were skipped)."""
+        return f"{self.position[0]}:{self.position[1] + index}"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,7 +96,7 @@ class RawReader:
         raise BadInputError(f"{path}:{line}: column {column!r} has {shown!r}; expected {expected}")
 
     def _line_of(self, rows_before: int, index: int) -> int:
-        return int(self.schema.header) + rows_before + index + 1
+        return int(self.data.header) + rows_before + index + 1
 
     def _as_text(self, path: Path, rows_before: int, name: str, col: pa.Array) -> tuple[pa.Array, np.ndarray]:
         """Binary column → UTF-8 strings; returns the column and a mask of rows that are not UTF-8."""
@@ -107,53 +115,50 @@ class RawReader:
             fixed = pa.array([None if b else v for v, b in zip(col.to_pylist(), bad)], type=pa.binary())
             return pc.cast(fixed, pa.string()), bad
 
-    def _as_int(self, path: Path, rows_before: int, name: str, col: pa.Array, expected: str) -> tuple[pa.Array, np.ndarray]:
-        nullable = name in self.schema.dense or name == self.schema.label  # a missing label is caught later
-        ok = pc.fill_null(pc.match_substring_regex(col, INT_PATTERN), nullable).to_numpy(zero_copy_only=False)
+    def _as_label(self, path: Path, rows_before: int, name: str, col: pa.Array) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+        """Text → int64 labels; returns them, the rows that are not integers and those not 0/1."""
+        ok = pc.fill_null(pc.match_substring_regex(col, INT_PATTERN), True).to_numpy(zero_copy_only=False)
+        bad = ~ok
+        short = pc.if_else(pc.less_equal(pc.utf8_length(col), 3), col, pa.scalar(None, pa.string()))
+        values = pc.cast(pc.if_else(pa.array(bad), pa.scalar(None, pa.string()), short), pa.int64())
+        labels = pc.fill_null(values, -1).to_numpy(zero_copy_only=False)
+        not01 = ((labels != 0) & (labels != 1)) & ~bad
+        if (bad | not01).any() and self.policy == "error":
+            i = int(np.argmax(bad | not01))
+            self._fail(path, self._line_of(rows_before, i), name, col[i].as_py() or "", "0 or 1")
+        return values, bad, not01
+
+    def _as_number(self, path: Path, rows_before: int, name: str, col: pa.Array) -> tuple[pa.Array, np.ndarray]:
+        """Text → float64 (empty = missing); returns the column and a mask of rows that are not numbers."""
+        ok = pc.fill_null(pc.match_substring_regex(col, NUMBER_PATTERN), True).to_numpy(zero_copy_only=False)
         bad = ~ok
         if bad.any() and self.policy == "error":
             i = int(np.argmax(bad))
-            self._fail(path, self._line_of(rows_before, i), name, col[i].as_py() or "", expected)
+            self._fail(path, self._line_of(rows_before, i), name, col[i].as_py() or "", "a number or nothing")
         clean = pc.if_else(pa.array(bad), pa.scalar(None, pa.string()), col) if bad.any() else col
-        try:
-            return pc.cast(clean, pa.int64()), bad
-        except pa.ArrowInvalid:  # digits beyond the 64-bit range
-            huge = np.array([v is not None and not -2**63 <= int(v) < 2**63 for v in clean.to_pylist()])
-            if self.policy == "error":
-                i = int(np.argmax(huge))
-                self._fail(path, self._line_of(rows_before, i), name, col[i].as_py() or "",
-                           f"{expected} within ±9.2e18 (64 bits)")
-            return pc.cast(pc.if_else(pa.array(huge), pa.scalar(None, pa.string()), clean), pa.int64()), bad | huge
+        return pc.cast(clean, pa.float64()), bad
 
     def _typed(self, path: Path, rows_before: int, batch: pa.Table) -> pa.Table:
-        s = self.schema
+        d = self.data
         out: dict[str, pa.Array] = {}
         drop = np.zeros(batch.num_rows, dtype=bool)
-        for name in s.read_columns:
+        for name in d.read_columns:
             text, bad = self._as_text(path, rows_before, name, batch.column(name).combine_chunks())
             self.skipped.not_utf8 += int((bad & ~drop).sum())
             drop |= bad
-            if name in s.int_columns:
-                expected = "0 or 1" if name == s.label else "an integer" if name not in s.dense else "an integer or nothing"
-                values, bad = self._as_int(path, rows_before, name, text, expected)
-                if name == s.label:
-                    missing = values.is_null().to_numpy(zero_copy_only=False)
-                    labels = pc.fill_null(values, -1).to_numpy(zero_copy_only=False)
-                    not01 = (labels != 0) & (labels != 1) & ~bad
-                    if not01.any() and self.policy == "error":
-                        i = int(np.argmax(not01 | missing))
-                        self._fail(path, self._line_of(rows_before, i), name, text[i].as_py() or "", expected)
-                    self.skipped.label_not_0_1 += int((not01 & ~drop).sum())
-                    drop |= not01
-                self.skipped.not_an_integer += int((bad & ~drop).sum())
-                drop |= bad
-                out[name] = values
+            if name == d.label:
+                out[name], bad, not01 = self._as_label(path, rows_before, name, text)
+                self.skipped.label_not_0_1 += int((not01 & ~drop).sum())
+                drop |= not01
+            elif name in d.number_columns:
+                out[name], bad = self._as_number(path, rows_before, name, text)
             else:
                 out[name] = text
+                continue
+            self.skipped.not_a_number += int((bad & ~drop).sum())
+            drop |= bad
         table = pa.table(out)
-        if drop.any():
-            table = table.filter(pa.array(~drop))
-        return s.derive(table) if s.derive else table
+        return table.filter(pa.array(~drop)) if drop.any() else table
 
     # -- reading ---------------------------------------------------------------------------------
     def _chunks(self, path: Path, bar: tqdm) -> Iterator[tuple[memoryview, int]]:
@@ -167,7 +172,7 @@ class RawReader:
         filled = 0
         offset = 0
         with open_lines(path) as fh:
-            if self.schema.header:
+            if self.data.header:
                 offset = len(fh.readline())
                 bar.update(offset)
             while True:
@@ -190,43 +195,32 @@ class RawReader:
                 buf[:rest] = buf[cut + 1:filled]
                 filled = rest
 
-    @staticmethod
-    def _line_at(path: Path, offset: int) -> int:
-        """Line number of the line starting at byte ``offset`` (only computed for error messages)."""
-        newlines, done = 0, 0
-        with open_lines(path) as fh:
-            while done < offset:
-                data = fh.read(min(1 << 24, offset - done))
-                if not data:
-                    break
-                newlines += data.count(b"\n")
-                done += len(data)
-        return newlines + 1
-
     def _header(self, path: Path) -> list[str]:
         with open_lines(path) as fh:
             first = fh.readline().rstrip(b"\r\n").decode("utf-8", "backslashreplace")
-        names = [n.strip('"') for n in first.split(self.schema.delimiter)]
-        missing = [c for c in self.schema.read_columns if c not in names]
+        names = [n.strip('"') for n in first.split(self.data.delimiter)]
+        missing = [c for c in self.data.read_columns if c not in names]
         if missing:
-            raise BadInputError(f"{path}:1: the header lacks columns {missing}; expected {list(self.schema.columns)}")
+            raise BadInputError(f"{path}:1: the header lacks column{'s' * (len(missing) > 1)} "
+                                f"{', '.join(map(repr, missing))} (declared in data={self.data.name}); the file has "
+                                f"{names[:60]}")
         return names
 
     def _parse(self, chunk: memoryview, names: list[str], careful: bool, bad_rows: list[str]) -> pa.Table:
-        s = self.schema
+        d = self.data
 
         def invalid_row(row: pacsv.InvalidRow) -> str:
             bad_rows.append(row.text)
             return "skip"
 
-        types = {c: pa.binary() for c in s.read_columns} if careful else \
-            {c: pa.int64() if c in s.int_columns else pa.string() for c in s.read_columns}
+        types = {c: pa.binary() for c in d.read_columns} if careful else \
+            {c: pa.float64() if c in d.number_columns else pa.string() for c in d.read_columns} | {d.label: pa.int64()}
         return pacsv.read_csv(
             pa.py_buffer(chunk),
             read_options=pacsv.ReadOptions(column_names=names, use_threads=True, block_size=1 << 20),
-            parse_options=pacsv.ParseOptions(delimiter=s.delimiter, quote_char=s.quote_char,
+            parse_options=pacsv.ParseOptions(delimiter=d.delimiter, quote_char=d.quoting,
                                              invalid_row_handler=invalid_row, ignore_empty_lines=False),
-            convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(s.read_columns),
+            convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(d.read_columns),
                                                  strings_can_be_null=True))
 
     @staticmethod
@@ -239,8 +233,8 @@ class RawReader:
 
     def _wrong_column_count(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError | None:
         """The error for the chunk's first line with a column count other than the layout's (None: none)."""
-        n = len(self.schema.columns)
-        delim = self.schema.delimiter.encode()
+        n = len(self._names)
+        delim = self.data.delimiter.encode()
         hit = self._first_line(chunk, lambda text: text.count(delim) + 1 != n)
         if hit is None:
             return None
@@ -250,39 +244,40 @@ class RawReader:
         hint = f"; it splits into {text.count(other) + 1} columns at {other.decode()!r}: a file of " \
             f"another layout?" if found == 1 and text.count(other) else ""
         return BadInputError(f"{path}:{first_line + i}: {found} column{'s' * (found != 1)}, expected {n} "
-                             f"({self.schema.name} layout, separated by {self.schema.delimiter!r}){hint}; "
+                             f"(data={self.data.name}, separated by {self.data.delimiter!r}){hint}; "
                              f"the line reads {text[:120].decode('utf-8', 'backslashreplace')!r}")
 
     def _column_count_error(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError:
         return self._wrong_column_count(path, chunk, first_line) or \
-            BadInputError(f"{path}: a row has the wrong number of columns (expected {len(self.schema.columns)})")
+            BadInputError(f"{path}: a row has the wrong number of columns (expected {len(self._names)})")
 
     def _unparsable(self, path: Path, chunk: memoryview, first_line: int, err: Exception) -> BadInputError:
         return self._wrong_column_count(path, chunk, first_line) or \
-            BadInputError(f"{path}:{first_line}: cannot be parsed as {self.schema.name}-format rows ({err})")
+            BadInputError(f"{path}:{first_line}: cannot be parsed as data={self.data.name} rows ({err})")
 
     def _quoted_newline_error(self, path: Path, chunk: memoryview, first_line: int) -> BadInputError:
-        quote = str(self.schema.quote_char).encode()
+        quote = str(self.data.quoting).encode()
         hit = self._first_line(chunk, lambda text: text.count(quote) % 2 == 1)
         return BadInputError(f"{path}:{first_line + (hit[0] if hit else 0)}: a quoted value runs over a line break "
                              f"(quoted values must fit on one line)")
 
     def _fast_ok(self, table: pa.Table) -> bool:
-        """A typed chunk needs the careful path if a label is not 0/1 or a required integer is missing."""
-        s = self.schema
+        """A typed chunk needs the careful path if a label is missing or not 0/1."""
         if table.num_rows == 0:  # every row was cut by its column count: reported as such
             return True
-        label = table.column(s.label)
-        if label.null_count or pc.max(label).as_py() > 1 or pc.min(label).as_py() < 0:
-            return False
-        return not any(table.column(c).null_count for c in s.int_columns if c not in s.dense and c != s.label)
+        label = table.column(self.data.label)
+        return not (label.null_count or pc.max(label).as_py() > 1 or pc.min(label).as_py() < 0)
 
     def _file_tables(self, path: Path, bar: tqdm) -> Iterator[pa.Table]:
-        s = self.schema
+        d = self.data
         if os.path.getsize(path) == 0:
-            raise BadInputError(f"{path}: the file is empty (expected {s.name}-format rows)")
-        names = self._header(path) if s.header else list(s.columns)
+            raise BadInputError(f"{path}: the file is empty (expected data={d.name} rows)")
+        names = self._names = self._header(path) if d.header else list(d.columns or ())
+        line = 1 + int(d.header)
         for chunk, offset in self._chunks(path, bar):
+            first, lines = line, _newlines(chunk)
+            self.position = (path, first)  # where the block's first row is (for later errors about its values)
+            line += lines
             bad_rows: list[str] = []
             try:
                 table = self._parse(chunk, names, careful=False, bad_rows=bad_rows)
@@ -294,18 +289,16 @@ class RawReader:
                 try:
                     table = self._parse(chunk, names, careful=True, bad_rows=bad_rows)
                 except pa.ArrowInvalid as e:  # e.g. a lone line that pyarrow rejects before the row handler
-                    raise self._unparsable(path, chunk, self._line_at(path, offset), e) from None
-            if s.quote_char and table.num_rows + len(bad_rows) != _newlines(chunk) + (chunk[-1:] != b"\n"):
-                raise self._quoted_newline_error(path, chunk, self._line_at(path, offset))
+                    raise self._unparsable(path, chunk, first, e) from None
+            if d.quoting and table.num_rows + len(bad_rows) != lines + (chunk[-1:] != b"\n"):
+                raise self._quoted_newline_error(path, chunk, first)
             if bad_rows:
                 if self.policy == "error":
-                    raise self._column_count_error(path, chunk, self._line_at(path, offset))
+                    raise self._column_count_error(path, chunk, first)
                 self.skipped.wrong_column_count += len(bad_rows)
             if careful:
                 # rows skipped for their column count shift later rows' line numbers only under "skip"
-                table = self._typed(path, self._line_at(path, offset) - 1 - int(s.header), table)
-            elif s.derive:
-                table = s.derive(table)
+                table = self._typed(path, first - 1 - int(d.header), table)
             yield table
 
     def __iter__(self) -> Iterator[pa.Table]:

@@ -1,8 +1,8 @@
 """Where a dataset's raw files come from, and the cached store built from them.
 
 A store lives at ``<cache_dir>/stores/<name>-<fingerprint>``; the fingerprint hashes what
-determines its content (the generator config or the raw files' path/size/mtime, and the
-preprocessing config), so a second run with the same inputs reuses it.
+determines its content (the dataset's declaration, the generator config or the raw files'
+path/size/mtime, and the preprocessing config), so a second run with the same inputs reuses it.
 """
 
 from __future__ import annotations
@@ -10,62 +10,47 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+import glob
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, List, Mapping, Optional
+from typing import Any, Mapping
 
-from pipeline.data.preprocess import PreprocessConfig, preprocess
-from pipeline.data.schema import SCHEMAS, Schema
+from pipeline.data.dataset import DataConfig
+from pipeline.data.preprocess import preprocess
 from pipeline.data.store import FORMAT_VERSION, SPLITS, ColumnarStore
-from pipeline.data.synthetic import SyntheticConfig, generate
+from pipeline.data.synthetic import generate
 
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-@dataclass
-class DataConfig:
-    """``data`` (``conf/data/*.yaml``): a dataset, its raw files and how they are preprocessed."""
-
-    name: str = "synthetic"
-    schema: str = "criteo"             # column layout of the raw files (pipeline.data.schema)
-    path: Any = None                   # a file, a list of files, or a mapping split → file(s)
-    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # name 'synthetic': the generator
-    shape_only: bool = False           # planning only (python -m pipeline.plan): no file, tables from
-    cardinalities: Optional[List[int]] = None  # these distinct-value counts and
-    zipf_exponent: float = 1.1         # this id-frequency model
-
-    def __post_init__(self) -> None:
-        if self.schema not in SCHEMAS:
-            raise ValueError(f"schema={self.schema!r}: expected one of {sorted(SCHEMAS)}")
-
-    @property
-    def layout(self) -> Schema:
-        return SCHEMAS[self.schema]
-
-    @property
-    def generated(self) -> bool:
-        return self.name == "synthetic"
-
-
 def _paths(data: DataConfig) -> list[Path] | dict[str, list[Path]]:
-    """``data.path``: a file, a list of files, or a mapping split → file(s) (the dataset's own split)."""
+    """``data.path``: a file, a list of files, a directory (its files, sorted), a glob, or a mapping
+    split → any of these (the dataset's own split)."""
     raw = data.path
+    what = f"a {data.format} file of data={data.name}"
     if raw in (None, "", "???") or (isinstance(raw, Mapping) and not raw):
-        raise ValueError(f"data.path is missing: set data.path=<file> (a {data.schema}-format file) "
-                         f"for data={data.name}")
+        raise ValueError(f"data.path is missing: set data.path=<file> ({what})")
 
     def files(value: Any, key: str) -> list[Path]:
         if value in (None, "", "???"):
-            raise ValueError(f"{key} is missing: expected a {data.schema}-format file")
-        paths = [Path(str(p)).expanduser() for p in (value if isinstance(value, (list, tuple)) else [value])]
-        for p in paths:
-            if not p.is_file():
-                raise FileNotFoundError(f"{key}: {p} does not exist or is not a file "
-                                        f"(expected a {data.schema}-format file)")
-        return paths
+            raise ValueError(f"{key} is missing: expected {what}")
+        out: list[Path] = []
+        for p in (value if isinstance(value, (list, tuple)) else [value]):
+            p = Path(str(p)).expanduser()
+            if p.is_dir():
+                found = sorted(q for q in p.iterdir() if q.is_file() and not q.name.startswith("."))
+            elif any(ch in str(p) for ch in "*?["):
+                found = sorted(Path(q) for q in glob.glob(str(p)) if Path(q).is_file())
+            else:
+                found = [p] if p.is_file() else []
+                if not found:
+                    raise FileNotFoundError(f"{key}: {p} does not exist or is not a file (expected {what})")
+            if not found:
+                raise FileNotFoundError(f"{key}: {p} holds no files (expected {what})")
+            out += found
+        return out
 
     if isinstance(raw, Mapping):
         unknown = sorted(set(raw) - set(SPLITS))
@@ -91,7 +76,8 @@ def _describe(p: Path) -> dict[str, Any]:
 
 
 def store_dir(data: DataConfig, cache_dir: str | os.PathLike) -> Path:
-    key = {"format": FORMAT_VERSION, "schema": data.schema, "raw": raw_fingerprint(data),
+    declaration = {k: v for k, v in asdict(data).items() if k not in ("name", "path", "synthetic", "preprocess")}
+    key = {"format": FORMAT_VERSION, "declaration": declaration, "raw": raw_fingerprint(data),
            "preprocess": asdict(data.preprocess)}
     return Path(cache_dir) / "stores" / f"{data.name}-{_digest(key)}"
 
@@ -115,4 +101,4 @@ def prepare_store(data: DataConfig, cache_dir: str | os.PathLike) -> ColumnarSto
     if (target / "meta.json").is_file():
         return ColumnarStore(target)
     files, provenance = raw_files(data, cache_dir)
-    return preprocess(files, data.layout, data.preprocess, target, provenance={"dataset": data.name, **provenance})
+    return preprocess(files, data, target, provenance={"dataset": data.name, **provenance})

@@ -6,7 +6,9 @@ Layout of a store directory::
     vocab/<field>.parquet   kept values and their training counts, most frequent first
     <split>/label.npy       int8   [N]
     <split>/dense.npy       float32[N, n_dense]   (already transformed, missing = 0)
-    <split>/sparse.npy      int32  [N, n_cat]     (0 = OOV, 1 = missing, 2.. = vocabulary)
+    <split>/sparse.npy      int32  [N, n_cat]     one id per categorical feature (0 = OOV, 1 = missing, 2.. = vocabulary)
+    <split>/seq/<f>.values.npy   int32 [V_f]       the ids of sequence feature f, row after row
+    <split>/seq/<f>.offsets.npy  int64 [N + 1]     row i's ids: values[offsets[i]:offsets[i+1]] (at least one)
 
 A store is built in ``<dir>.tmp-<pid>`` and renamed into place when complete, so a directory
 with a ``meta.json`` is always a finished store. The writer appends rows to each array file
@@ -18,13 +20,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 2  # 2: vocabulary keyed by 64-bit value keys; coverage statistics
+FORMAT_VERSION = 3  # 2: vocabulary keyed by 64-bit value keys; coverage statistics. 3: sequence features, tables
 OOV_ID = 0
 MISSING_ID = 1
 FIRST_VOCAB_ID = 2
@@ -32,10 +34,19 @@ SPLITS = ("train", "valid", "test")
 
 
 @dataclass(frozen=True)
+class Ragged:
+    """A sequence feature of a split: row i's ids are ``values[offsets[i]:offsets[i+1]]``."""
+
+    values: np.ndarray   # int32 [V]
+    offsets: np.ndarray  # int64 [N + 1]
+
+
+@dataclass(frozen=True)
 class SplitArrays:
     label: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
+    sequences: dict[str, Ragged] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
@@ -62,6 +73,15 @@ class ColumnarStore:
         return list(self.meta["categorical"])
 
     @property
+    def sequence_names(self) -> list[str]:
+        return list(self.meta.get("sequence", []))
+
+    @property
+    def sparse_names(self) -> list[str]:
+        """Every sparse feature: the categorical ones (columns of ``sparse.npy``), then the sequences."""
+        return self.categorical_names + self.sequence_names
+
+    @property
     def table_sizes(self) -> dict[str, int]:
         """Rows per embedding table (vocabulary + OOV + missing)."""
         return {k: int(v) for k, v in self.meta["table_sizes"].items()}
@@ -71,7 +91,10 @@ class ColumnarStore:
             raise KeyError(f"split {name!r} not in store {self.root} (has {sorted(self.meta['splits'])})")
         d = self.root / name
         mode = "r" if mmap else None
-        return SplitArrays(*(np.load(d / f"{a}.npy", mmap_mode=mode) for a in ("label", "dense", "sparse")))
+        sequences = {f: Ragged(np.load(d / "seq" / f"{f}.values.npy", mmap_mode=mode),
+                               np.load(d / "seq" / f"{f}.offsets.npy", mmap_mode=mode)) for f in self.sequence_names}
+        return SplitArrays(*(np.load(d / f"{a}.npy", mmap_mode=mode) for a in ("label", "dense", "sparse")),
+                           sequences=sequences)
 
 
 ARRAYS = {"label": np.int8, "dense": np.float32, "sparse": np.int32}
@@ -80,7 +103,9 @@ ARRAYS = {"label": np.int8, "dense": np.float32, "sparse": np.int32}
 class StoreWriter:
     """Builds a store in a temporary directory; ``commit`` renames it into place."""
 
-    def __init__(self, final_dir: str | os.PathLike, split_rows: dict[str, int], n_dense: int, n_cat: int) -> None:
+    def __init__(self, final_dir: str | os.PathLike, split_rows: dict[str, int], n_dense: int, n_cat: int,
+                 sequence_values: dict[str, dict[str, int]] | None = None) -> None:
+        """``sequence_values``: per split, the number of ids of each sequence feature (pass 1 counted them)."""
         self.final_dir = Path(final_dir)
         self.tmp_dir = self.final_dir.with_name(self.final_dir.name + f".tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -88,23 +113,41 @@ class StoreWriter:
         self.files: dict[str, dict[str, Any]] = {}
         self.cursor = dict.fromkeys(split_rows, 0)
         self.split_rows = dict(split_rows)
+        self.sequence_values = sequence_values or {s: {} for s in split_rows}
+        self.value_cursor = {s: dict.fromkeys(v, 0) for s, v in self.sequence_values.items()}
         widths = {"label": (), "dense": (n_dense,), "sparse": (n_cat,)}
         for split, n in split_rows.items():
             (self.tmp_dir / split).mkdir()
-            self.files[split] = {}
-            for name, dtype in ARRAYS.items():
-                fh = open(self.tmp_dir / split / f"{name}.npy", "wb")
-                np.lib.format.write_array_header_1_0(
-                    fh, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
-                         "shape": (n, *widths[name])})
-                self.files[split][name] = fh
+            self.files[split] = {name: self._open(self.tmp_dir / split / f"{name}.npy", dtype, (n, *widths[name]))
+                                 for name, dtype in ARRAYS.items()}
+            for f, total in self.sequence_values[split].items():
+                (self.tmp_dir / split / "seq").mkdir(exist_ok=True)
+                self.files[split][f"{f}.values"] = self._open(self.tmp_dir / split / "seq" / f"{f}.values.npy",
+                                                              np.int32, (total,))
+                offsets = self._open(self.tmp_dir / split / "seq" / f"{f}.offsets.npy", np.int64, (n + 1,))
+                offsets.write(np.zeros(1, np.int64).data)
+                self.files[split][f"{f}.offsets"] = offsets
 
-    def append(self, split: str, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray) -> None:
+    @staticmethod
+    def _open(path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
+        fh = open(path, "wb")
+        np.lib.format.write_array_header_1_0(
+            fh, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
+        return fh
+
+    def append(self, split: str, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
+               sequences: list[tuple[np.ndarray, np.ndarray]] = ()) -> None:
+        """Rows of ``split``; ``sequences``: (lengths [n], ids) of each sequence feature, in order."""
         end = self.cursor[split] + len(label)
         if end > self.split_rows[split]:
             raise RuntimeError(f"split {split} overflows its {self.split_rows[split]} planned rows")
         for name, values in (("label", label), ("dense", dense), ("sparse", sparse)):
             self.files[split][name].write(np.ascontiguousarray(values, dtype=ARRAYS[name]).data)  # errno when full
+        for f, (lengths, ids) in zip(self.sequence_values[split], sequences):
+            start = self.value_cursor[split][f]
+            self.files[split][f"{f}.values"].write(np.ascontiguousarray(ids, dtype=np.int32).data)
+            self.files[split][f"{f}.offsets"].write((start + np.cumsum(lengths, dtype=np.int64)).data)
+            self.value_cursor[split][f] = start + int(np.sum(lengths))
         self.cursor[split] = end
 
     def _close(self) -> None:
@@ -120,8 +163,9 @@ class StoreWriter:
 
     def commit(self, meta: dict[str, Any]) -> ColumnarStore:
         for split, n in self.split_rows.items():
-            if self.cursor[split] != n:
-                raise RuntimeError(f"split {split}: wrote {self.cursor[split]} of {n} planned rows")
+            if self.cursor[split] != n or self.value_cursor[split] != self.sequence_values[split]:
+                raise RuntimeError(f"split {split}: wrote {self.cursor[split]} of {n} planned rows, sequence ids "
+                                   f"{self.value_cursor[split]} of {self.sequence_values[split]}")
         self._close()
         meta = {"format_version": FORMAT_VERSION, **meta}
         (self.tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))

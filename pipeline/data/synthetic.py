@@ -39,11 +39,15 @@ from tqdm import tqdm
 
 from modules.zipf import bounded_zipf_inverse_cdf
 from pipeline.data.hashing import hash_keys, splitmix64, to_normal
-from pipeline.data.schema import CRITEO
 
 CHUNK_ROWS = 1 << 18
 
 # Criteo Kaggle per-column cardinalities (distinct values of C1..C26 in train.txt).
+# the Criteo Kaggle layout (conf/layout/criteo.yaml): label, I1..I13 integer counts, C1..C26 hex ids
+LABEL = "label"
+DENSE = tuple(f"I{i}" for i in range(1, 14))
+CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
+ARROW_SCHEMA = pa.schema([(LABEL, pa.int8()), *((c, pa.int64()) for c in DENSE), *((c, pa.string()) for c in CATEGORICAL)])
 CRITEO_CARDINALITIES = (
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
@@ -82,7 +86,7 @@ class SyntheticConfig:
         for name in ("cardinalities", "cat_missing", "dense_missing"):
             setattr(self, name, tuple(getattr(self, name)))
         self.interaction_pairs = tuple(tuple(p) for p in self.interaction_pairs)
-        n_cat, n_dense = len(CRITEO.categorical), len(CRITEO.dense)
+        n_cat, n_dense = len(CATEGORICAL), len(DENSE)
         if self.rows <= 0:
             raise ValueError(f"rows={self.rows}: expected a positive number of rows")
         if len(self.cardinalities) != n_cat or len(self.cat_missing) != n_cat:
@@ -128,7 +132,7 @@ class SyntheticCriteo:
         logit = np.full(n, cfg.bias)
         interacting_dense = []
         columns: dict[str, pa.Array] = {}
-        for j, name in enumerate(CRITEO.dense):
+        for j, name in enumerate(DENSE):
             raw = np.floor(np.exp(rng.normal(DENSE_MU[j], DENSE_SIGMA[j], n))).astype(np.int64)
             if j == 1:
                 raw -= 1
@@ -142,7 +146,7 @@ class SyntheticCriteo:
         logit += cfg.dense_effect * interacting_dense[0] * interacting_dense[1]
 
         cat_ranks = []
-        for f, name in enumerate(CRITEO.categorical):
+        for f, name in enumerate(CATEGORICAL):
             card = cfg.cardinalities[f]
             r = _bounded_zipf(rng.random(n), card, cfg.zipf_exponent)
             miss = rng.random(n) < cfg.cat_missing[f]
@@ -162,7 +166,7 @@ class SyntheticCriteo:
 
         prob = 1.0 / (1.0 + np.exp(-logit))
         label = (rng.random(n) < prob).astype(np.int8)
-        table = pa.table({CRITEO.label: pa.array(label), **columns})
+        table = pa.table({LABEL: pa.array(label), **columns})
         return table, prob
 
 
@@ -183,13 +187,13 @@ def generate(cfg: SyntheticConfig, path: str | os.PathLike, progress: bool = Tru
     probs, labels = [], []
     options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     try:
-        with pacsv.CSVWriter(str(tmp), CRITEO.arrow_schema(), write_options=options) as writer:
+        with pacsv.CSVWriter(str(tmp), ARROW_SCHEMA, write_options=options) as writer:
             for c in tqdm(range(n_chunks), desc=f"generate {path.name}", unit="chunk", disable=not progress):
                 n = min(CHUNK_ROWS, cfg.rows - c * CHUNK_ROWS)
                 table, prob = gen.chunk(c, n)
-                writer.write_table(table.cast(CRITEO.arrow_schema()))
+                writer.write_table(table.cast(ARROW_SCHEMA))
                 probs.append(prob.astype(np.float32))
-                labels.append(table.column(CRITEO.label).to_numpy())
+                labels.append(table.column(LABEL).to_numpy())
         p, y = np.concatenate(probs), np.concatenate(labels)
         summary = {
             "config": asdict(cfg),

@@ -1,0 +1,41 @@
+"""``data.preprocess``: how raw rows become the store (vocabularies, hashing, splits, bad rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPLIT_METHODS = ("random", "sequential", "given")
+
+
+@dataclass
+class SplitConfig:
+    method: str = "random"
+    valid: float = 0.05
+    test: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in SPLIT_METHODS:
+            raise ValueError(f"method={self.method!r}: expected one of {SPLIT_METHODS}")
+        if not (0 <= self.valid < 1 and 0 <= self.test < 1 and self.valid + self.test < 1):
+            raise ValueError(f"valid={self.valid}, test={self.test}: expected fractions in [0, 1) with a sum < 1")
+
+
+@dataclass
+class PreprocessConfig:
+    """``data.preprocess`` (numeric transforms are per feature: ``data.features[i].transform``)."""
+
+    min_count: int = 2
+    split: SplitConfig = field(default_factory=SplitConfig)
+    categorical: str = "vocab"         # vocab | hash
+    hash_buckets: int = 1 << 20        # buckets per table with categorical=hash
+    bad_rows: str = "error"            # error | skip
+    block_size: int = 32 << 20         # bytes of text per parsed block
+
+    def __post_init__(self) -> None:
+        if self.categorical not in ("vocab", "hash"):
+            raise ValueError(f"categorical={self.categorical!r}: expected 'vocab' or 'hash'")
+        if self.bad_rows not in ("error", "skip"):
+            raise ValueError(f"bad_rows={self.bad_rows!r}: expected 'error' or 'skip'")
+        if self.min_count < 1 or self.hash_buckets < 1:
+            raise ValueError(f"min_count={self.min_count}, hash_buckets={self.hash_buckets}: expected values >= 1")
