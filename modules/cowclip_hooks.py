@@ -1,8 +1,15 @@
 """Attaching CowClip and the per-id L2 term to a sharded model from outside, as forward hooks.
 
-Which lookups: every ``emb_<f>`` and ``wide_<f>`` lookup of the fields ``scaling.cowclip.fields``
+Which lookups: every ``emb_<t>`` and ``wide_<f>`` lookup of the tables / features ``scaling.cowclip.fields``
 selects (all by default) gets the per-id L2 term 2λ·w_k when λ = ``optim.embedding_l2`` > 0; CowClip
-clips the ``emb_<f>`` lookups, and the ``wide_<f>`` ones too with ``clip_wide`` (:func:`lookup_rules`).
+clips the ``emb_<t>`` lookups, and the ``wide_<f>`` ones too with ``clip_wide`` (:func:`lookup_rules`).
+
+Bag collection (one id per bag): the pooled output of a bag is its id's row, so the per-id function
+sits on pooled outputs, one column block per key. Sequence collection (multi-hot bags, shared tables):
+TorchRec returns one row per occurrence before :class:`modules.embedding.SparseArch` pools them, so the
+function sits on those rows, grouped by (table, id) over every occurrence of every feature reading the
+table — the paper's cnt_k and Σ g over all occurrences, whatever the pooling (the pooling's 1/len is
+part of each occurrence's gradient).
 
 Where (the algorithm is :mod:`modules.cowclip`):
 
@@ -30,15 +37,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec import KeyedJaggedTensor
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
 from modules.cowclip import Block, CowClipConfig, CowClipStats, apply_cowclip, one_hot_ids
 from modules.embedding import EMB_PREFIX, WIDE_COLUMNS, WIDE_PREFIX, SparseArch, lookup_field, lookup_name
 
 log = logging.getLogger(__name__)
-EXACT_SHARDINGS = (TwPooledEmbeddingSharding, RwPooledEmbeddingSharding)
+EXACT_SHARDINGS = (TwPooledEmbeddingSharding, RwPooledEmbeddingSharding, TwSequenceEmbeddingSharding,
+                   RwSequenceEmbeddingSharding)
+TABLE_BITS = 40  # group key of an occurrence: table index << 40 | id
 
 
 def lookup_rules(lookups: Iterable[str], cfg: CowClipConfig, l2: float) -> dict[str, bool]:
@@ -84,19 +97,76 @@ def _global_hook(layout: list[tuple[str, int, int]], rules: dict[str, bool], cfg
 
 
 def _local_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats):
-    def blocks(prefix: str, width: int, ids: torch.Tensor) -> list[Block]:
-        return [(j * width, (j + 1) * width, ids[j], rules[prefix + f])
-                for j, f in enumerate(arch.fields) if prefix + f in rules]
+    def blocks(wide: bool, width: int, ids: torch.Tensor) -> list[Block]:
+        names = [WIDE_PREFIX + f if wide else EMB_PREFIX + arch.tables[f] for f in arch.bag_fields]
+        return [(j * width, (j + 1) * width, ids[j], rules[name]) for j, name in enumerate(names) if name in rules]
 
     def hook(module: nn.Module, inputs: tuple, output: tuple) -> tuple:
         emb, wide = output
         ids = one_hot_ids(inputs[2])  # [K, B]: the emb keys, then the wide keys (rows of the shared table)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        emb = apply_cowclip(emb, blocks(EMB_PREFIX, arch.embedding_dim, ids), cfg, l2, 1.0 / world, 1.0 / world, stats)
+        emb = apply_cowclip(emb, blocks(False, arch.embedding_dim, ids), cfg, l2, 1.0 / world, 1.0 / world, stats)
         if wide is not None:
-            wide = apply_cowclip(wide, blocks(WIDE_PREFIX, WIDE_COLUMNS, ids[arch.num_fields:]), cfg, l2,
+            wide = apply_cowclip(wide, blocks(True, WIDE_COLUMNS, ids[len(arch.bag_fields):]), cfg, l2,
                                  1.0 / world, 1.0 / world, stats)
         return emb, wide
+
+    return hook
+
+
+def occurrence_blocks(features: KeyedJaggedTensor, lookups: list[str], groups: list[int], width: int,
+                      rules: dict[str, bool]) -> list[Block]:
+    """Blocks over unpooled rows (one per id of ``features``, key after key): key ``j`` makes lookup
+    ``lookups[j]`` in table group ``groups[j]``; each row's id becomes ``group << 40 | id``, so rows of one
+    table row group together across keys. One block of the rows to clip, one of the rows with L2 only."""
+    per_key = features.lengths().view(len(lookups), -1).sum(dim=1)
+    key = torch.repeat_interleave(torch.arange(len(lookups), device=per_key.device), per_key,
+                                  output_size=features.values().numel())
+    group = torch.tensor(groups, dtype=torch.int64, device=key.device)[key]
+    ids = (group << TABLE_BITS) | features.values().to(torch.int64)
+    blocks: list[Block] = []
+    for clip in (True, False):
+        chosen = torch.tensor([rules.get(name) is clip for name in lookups], device=key.device)[key]
+        if bool(chosen.any()):
+            blocks.append((0, width, torch.where(chosen, ids, torch.full_like(ids, -1)), clip))
+    return blocks
+
+
+def _unpooled_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats):
+    n = len(arch.seq_fields)
+    tables = list(dict.fromkeys(arch.tables[f] for f in arch.seq_fields))
+    emb_lookups = [EMB_PREFIX + arch.tables[f] for f in arch.seq_fields]
+    emb_groups = [tables.index(arch.tables[f]) for f in arch.seq_fields]
+
+    def hook(module: nn.Module, inputs: tuple, output: tuple) -> tuple:
+        emb, wide = output
+        features: KeyedJaggedTensor = inputs[2]  # the sequence keys, then their wide keys
+        parts = features.split([n, n]) if wide is not None else [features]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        emb = apply_cowclip(emb, occurrence_blocks(parts[0], emb_lookups, emb_groups, arch.embedding_dim, rules),
+                            cfg, l2, 1.0 / world, 1.0 / world, stats)
+        if wide is not None:  # one first-order table: ids are already its rows
+            wide = apply_cowclip(wide, occurrence_blocks(parts[1], [WIDE_PREFIX + f for f in arch.seq_fields],
+                                                         [0] * n, WIDE_COLUMNS, rules),
+                                 cfg, l2, 1.0 / world, 1.0 / world, stats)
+        return emb, wide
+
+    return hook
+
+
+def _sequence_kernel_hook(kernel: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float,
+                          stats: CowClipStats):
+    """Global scope on a sharded sequence kernel: its input KJT holds the ids of its tables' features
+    for the whole global batch; its output has one row per id."""
+    table_of = {f: (i, t.name) for i, t in enumerate(kernel.config.embedding_tables) for f in t.feature_names}
+    width = kernel.config.embedding_tables[0].local_cols
+
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        features: KeyedJaggedTensor = inputs[0]
+        keys = features.keys()
+        lookups = [lookup_name(table_of[k][1], k) for k in keys]
+        groups = [table_of[k][0] for k in keys]
+        return apply_cowclip(output, occurrence_blocks(features, lookups, groups, width, rules), cfg, l2, stats=stats)
 
     return hook
 
@@ -108,9 +178,13 @@ def _attach_global(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig,
         raise RuntimeError("global CowClip expects TorchRec's gradient division (set_gradient_division(True))")
     uncovered: set[str] = set()
     for module in model.modules():
-        if not isinstance(module, ShardedEmbeddingBagCollection):
+        if isinstance(module, ShardedEmbeddingBagCollection):
+            shardings = module._embedding_shardings
+        elif isinstance(module, ShardedEmbeddingCollection):
+            shardings = list(module._sharding_type_to_sharding.values())
+        else:
             continue
-        for sharding, lookup in zip(module._embedding_shardings, module._lookups):
+        for sharding, lookup in zip(shardings, module._lookups):
             lookup = getattr(lookup, "module", lookup)  # data-parallel lookups are DDP-wrapped
             for kernel in lookup._emb_modules:
                 layout = _kernel_layout(kernel)
@@ -118,7 +192,10 @@ def _attach_global(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig,
                 if not names:
                     continue
                 if isinstance(sharding, EXACT_SHARDINGS):
-                    hooks.handles.append(kernel.register_forward_hook(_global_hook(layout, rules, cfg, l2, hooks.stats)))
+                    hook = _global_hook(layout, rules, cfg, l2, hooks.stats) \
+                        if isinstance(module, ShardedEmbeddingBagCollection) \
+                        else _sequence_kernel_hook(kernel, rules, cfg, l2, hooks.stats)
+                    hooks.handles.append(kernel.register_forward_hook(hook))
                     hooks.global_lookups |= names
                 else:
                     uncovered |= names
@@ -142,5 +219,7 @@ def attach_cowclip(model: nn.Module, cfg: CowClipConfig, l2: float) -> CowClipHo
         mine = {name: clip for name, clip in rules.items() if name in local and name in arch.lookup_names}
         if mine:
             hooks.handles.append(arch.pooled.register_forward_hook(_local_hook(arch, mine, cfg, l2, hooks.stats)))
+            if arch.ec is not None:
+                hooks.handles.append(arch.unpooled.register_forward_hook(_unpooled_hook(arch, mine, cfg, l2, hooks.stats)))
             hooks.local_lookups |= set(mine)
     return hooks

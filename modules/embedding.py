@@ -10,10 +10,10 @@ A feature reads an embedding *table* (its own, or another feature's with ``share
   a column count divisible by 4, so the table has 4 columns and only column 0 is used: exactly a
   scalar weight per id for element-wise optimizers (the other columns get zero gradient).
 
-Tables read only by categorical (one-id) features live in an ``EmbeddingBagCollection`` (``ebc``;
+Tables read by one categorical (one-id) feature live in an ``EmbeddingBagCollection`` (``ebc``;
 first-order table ``wide``): a one-id bag's pooled output is the row itself. Tables read by a sequence
-(multi-hot) feature live in an ``EmbeddingCollection`` (``ec``; first-order table ``wide_seq``), which
-returns one row per id; :class:`SparseArch` pools each bag itself (sum or mean, per feature), so
+(multi-hot) feature or by several features live in an ``EmbeddingCollection`` (``ec``; their first-order
+table ``wide_seq`` in ``ec_wide``: a collection's tables share one width), which returns one row per id; :class:`SparseArch` pools each bag itself (sum or mean, per feature), so
 features of any pooling can share a table and the gradient of every occurrence of an id is there to
 be clipped exactly (:class:`UnpooledLookups`).
 
@@ -84,8 +84,13 @@ class FeatureSpec:
 
     @property
     def unpooled_tables(self) -> tuple[str, ...]:
-        """Tables read by a sequence feature (they live in the EmbeddingCollection)."""
-        return tuple(dict.fromkeys(self.table_of(f) for f in self.sequence))
+        """Tables read by a sequence feature or by several features: they live in the EmbeddingCollection,
+        where every occurrence of an id has its own row (exact per-id statistics for CowClip)."""
+        readers: dict[str, int] = {}
+        for f in self.sparse:
+            readers[self.table_of(f)] = readers.get(self.table_of(f), 0) + 1
+        return tuple(dict.fromkeys(t for f in self.sparse if (t := self.table_of(f)) in
+                                   {self.table_of(g) for g in self.sequence} or readers[t] > 1))
 
     @property
     def bag_features(self) -> tuple[str, ...]:
@@ -221,8 +226,12 @@ class SparseArch(nn.Module):
         self.bag_fields, self.seq_fields = list(spec.bag_features), list(spec.seq_features)
         self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide), device=device) \
             if self.bag_fields else None
-        self.ec = EmbeddingCollection(tables=table_configs(spec, embedding_dim, init_std, wide, unpooled=True),
-                                      device=device) if self.seq_fields else None
+        # a collection's tables share one width: the first-order rows (4 columns) are a collection of their own
+        seq_tables = table_configs(spec, embedding_dim, init_std, wide, unpooled=True)
+        self.ec = EmbeddingCollection(tables=[t for t in seq_tables if t.name != WIDE_SEQ_TABLE], device=device) \
+            if self.seq_fields else None
+        self.ec_wide = EmbeddingCollection(tables=[t for t in seq_tables if t.name == WIDE_SEQ_TABLE], device=device) \
+            if self.seq_fields and wide else None
         self.pooled = PooledLookups()
         self.unpooled = UnpooledLookups()
         self._wide_keys = [WIDE_PREFIX + f for f in self.bag_fields] if wide else []
@@ -271,11 +280,13 @@ class SparseArch(nn.Module):
     def _sequences(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, k = features.stride(), len(self.seq_fields)
         lengths = features.lengths()
-        if self.wide:
-            features = with_wide_keys(features, self._seq_wide_offsets, self._wide_dtype)
         rows = self.ec(features)
         emb = torch.cat([rows[f].values() for f in self.seq_fields])
-        wide = torch.cat([rows[WIDE_PREFIX + f].values() for f in self.seq_fields]) if self.wide else None
+        wide = None
+        if self.wide:
+            features = with_wide_keys(features, self._seq_wide_offsets, self._wide_dtype)
+            first_rows = self.ec_wide(features.split([k, k])[1])
+            wide = torch.cat([first_rows[WIDE_PREFIX + f].values() for f in self.seq_fields])
         emb, wide = self.unpooled(emb, wide, features)
         pooled = pool_bags(emb, lengths, self._seq_mean).view(k, b, self.embedding_dim).transpose(0, 1)
         if wide is None:

@@ -134,7 +134,7 @@ class CTRTask(L.LightningModule):
         """
         dense, embedding = [], []
         for name, p in replicated_parameters(self.model):  # the fused tables are updated by FBGEMM
-            (embedding if ".embedding_bags." in name else dense).append(p)
+            (embedding if ".embedding_bags." in name or ".embeddings." in name else dense).append(p)
         dense_opt = build_optimizer(self.dense_optim, dense)
         optimizer: torch.optim.Optimizer = dense_opt
         if embedding:

@@ -200,7 +200,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(small_disk)
 
 @pytest.mark.parametrize("args, message", [
     (["data=criteo_kaggle", "data.path={avazu}"],
-     "Error (BadInputError): {avazu}:1: 1 column, expected 40 (criteo layout, separated by '\\t'); it splits into 24 "
+     "Error (BadInputError): {avazu}:1: 1 column, expected 40 (data=criteo_kaggle, separated by '\\t'); it splits into 24 "
      "columns at ','"),
     (["trainer.resume=/nonexistent/step-000000010"], "Error (FileNotFoundError): /nonexistent/step-000000010 is not a "
                                                       "checkpoint directory"),

@@ -1,9 +1,10 @@
 """Streaming two-pass preprocessing of raw CTR files into a :mod:`pipeline.data.store`.
 
-Pass 1 parses the files once, in blocks (:class:`pipeline.data.reader.RawReader`): it assigns every
-row to a split, turns every categorical value into a 64-bit key (:func:`pipeline.data.hashing.bytes_keys` of
-its UTF-8 bytes; 0 = missing) and factorizes each field's keys within the block (hash-based: the
-block's distinct keys plus a 32-bit code per row; :func:`pipeline.data.hashing.factorized_string_keys`
+Pass 1 parses the files once, in blocks (the reader of the dataset's format, then
+:func:`pipeline.data.features.extract`): it assigns every row to a split, turns every categorical and
+sequence value into a 64-bit key (:func:`pipeline.data.hashing.bytes_keys` of its UTF-8 bytes;
+0 = missing) and factorizes each feature's keys within the block (hash-based: the block's distinct
+keys plus a 32-bit code per value — one per row, or one per value of a sequence with the bag lengths; :func:`pipeline.data.hashing.factorized_string_keys`
 factorizes fixed-width values of up to 8 bytes by their raw bytes and hashes only the distinct
 ones). It spills split code, label, raw dense values, codes and distinct keys to scratch files
 (ordinary writes) and gathers training statistics: key counts (or hashed-bucket counts) and, for
@@ -11,10 +12,12 @@ min-max scaling, each dense column's range. Pass 2 reads the scratch files back 
 re-parsing), looks up only each block's distinct keys in the vocabulary, gathers the ids by code,
 and writes the store:
 
-* categorical, ``vocab``: values with training count >= ``min_count``, most frequent first (ties by
-  key), get ids 2..; missing → 1; anything else (rare, or unseen in training) → 0 (OOV);
+* categorical and sequence, ``vocab``: per embedding table (features with ``share_table_with`` count
+  into one), values with training count >= ``min_count``, most frequent first (ties by key), get ids
+  2..; missing → 1; anything else (rare, or unseen in training) → 0 (OOV);
 * categorical, ``hash``: ``2 + key mod buckets`` (no vocabulary); missing → 1;
-* dense: ``log1p(max(x, 0))`` or min-max ``(x - min) / (max - min)`` clipped to [0, 1]; missing → 0;
+* numeric, per feature: ``log1p(max(x, 0))``, min-max ``(x - min) / (max - min)`` clipped to [0, 1], or
+  none; missing → 0;
 * split: ``random`` — a pure function of (seed, row number); ``sequential`` — the last ``test``
   and, before it, the last ``valid`` fractions of the rows; ``given`` — by file (``path`` is a
   mapping split → files).
