@@ -208,3 +208,22 @@ def test_parquet_with_a_wrong_column_type(tmp_path):
     with pytest.raises(BadInputError, match=r"g\.parquet: no column 'tags' \(declared in data=mylog\); the file has "
                                             r"\['clicked', 'user_id', 'price', 'click_time'\]"):
         preprocess([tmp_path / "g.parquet"], declaration(format="parquet"), tmp_path / "s")
+
+
+def test_hashed_sequences_use_the_categorical_hash(tmp_path):
+    (tmp_path / "f.csv").write_text("y,item,hist\n1,a,a|b\n0,b,\n1,c,c|a|zz\n")
+    data = declaration("""
+format: csv
+header: true
+label: y
+features:
+  - {name: item, type: categorical}
+  - {name: hist, type: sequence, separator: "|"}
+preprocess: {categorical: hash, hash_buckets: 97, split: {method: random, valid: 0.0, test: 0.0}}
+""")
+    store = preprocess([tmp_path / "f.csv"], data, tmp_path / "s")
+    train = store.split("train")
+    item = dict(zip("abc", train.sparse[:, 0]))
+    hist = train.sequences["hist"]
+    assert hist.values.tolist()[:3] == [item["a"], item["b"], 1] and hist.values[3:5].tolist() == [item["c"], item["a"]]
+    assert store.table_sizes == {"item": 99, "hist": 99} and 2 <= hist.values[5] < 99
