@@ -34,6 +34,7 @@ import pickle
 import random
 import shutil
 import uuid
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -225,8 +226,12 @@ class TrainingState(Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint["fused_optimizer"] = self._fused_state()
+        datamodule = trainer.datamodule
         checkpoint["pipeline"] = {
             "layout": self.layout(), "data_position": list(pl_module.data_position),
+            # what scoring and export need beside the weights: the declaration and the store's vocabularies
+            "run": {"model": asdict(pl_module.model_cfg), "data": asdict(datamodule.data_cfg),
+                    "store": str(datamodule.store.root)},
             "skipped_nonfinite": pl_module.nonfinite.skipped,
             "mlflow_run_id": getattr(trainer.logger, "run_id", None) if trainer.logger else None,
             "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(np.random.get_state()),
@@ -365,6 +370,19 @@ def _without_tensors(skeleton: dict[str, Any]) -> dict[str, Any]:
 def read_rank0_state(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON (non-tensor) part of rank 0's checkpoint state, tensors left as None."""
     return _without_tensors(json.loads((Path(path) / STATE_FILE.format(rank=0)).read_text()))
+
+
+def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.") -> dict[str, torch.Tensor]:
+    """The model's state dict from a checkpoint as full tensors, in this process, whatever number of
+    processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``."""
+    path = Path(path)
+    skeleton = json.loads((path / STATE_FILE.format(rank=0)).read_text())
+    tensors = {p["__tensor__"]: torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
+               for p in _placeholders(skeleton) if p["__tensor__"].startswith(prefix)}
+    with warnings.catch_warnings():  # DCP says it reads without a process group: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+    return {k[len(prefix):]: v for k, v in tensors.items()}
 
 
 def _numpy_rng_state(state: tuple) -> list:

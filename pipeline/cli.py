@@ -16,6 +16,7 @@ from pipeline.checkpointing import CheckpointMismatchError, CorruptCheckpointErr
 from pipeline.config import ConfigError
 from pipeline.data.reader import BadInputError
 from pipeline.errors import DiskFullError, TrackingUnavailableError
+from pipeline.model_bundle import BundleError
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
@@ -28,8 +29,25 @@ HINTS: dict[type, str] = {
     PlacementError: "see the plan with python -m pipeline.plan",
     DiskFullError: "free space there, or point that path elsewhere",
     TrackingUnavailableError: "start the server, or log to a local store with logger.on_unavailable=local",
+    BundleError: "export the model again (python -m pipeline.export), or use the run's <output>/model folder",
     FileNotFoundError: "check the path",
 }
+
+
+def key_values(argv: list[str], required: tuple[str, ...], optional: dict[str, str]) -> dict[str, str]:
+    """``key=value`` command-line arguments (Hydra's style) of a small command; exits on a bad one."""
+    out = dict(optional)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in (*required, *optional):
+            print(f"Error: {arg!r}: expected key=value with a key among {[*required, *optional]}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
+        out[key] = value
+    missing = [k for k in required if k not in out]
+    if missing:
+        print(f"Error: missing {', '.join(f'{k}=...' for k in missing)}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    return out
 
 
 def user_error_message(e: BaseException) -> str:

@@ -133,6 +133,9 @@ class LoggerConfig:
     connect_timeout_s: float = 5.0    # how long the start waits for the server's answer
     flush_timeout_s: float = 60.0     # at the end, how long queued calls may take to reach the server
     retry_max_s: float = 30.0         # longest wait between retries of a failed call
+    log_model: bool = True            # log the trained model (pyfunc, artifact `model`) at the end
+    model_max_gb: float = 4.0         # larger tables: no MLflow model (score with python -m pipeline.predict)
+    register_model_as: Optional[str] = None  # also register it in the Model Registry under this name
 
     def __post_init__(self) -> None:
         if self.on_unavailable not in ("fail", "local"):

@@ -38,7 +38,10 @@ from pipeline.cli import exit_on_user_error
 from pipeline.config import LoggerConfig, RunConfig, TrainerConfig, check_runnable, parse_config
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.errors import TrackingUnavailableError
+from pipeline.data.sources import example_rows
 from pipeline.launch import global_rank, world_from_env
+from pipeline.mlflow_model import log_pyfunc, register
+from pipeline.model_bundle import full_state_dict, write_bundle
 from pipeline.numa import bind_to_gpu_numa_node
 from pipeline.plan import format_plan
 from pipeline.process_exit import exit_now, leave_process_group, stop_worker_pools
@@ -189,6 +192,24 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
         logger.experiment.log_artifact(logger.run_id, str(artifact))
 
 
+def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, output_dir: Path) -> Path | None:
+    """``<output>/model`` (:mod:`pipeline.model_bundle`) from the trained weights, on global rank 0 (every
+    rank takes part in gathering the sharded tables); None where tables exceed ``logger.model_max_gb``."""
+    spec = datamodule.feature_spec
+    gb = sum(n * (task.model_cfg.embedding_dim + 4) * 4 for n in spec.table_sizes.values()) / 1e9
+    if gb > run_cfg.logger.model_max_gb:
+        if global_rank() == 0:
+            log.warning("The tables take %.1f GB > logger.model_max_gb=%g: no model folder and no MLflow model; "
+                        "score with python -m pipeline.predict checkpoint=<a checkpoint of this run>",
+                        gb, run_cfg.logger.model_max_gb)
+        return None
+    weights = full_state_dict(task.model)
+    if weights is None:
+        return None
+    store = datamodule.store
+    return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, store.meta, store.root / "vocab")
+
+
 def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     """Train + test as configured; returns what ``result.json`` holds (written by global rank 0)."""
     run_cfg = parse_config(cfg)
@@ -218,19 +239,29 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     task = CTRTask(run_cfg, topology)
     callbacks = build_callbacks(run_cfg, topology, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])
     trainer = build_trainer(run_cfg, topology, callbacks, logger, output_dir)
+    bundle: Path | None = None
+    undelivered: list[str] = []
     try:
         trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
         test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
+        bundle = write_model(run_cfg, task, datamodule, output_dir) if run_cfg.logger.log_model else None
         if logger:
             log_summary(logger, params, task, trainer, datamodule, output_dir)
+            if bundle is not None:
+                log_pyfunc(logger.experiment, logger.run_id, bundle,
+                           example_rows(run_cfg.data, run_cfg.paths.cache_dir), output_dir / "mlflow_model")
     except BaseException:
         if logger:
             logger.finalize("failed")
         raise
     finally:
         if logger:
-            for line in logger.close(run_cfg.logger.flush_timeout_s, output_dir):
+            undelivered = logger.close(run_cfg.logger.flush_timeout_s, output_dir)
+            for line in undelivered:
                 print(line, flush=True)
+    if logger and run_cfg.logger.register_model_as and bundle is not None and not undelivered:
+        version = register(logger._tracking_uri, logger.run_id, run_cfg.logger.register_model_as)
+        print(f"Registered the model as {run_cfg.logger.register_model_as!r} version {version}", flush=True)
 
     throughput, comm, best = (find_callback(callbacks, cls) for cls in (TrainThroughput, CommAccounting,
                                                                         BestValidation))

@@ -104,7 +104,7 @@ class DataConfig:
     columns: Optional[List[str]] = None  # csv/tsv without a header: the column names, in order
     separator: Optional[str] = None    # csv/tsv field separator (default ',' / tab)
     quote_char: Optional[str] = None   # csv/tsv quoting (default '"' for csv, none for tsv; '' = none)
-    label: str = "label"
+    label: str = "label"               # '' only for rows to score (pipeline.predict): no label column
     features: List[FeatureDecl] = field(default_factory=list)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # name 'synthetic': the generator
@@ -124,7 +124,7 @@ class DataConfig:
             if f.name in seen:
                 raise ValueError(f"{where}.name={f.name!r}: declared twice")
             seen.add(f.name)
-            if f.name == self.label:
+            if self.label and f.name == self.label:
                 raise ValueError(f"{where}.name={f.name!r}: is the label")
             target = f.share_table_with
             if target is not None:
@@ -145,7 +145,7 @@ class DataConfig:
         both = sorted(c for c, k in kinds.items() if len(k) > 1)
         if both:
             raise ValueError(f"features: column {both[0]!r} is read both as numeric and as text; declare it once")
-        if self.columns and self.format in DEFAULT_SEPARATORS and self.label not in self.columns:
+        if self.label and self.columns and self.format in DEFAULT_SEPARATORS and self.label not in self.columns:
             raise ValueError(f"label={self.label!r}: not among columns {list(self.columns)}")
 
     # -- what the rest of the pipeline reads ----------------------------------------------------
@@ -200,7 +200,8 @@ class DataConfig:
 
     @property
     def read_columns(self) -> tuple[str, ...]:
-        return (self.label, *self.number_columns, *self.text_columns)
+        """The label (unless ``label`` is empty: rows to score), then the features' columns."""
+        return (*((self.label,) if self.label else ()), *self.number_columns, *self.text_columns)
 
 
 def builtin_layout(name: str, preprocess: PreprocessConfig | None = None) -> DataConfig:

@@ -104,5 +104,5 @@ def extract(table: pa.Table, data: DataConfig, where: Where, truncated: dict[str
         else:
             sparse.append(_categorical(column, f, where))
             lengths.append(None)
-    label = table.column(data.label).to_numpy().astype(np.int8)
+    label = table.column(data.label).to_numpy().astype(np.int8) if data.label else np.zeros(n, np.int8)
     return FeatureBlock(label, dense, sparse, lengths)

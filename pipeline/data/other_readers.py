@@ -88,7 +88,7 @@ class ParquetReader(RawReader):
                 row = 1
                 for batch in pf.iter_batches(batch_size=rows_per_batch, columns=list(d.read_columns)):
                     self.position = (path, row)
-                    out = {d.label: _labels(self.where, batch.column(d.label), d.label)}
+                    out = {d.label: _labels(self.where, batch.column(d.label), d.label)} if d.label else {}
                     for c in d.number_columns:
                         out[c] = pc.cast(batch.column(c), pa.float64())
                     for c in d.text_columns:

@@ -214,7 +214,8 @@ class RawReader:
             return "skip"
 
         types = {c: pa.binary() for c in d.read_columns} if careful else \
-            {c: pa.float64() if c in d.number_columns else pa.string() for c in d.read_columns} | {d.label: pa.int64()}
+            {c: pa.int64() if c == d.label else pa.float64() if c in d.number_columns else pa.string()
+             for c in d.read_columns}
         return pacsv.read_csv(
             pa.py_buffer(chunk),
             read_options=pacsv.ReadOptions(column_names=names, use_threads=True, block_size=1 << 20),
@@ -263,7 +264,7 @@ class RawReader:
 
     def _fast_ok(self, table: pa.Table) -> bool:
         """A typed chunk needs the careful path if a label is missing or not 0/1."""
-        if table.num_rows == 0:  # every row was cut by its column count: reported as such
+        if table.num_rows == 0 or not self.data.label:  # every row was cut by its column count / no label
             return True
         label = table.column(self.data.label)
         return not (label.null_count or pc.max(label).as_py() > 1 or pc.min(label).as_py() < 0)

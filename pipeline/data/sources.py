@@ -7,13 +7,15 @@ path/size/mtime, and the preprocessing config), so a second run with the same in
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
-import glob
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
+
+import pandas as pd
 
 from pipeline.data.dataset import DataConfig
 from pipeline.data.preprocess import preprocess
@@ -102,3 +104,14 @@ def prepare_store(data: DataConfig, cache_dir: str | os.PathLike) -> ColumnarSto
         return ColumnarStore(target)
     files, provenance = raw_files(data, cache_dir)
     return preprocess(files, data, target, provenance={"dataset": data.name, **provenance})
+
+
+def example_rows(data: DataConfig, cache_dir: str | os.PathLike, n: int = 5) -> pd.DataFrame:
+    """The first ``n`` raw rows of the dataset's first file, label excluded, as a DataFrame of the
+    columns a model reads (an MLflow input example)."""
+    from pipeline.data.other_readers import open_reader
+
+    files, _ = raw_files(data, cache_dir)
+    first = next(iter(files.values()))[0] if isinstance(files, dict) else files[0]
+    table = next(iter(open_reader([first], data, 1 << 16, "error", "example rows"))).slice(0, n)
+    return table.drop_columns([data.label]).to_pandas()

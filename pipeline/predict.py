@@ -1,0 +1,233 @@
+"""Batch prediction: raw rows in the dataset's own format → one click probability per row, in input order.
+
+    python -m pipeline.predict checkpoint=<model folder | checkpoint dir> input=<file, list, dir or glob> \
+        output=<file.parquet | file.csv> [batch_size=65536]
+    torchrun --nproc_per_node=2 -m pipeline.predict checkpoint=<checkpoint dir> ...
+
+``checkpoint`` is a model folder (a run's ``<output>/model``, or :mod:`pipeline.export`'s) or a sharded
+checkpoint directory. The layout, vocabularies (unseen values → OOV, missing → the missing id),
+numeric transforms and model come from it; the input rows are exactly like the training files, with
+or without the label column. The input is read block by block (bounded memory, a progress bar);
+the output has the column ``probability`` (and ``label`` when the input has one) and is written
+under a temporary name, renamed when complete. With labels, the AUC and logloss of what was written
+are printed.
+
+Under ``torchrun`` (a checkpoint directory) the tables stay sharded as in training: every rank reads
+the input, scores its contiguous share of each block through the sharded model (every rank runs the
+same number of steps), and rank 0 gathers the probabilities and writes the one output file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from torchmetrics.functional.classification import binary_auroc
+
+from pipeline.data.dataset import DataConfig
+from pipeline.data.features import extract
+from pipeline.data.other_readers import open_reader
+from pipeline.data.reader import open_lines
+from pipeline.data.store import SplitArrays
+from pipeline.launch import world_from_env
+from pipeline.model_bundle import BundleError, RowEncoder, Scorer, is_bundle
+
+OUTPUT_FORMATS = (".parquet", ".csv")
+
+
+@dataclass
+class Prediction:
+    rows: int
+    auc: float | None
+    logloss: float | None
+    output: Path
+
+
+def has_label(data: DataConfig, path: Path) -> bool:
+    """Whether an input file holds the label column (header, Parquet schema, or field count)."""
+    if data.format == "libsvm":
+        return True
+    if data.format == "parquet":
+        return data.label in pq.ParquetFile(path).schema_arrow.names
+    with open_lines(path) as fh:
+        first = fh.readline().rstrip(b"\r\n").decode("utf-8", "backslashreplace")
+    fields = [f.strip('"') for f in first.split(data.delimiter)]
+    if data.header:
+        return data.label in fields
+    if len(fields) == len(data.columns or ()):
+        return True
+    if len(fields) == len(data.columns or ()) - 1:
+        return False
+    raise BundleError(f"{path}:1: {len(fields)} columns; the model reads files of {len(data.columns or ())} columns "
+                      f"{list(data.columns or ())} (or {len(data.columns or ()) - 1} without {data.label!r})")
+
+
+class _Writer:
+    """The output file, written under a temporary name and renamed by :meth:`commit`."""
+
+    def __init__(self, output: Path, with_label: bool) -> None:
+        if output.suffix not in OUTPUT_FORMATS:
+            raise BundleError(f"output={output}: expected a file ending in {' or '.join(OUTPUT_FORMATS)}")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        self.output, self.tmp = output, output.with_name(f"{output.name}.tmp-{os.getpid()}")
+        fields = [("probability", pa.float32())] + ([("label", pa.int8())] if with_label else [])
+        self.schema = pa.schema(fields)
+        self.writer: Any = pq.ParquetWriter(self.tmp, self.schema) if output.suffix == ".parquet" \
+            else pacsv.CSVWriter(str(self.tmp), self.schema)
+
+    def write(self, probability: np.ndarray, label: np.ndarray | None) -> None:
+        columns = [pa.array(probability, pa.float32())] + ([pa.array(label, pa.int8())] if label is not None else [])
+        self.writer.write_table(pa.Table.from_arrays(columns, schema=self.schema))
+
+    def commit(self) -> None:
+        self.writer.close()
+        os.replace(self.tmp, self.output)
+
+    def abort(self) -> None:
+        self.writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def predict(model: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None], inputs: list[Path], output: Path,
+            block_size: int = 32 << 20, rank: int = 0) -> Prediction | None:
+    """Score every row of ``inputs`` (each rank calls this; ``score`` returns the probabilities on rank 0)."""
+    labels = {has_label(model.data, p) for p in inputs}
+    if len(labels) > 1:
+        raise BundleError(f"input: some files have the label column {model.data.label!r} and some do not")
+    with_label = labels.pop()
+    data = model.reading(with_label)
+    writer = _Writer(output, with_label) if rank == 0 else None
+    probs, truth = [], []
+    try:
+        for path in inputs:
+            reader = open_reader([path], data, block_size, "error", f"predict {path.name}")
+            for table in reader:
+                block = extract(table, data, reader.where, {})
+                p = score(model.encode(block))
+                if writer is not None:
+                    writer.write(p, block.label if with_label else None)
+                    probs.append(p)
+                    truth.append(block.label)
+        if writer is not None:
+            writer.commit()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if rank != 0:
+        return None
+    p = np.concatenate(probs) if probs else np.zeros(0, np.float32)
+    auc = logloss = None
+    if with_label and len(p):
+        y = np.concatenate(truth)
+        auc = float(binary_auroc(torch.from_numpy(p), torch.from_numpy(y.astype(np.int64))))
+        q = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
+        logloss = float(-np.mean(y * np.log(q) + (1 - y) * np.log1p(-q)))
+    return Prediction(len(p), auc, logloss, output)
+
+
+def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Callable[[SplitArrays], np.ndarray | None]]:
+    """The checkpoint's model sharded over the process group (as in training), and a scoring function
+    that splits each block over the ranks and gathers the probabilities on rank 0."""
+    import torch.distributed.checkpoint as dcp
+
+    from modules.models import ModelConfig, build_model
+    from modules.optimizers import OptimizerSpec
+    from modules.placement import TopologySpec
+    from modules.sharding import shard_model
+    from pipeline.checkpointing import SafeFileSystemReader, checked_checkpoint, read_rank0_state
+    from pipeline.data.store import ColumnarStore
+    from pipeline.model_bundle import declaration_from
+
+    path = checked_checkpoint(checkpoint)
+    run = read_rank0_state(path)["pipeline"].get("run")
+    if run is None:
+        raise BundleError(f"{path}: the checkpoint does not describe its model and data (an older version)")
+    store = ColumnarStore(run["store"])
+    encoder = RowEncoder(store.meta, declaration_from(run["data"]), store.root / "vocab")
+    net = build_model(ModelConfig(**run["model"]), encoder.spec, device=torch.device("meta"))
+    spec = encoder.spec
+    # any fused optimizer: nothing is trained; SGD keeps no state
+    dmp, _ = shard_model(net, OptimizerSpec("sgd", 0.0), TopologySpec(compute_device="cpu"), torch.device("cpu"),
+                         table_of={f: spec.table_of(f) for f in spec.sparse})
+    live = {f"state_dict/model.{k}": v for k, v in dmp.state_dict().items()}
+    dcp.load(live, storage_reader=SafeFileSystemReader(str(path)))
+    dmp.eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def score(arrays: SplitArrays) -> np.ndarray | None:
+        n = len(arrays)
+        share = max(1, math.ceil(n / world))
+        rows = np.arange(rank * share, (rank + 1) * share)
+        rows = np.where(rows < n, rows, 0)  # padding rows (row 0) keep every rank's step count equal
+        from pipeline.data.batches import make_batch
+
+        local = np.empty(share, np.float32)
+        with torch.no_grad():
+            for start in range(0, share, batch_size):
+                part = rows[start:start + batch_size]
+                batch = make_batch(arrays, part, spec.kjt_keys, categorical=spec.categorical)
+                local[start:start + len(part)] = torch.sigmoid(dmp(batch.dense_features, batch.sparse_features)).numpy()
+        gathered = [torch.empty(share) for _ in range(world)]
+        dist.all_gather(gathered, torch.from_numpy(local))
+        return torch.cat(gathered)[:n].numpy() if rank == 0 else None
+
+    return encoder, score
+
+
+def input_files(spec: str, data: DataConfig) -> list[Path]:
+    from pipeline.data.sources import _paths
+
+    probe = DataConfig(name=data.name, format=data.format, path=spec.split(",") if "," in spec else spec)
+    files = _paths(probe)
+    return files if isinstance(files, list) else [p for group in files.values() for p in group]
+
+
+def run(args: dict[str, str]) -> Prediction | None:
+    checkpoint, output = Path(args["checkpoint"]), Path(args["output"])
+    batch_size, block_size = int(args["batch_size"]), int(args["block_size"])
+    world, _ = world_from_env()
+    if world > 1:
+        dist.init_process_group("gloo")
+        encoder, score = sharded_scorer(checkpoint, batch_size)
+        return predict(encoder, score, input_files(args["input"], encoder.data), output, block_size, dist.get_rank())
+    if is_bundle(checkpoint):
+        scorer = Scorer(checkpoint)
+        return predict(scorer, lambda a: scorer.score(a, batch_size), input_files(args["input"], scorer.data),
+                       output, block_size)
+    from pipeline.export import export_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="ctr-predict-") as tmp:
+        scorer = Scorer(export_checkpoint(checkpoint, Path(tmp) / "model"))
+        return predict(scorer, lambda a: scorer.score(a, batch_size), input_files(args["input"], scorer.data),
+                       output, block_size)
+
+
+def main(argv: list[str]) -> None:
+    from pipeline.cli import exit_on_user_error, key_values
+    from pipeline.process_exit import leave_process_group
+
+    args = key_values(argv, required=("checkpoint", "input", "output"),
+                      optional={"batch_size": "65536", "block_size": str(32 << 20)})
+    try:
+        result = exit_on_user_error(lambda: run(args))
+    finally:
+        leave_process_group()
+    if result is not None:
+        scores = f"; AUC {result.auc:.6f}, logloss {result.logloss:.6f}" if result.auc is not None else ""
+        print(f"Wrote {result.rows} predictions to {result.output}{scores}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

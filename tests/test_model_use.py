@@ -1,0 +1,172 @@
+"""Using a trained model: batch prediction from raw files, the MLflow pyfunc model (loaded and served by a
+real ``mlflow models serve``), and export of a 2-process checkpoint to one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.data.preprocess import assign_splits
+from pipeline.data.preprocess_config import SplitConfig
+from tests.click_logs import click_log, write_dataset
+from tests.conftest import PYTHON, ROOT, free_port, subprocess_env, train_cli
+
+ROWS = 12_000
+TRAIN = ["data=mylog", "trainer.batch_size=512", "trainer.max_epochs=1", "model.mlp=[32]", "model.embedding_dim=8",
+         "trainer.enable_progress_bar=false", "topology.sharding_types=[table_wise]"]
+
+
+def command(module: str, *args: str, launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([PYTHON, *(launcher or []), "-m", module, *args], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def predict_here(checkpoint: Path, input: Path, output: Path) -> np.ndarray:
+    """``pipeline.predict`` in this process (one process: no process group)."""
+    from pipeline.predict import run
+
+    run({"checkpoint": str(checkpoint), "input": str(input), "output": str(output), "batch_size": "65536",
+         "block_size": str(32 << 20)})
+    return pd.read_parquet(output)["probability"].to_numpy() if output.suffix == ".parquet" else \
+        pd.read_csv(output)["probability"].to_numpy()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run on a generated log (1 process), and the raw rows of its own test split, in file order."""
+    folder = tmp_path_factory.mktemp("use")
+    frame, _ = click_log(ROWS, seed=3)
+    frame.to_csv(folder / "log.csv", index=False)
+    conf = write_dataset(folder / "conf").parent.parent
+    args = ["--config-dir", str(conf), f"data.path={folder / 'log.csv'}", f"paths.cache_dir={folder / 'cache'}",
+            f"logger.tracking_uri=sqlite:///{folder / 'mlflow.db'}", *TRAIN]
+    _, result = train_cli(args, folder / "run")
+    split = assign_splits(np.arange(ROWS, dtype=np.uint64), ROWS, SplitConfig(valid=0.1, test=0.2, seed=0))
+    test_rows = frame[split == 2]
+    test_rows.to_csv(folder / "test.csv", index=False)
+    return folder, conf, args, result, test_rows
+
+
+def test_predict_on_the_runs_own_test_rows_gives_its_test_auc(trained):
+    folder, _, _, result, test_rows = trained
+    out = folder / "pred.parquet"
+    proc = command("pipeline.predict", f"checkpoint={folder / 'run' / 'model'}", f"input={folder / 'test.csv'}",
+                   f"output={out}")
+    written = pd.read_parquet(out)
+    assert len(written) == len(test_rows) and (written["label"].to_numpy() == test_rows["clicked"].to_numpy()).all()
+    from torchmetrics.functional.classification import binary_auroc
+    import torch
+
+    auc = float(binary_auroc(torch.from_numpy(written["probability"].to_numpy()),
+                             torch.from_numpy(written["label"].to_numpy().astype(np.int64))))
+    assert abs(auc - result.test_auc) <= 1e-6, (auc, result.test_auc)
+    assert f"AUC {auc:.6f}" in proc.stdout
+    # unseen ids, missing values, no label column: scored, one row each, in order
+    odd = test_rows.head(4).drop(columns=["clicked"]).copy()
+    odd.loc[odd.index[0], "user_id"] = "never-seen"
+    odd.loc[odd.index[1], "tags"] = None
+    odd.loc[odd.index[2], "price"] = None
+    odd.loc[odd.index[3], "tags"] = "brand-new|t1"
+    odd.to_csv(folder / "odd.csv", index=False)
+    scores = predict_here(folder / "run" / "model", folder / "odd.csv", folder / "odd.out.csv")
+    assert list(pd.read_csv(folder / "odd.out.csv").columns) == ["probability"] and len(scores) == 4
+    assert ((scores > 0) & (scores < 1)).all()
+
+
+def test_pyfunc_model_and_mlflow_models_serve_match_predict(trained):
+    import mlflow
+
+    folder, _, _, result, test_rows = trained
+    rows = test_rows.head(50).drop(columns=["clicked"]).reset_index(drop=True)
+    rows.to_csv(folder / "few.csv", index=False)
+    want = predict_here(folder / "run" / "model", folder / "few.csv", folder / "few.parquet")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(f"runs:/{result.mlflow_run_id}/model")
+    np.testing.assert_allclose(model.predict(rows)["probability"].to_numpy(), want, atol=1e-6)
+
+    port = free_port()
+    server = subprocess.Popen([str(Path(PYTHON).parent / "mlflow"), "models", "serve", "-m",
+                               f"runs:/{result.mlflow_run_id}/model", "--env-manager", "local", "-h", "127.0.0.1",
+                               "-p", str(port)], cwd=folder,
+                              env=subprocess_env(MLFLOW_TRACKING_URI=uri,  # it starts `uvicorn` from the PATH
+                                                 PATH=f"{Path(PYTHON).parent}:{os.environ.get('PATH', '')}"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, server.stderr.read().decode()[-3000:]
+                time.sleep(0.5)
+        body = json.dumps({"dataframe_split": json.loads(rows.to_json(orient="split", index=False))}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            served = json.loads(response.read())["predictions"]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    np.testing.assert_allclose([p["probability"] for p in served], want, atol=1e-6)
+
+
+def test_two_process_checkpoint_exports_and_predicts_in_one_process(trained, tmp_path):
+    folder, _, args, _, _ = trained
+    ckpt = tmp_path / "ckpt"
+    train_cli([*args, f"trainer.checkpoint.dir={ckpt}"], tmp_path / "run2",
+              launcher=["-m", "torch.distributed.run", "--nproc_per_node=2"])
+    (last,) = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))[-1:]
+    command("pipeline.export", f"checkpoint={last}", f"out={tmp_path / 'export'}")
+    test_csv = folder / "test.csv"
+    outputs = {"run_model": predict_here(tmp_path / "run2" / "model", test_csv, tmp_path / "run_model.parquet"),
+               "checkpoint": predict_here(last, test_csv, tmp_path / "checkpoint.parquet")}
+    for name, source, launcher in (("export", tmp_path / "export", None),  # a fresh process
+                                   ("sharded", last, ["-m", "torch.distributed.run", "--nproc_per_node=2"])):
+        out = tmp_path / f"{name}.parquet"
+        command("pipeline.predict", f"checkpoint={source}", f"input={test_csv}", f"output={out}", launcher=launcher)
+        outputs[name] = pd.read_parquet(out)["probability"].to_numpy()
+    # the export, the run's own model folder and the checkpoint read in one process: the same bits
+    assert (outputs["export"] == outputs["run_model"]).all() and (outputs["export"] == outputs["checkpoint"]).all()
+    # two ranks scoring their shares through the sharded tables: the same numbers to float rounding
+    np.testing.assert_allclose(outputs["sharded"], outputs["export"], atol=1e-6)
+
+
+def test_errors_name_the_cause_and_write_nothing(trained, tmp_path):
+    folder, _, _, _, test_rows = trained
+    test_rows.drop(columns=["tags"]).to_csv(tmp_path / "no_tags.csv", index=False)
+    out = tmp_path / "out.parquet"
+    proc = command("pipeline.predict", f"checkpoint={folder / 'run' / 'model'}", f"input={tmp_path / 'no_tags.csv'}",
+                   f"output={out}", check=False)
+    assert proc.returncode == 2 and "the header lacks column 'tags' (declared in data=mylog)" in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob("out.parquet.tmp-*"))
+    damaged = tmp_path / "model"
+    import shutil
+
+    from pipeline.model_bundle import BundleError
+    from pipeline.data.reader import BadInputError
+
+    shutil.copytree(folder / "run" / "model", damaged)
+    vocab = damaged / "vocab" / "user_id.parquet"
+    vocab.write_bytes(vocab.read_bytes()[:100])
+    with pytest.raises(BundleError, match=f"{vocab}: cannot read the vocabulary of table 'user_id'"):
+        predict_here(damaged, folder / "test.csv", out)
+    criteo = ROOT.parent / "shared" / "data" / "criteo_sample" / "dac_sample.tsv"
+    if criteo.exists():  # a file of another dataset's layout
+        with pytest.raises(BadInputError, match="the header lacks column"):
+            predict_here(folder / "run" / "model", criteo, out)
+    assert not out.exists() and not list(tmp_path.glob("out.parquet.tmp-*"))
