@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml tools/fbgemm_gpu_shim/pyproject.toml
 	$(PY) -c "import torchrec, fbgemm_gpu, lightning, hydra, mlflow"
 	touch $(STAMP)
 
-.PHONY: install train test check-pins
+.PHONY: install train test test-all check-pins
 install: $(STAMP)
 
 train: $(STAMP)
@@ -22,6 +22,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)
+
+# Also the end-to-end variants marked slow (their path is covered by `make test`).
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests -m "" $(ARGS)
 
 # Every pinned version (CPU and GPU extras, Dockerfile, README) exists on the package index (CI runs it).
 check-pins: $(STAMP)

@@ -113,3 +113,21 @@ def shared_file(relative: str) -> Path:
     if not path.exists():
         pytest.skip(f"shared CTR sample {path} not present (set CTR_SHARED_DATA)")
     return path
+
+
+@pytest.fixture(scope="session")
+def own_data_run(tmp_path_factory: pytest.TempPathFactory):
+    """A run on a generated "own" click log declared in a YAML outside the repo (tests/click_logs.py):
+    (folder, config folder, the run's arguments, its RunResult, the raw rows)."""
+    from tests.click_logs import click_log, write_dataset
+
+    folder = tmp_path_factory.mktemp("own")
+    frame, p = click_log(40_000)
+    frame.to_csv(folder / "log.csv", index=False)
+    conf = write_dataset(folder / "conf").parent.parent
+    args = ["--config-dir", str(conf), "data=mylog", f"data.path={folder / 'log.csv'}",
+            f"paths.cache_dir={folder / 'cache'}", f"logger.tracking_uri=sqlite:///{folder / 'mlflow.db'}",
+            "trainer.batch_size=512", "trainer.max_epochs=3", "model.mlp=[32]", "model.embedding_dim=8",
+            "trainer.enable_progress_bar=false", "topology.sharding_types=[table_wise]"]
+    _, result = train_cli(args, folder / "run")
+    return folder, conf, args, result, frame, p

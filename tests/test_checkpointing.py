@@ -116,7 +116,8 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_newest(tmp_path):
     assert torch.equal(_tensors(tmp_path / "step-000000010")["state_dict/w"], torch.ones(4))
 
 
-@pytest.mark.parametrize("policy", ["stop", "skip"])
+# "skip" is the same run with the other policy (its counting: tests/test_nonfinite.py)
+@pytest.mark.parametrize("policy", ["stop", pytest.param("skip", marks=pytest.mark.slow)])
 def test_injected_nan_stops_or_is_skipped_and_counted(small_overrides, tmp_path, policy):
     nan = "trainer.callbacks=[{_target_:tests.faults.NaNLabelsAtStep,step:3}]"
     proc, result = _run([*small_overrides, nan, f"trainer.nonfinite={policy}", "trainer.max_steps=10"],

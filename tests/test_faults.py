@@ -202,9 +202,11 @@ def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(small_disk)
     (["data=criteo_kaggle", "data.path={avazu}"],
      "Error (BadInputError): {avazu}:1: 1 column, expected 40 (data=criteo_kaggle, separated by '\\t'); it splits into 24 "
      "columns at ','"),
-    (["trainer.resume=/nonexistent/step-000000010"], "Error (FileNotFoundError): /nonexistent/step-000000010 is not a "
-                                                      "checkpoint directory"),
-    (["model.embedding_dim=10"], "Error (ConfigError): model.embedding_dim=10: must be a positive multiple of 4"),
+    # the same exit path as the case above, other error classes (their messages: test_checkpointing, test_config)
+    pytest.param(["trainer.resume=/nonexistent/step-000000010"], "Error (FileNotFoundError): /nonexistent/"
+                 "step-000000010 is not a checkpoint directory", marks=pytest.mark.slow),
+    pytest.param(["model.embedding_dim=10"], "Error (ConfigError): model.embedding_dim=10: must be a positive multiple "
+                 "of 4", marks=pytest.mark.slow),
 ])
 def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
     from tests.conftest import shared_file

@@ -17,12 +17,8 @@ import pytest
 
 from pipeline.data.preprocess import assign_splits
 from pipeline.data.preprocess_config import SplitConfig
-from tests.click_logs import click_log, write_dataset
 from tests.conftest import PYTHON, ROOT, free_port, subprocess_env, train_cli
 
-ROWS = 12_000
-TRAIN = ["data=mylog", "trainer.batch_size=512", "trainer.max_epochs=1", "model.mlp=[32]", "model.embedding_dim=8",
-         "trainer.enable_progress_bar=false", "topology.sharding_types=[table_wise]"]
 
 
 def command(module: str, *args: str, launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -44,16 +40,10 @@ def predict_here(checkpoint: Path, input: Path, output: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A run on a generated log (1 process), and the raw rows of its own test split, in file order."""
-    folder = tmp_path_factory.mktemp("use")
-    frame, _ = click_log(ROWS, seed=3)
-    frame.to_csv(folder / "log.csv", index=False)
-    conf = write_dataset(folder / "conf").parent.parent
-    args = ["--config-dir", str(conf), f"data.path={folder / 'log.csv'}", f"paths.cache_dir={folder / 'cache'}",
-            f"logger.tracking_uri=sqlite:///{folder / 'mlflow.db'}", *TRAIN]
-    _, result = train_cli(args, folder / "run")
-    split = assign_splits(np.arange(ROWS, dtype=np.uint64), ROWS, SplitConfig(valid=0.1, test=0.2, seed=0))
+def trained(own_data_run):
+    """The run on a generated log (1 process, conftest), and the raw rows of its own test split, in file order."""
+    folder, conf, args, result, frame, _ = own_data_run
+    split = assign_splits(np.arange(len(frame), dtype=np.uint64), len(frame), SplitConfig(valid=0.1, test=0.2, seed=0))
     test_rows = frame[split == 2]
     test_rows.to_csv(folder / "test.csv", index=False)
     return folder, conf, args, result, test_rows
@@ -128,7 +118,7 @@ def test_pyfunc_model_and_mlflow_models_serve_match_predict(trained):
 def test_two_process_checkpoint_exports_and_predicts_in_one_process(trained, tmp_path):
     folder, _, args, _, _ = trained
     ckpt = tmp_path / "ckpt"
-    train_cli([*args, f"trainer.checkpoint.dir={ckpt}"], tmp_path / "run2",
+    train_cli([*args, f"trainer.checkpoint.dir={ckpt}", "trainer.max_epochs=1"], tmp_path / "run2",
               launcher=["-m", "torch.distributed.run", "--nproc_per_node=2"])
     (last,) = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))[-1:]
     command("pipeline.export", f"checkpoint={last}", f"out={tmp_path / 'export'}")

@@ -17,12 +17,9 @@ from omegaconf import OmegaConf
 from pipeline.data.dataset import DataConfig
 from pipeline.data.preprocess import preprocess
 from pipeline.data.reader import BadInputError
-from tests.click_logs import DATASET_YAML, click_log, oracle_auc, write_dataset
+from tests.click_logs import DATASET_YAML, oracle_auc, write_dataset
 from tests.conftest import train_cli
 
-ROWS = 40_000
-TRAIN = ["trainer.batch_size=512", "trainer.max_epochs=3", "model.mlp=[32]", "model.embedding_dim=8",
-         "trainer.enable_progress_bar=false"]
 
 
 def declaration(text: str = DATASET_YAML, **changes) -> DataConfig:
@@ -31,28 +28,19 @@ def declaration(text: str = DATASET_YAML, **changes) -> DataConfig:
 
 
 @pytest.fixture(scope="module")
-def log(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("own")
-    frame, p = click_log(ROWS)
-    frame.to_csv(folder / "log.csv", index=False)
+def log(own_data_run):
+    folder, _, _, _, frame, p = own_data_run
     return folder, frame, oracle_auc(frame, p)
 
 
-def _train(folder, conf, name: str, extra: list[str] = ()):
-    args = ["--config-dir", str(conf), "data=mylog", f"data.path={folder / 'log.csv'}",
-            f"paths.cache_dir={folder / 'cache'}", f"logger.tracking_uri=sqlite:///{folder / 'mlflow.db'}", *TRAIN,
-            *extra]
-    return train_cli(args, folder / name)[1]
-
-
-def test_yaml_dataset_outside_the_repo_trains_and_its_multi_hot_column_matters(log):
-    folder, frame, oracle = log
-    with_tags = write_dataset(folder / "conf").parent.parent
-    result = _train(folder, with_tags, "run")
+def test_yaml_dataset_outside_the_repo_trains_and_its_multi_hot_column_matters(own_data_run):
+    # the run: `python -m pipeline.train --config-dir <folder outside the repo> data=mylog data.path=<csv>`
+    folder, _, args, result, frame, p = own_data_run
+    oracle = oracle_auc(frame, p)
     # without the multi-hot column the label's main signal is gone
     without = write_dataset(folder / "conf_no_tags", "\n".join(line for line in DATASET_YAML.splitlines()
                                                                 if "name: tags" not in line) + "\n").parent.parent
-    result_without = _train(folder, without, "run_no_tags")
+    result_without = train_cli(["--config-dir", str(without), *args[2:]], folder / "run_no_tags")[1]
     numbers = f"oracle {oracle:.4f}, with tags {result.test_auc:.4f}, without {result_without.test_auc:.4f}"
     assert result.test_auc >= oracle - 0.025, numbers
     assert result_without.test_auc <= result.test_auc - 0.1, numbers

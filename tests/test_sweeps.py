@@ -88,6 +88,7 @@ def test_slurm_launcher_takes_nodes_tasks_and_gpus_from_the_topology(tmp_path, m
         os.environ.update(saved)
 
 
+@pytest.mark.slow  # the parent/child runs and failure records: the joblib sweep test; this adds Optuna's search
 def test_optuna_sweep_of_six_trials_lists_its_children_and_the_best(tmp_path):
     proc = _multirun(["+experiment=tune_deepfm", "hydra.sweeper.n_trials=6", "trainer.max_epochs=1"], tmp_path)
     client, parent, children = _family(tmp_path)

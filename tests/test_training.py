@@ -43,7 +43,9 @@ def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, t
         _check_run(MlflowClient(tracking_uri=server.uri), result, epochs=2)
 
 
-@pytest.mark.parametrize("model", ["wide_deep", "dcn", "dcnv2"])
+# dcnv2 trains end to end in CI; wide_deep and dcn share its path (their layers: tests/test_models.py)
+@pytest.mark.parametrize("model", [pytest.param("wide_deep", marks=pytest.mark.slow),
+                                   pytest.param("dcn", marks=pytest.mark.slow), "dcnv2"])
 def test_other_models_train(small_overrides, tmp_path, model):
     extra = ["model.low_rank=8"] if model == "dcnv2" else []
     result = _train([*small_overrides, f"model={model}", "model.mlp=[64,32]", "trainer.max_epochs=1", *extra],
