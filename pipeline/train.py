@@ -199,9 +199,9 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
     gb = sum(n * (task.model_cfg.embedding_dim + 4) * 4 for n in spec.table_sizes.values()) / 1e9
     if gb > run_cfg.logger.model_max_gb:
         if global_rank() == 0:
-            log.warning("The tables take %.1f GB > logger.model_max_gb=%g: no model folder and no MLflow model; "
-                        "score with python -m pipeline.predict checkpoint=<a checkpoint of this run>",
-                        gb, run_cfg.logger.model_max_gb)
+            print(f"The tables take {gb:.2g} GB > logger.model_max_gb={run_cfg.logger.model_max_gb:g}: no model folder "
+                  f"and no MLflow model; score with python -m pipeline.predict checkpoint=<a checkpoint of this run> "
+                  f"(under torchrun: the tables stay sharded)", flush=True)
         return None
     weights = full_state_dict(task.model)
     if weights is None:

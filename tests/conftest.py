@@ -101,7 +101,8 @@ def small_overrides(cache_dir: Path) -> list[str]:
 
     overrides = [f"paths.cache_dir={cache_dir}", f"data.synthetic.rows={SMALL_ROWS}",
                  "trainer.batch_size=1024", "trainer.eval_batch_size=4096", "trainer.max_epochs=2",
-                 "trainer.enable_progress_bar=false", "model.mlp=[64,32]"]
+                 "trainer.enable_progress_bar=false", "model.mlp=[64,32]",
+                 "logger.log_model=false"]  # the model folder and MLflow model: tests/test_model_use.py
     cfg = parse_config(compose_config(overrides))
     prepare_store(cfg.data, cfg.paths.cache_dir)
     return overrides
@@ -129,5 +130,5 @@ def own_data_run(tmp_path_factory: pytest.TempPathFactory):
             f"paths.cache_dir={folder / 'cache'}", f"logger.tracking_uri=sqlite:///{folder / 'mlflow.db'}",
             "trainer.batch_size=512", "trainer.max_epochs=3", "model.mlp=[32]", "model.embedding_dim=8",
             "trainer.enable_progress_bar=false", "topology.sharding_types=[table_wise]"]
-    _, result = train_cli(args, folder / "run")
+    _, result = train_cli([*args, "logger.register_model_as=mylog_ctr"], folder / "run")
     return folder, conf, args, result, frame, p

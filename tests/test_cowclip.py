@@ -34,9 +34,9 @@ L2 = 0.01
 class ClipModel(torch.nn.Module):
     """Embeddings → a fixed nonlinear score, so per-sample gradients differ."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, spec: FeatureSpec = SPEC) -> None:
         super().__init__()
-        self.sparse_arch = SparseArch(SPEC, DIM, init_std=0.3, wide=True, device=device)
+        self.sparse_arch = SparseArch(spec, DIM, init_std=0.3, wide=True, device=device)
 
     def forward(self, dense: torch.Tensor, features) -> torch.Tensor:
         emb, first = self.sparse_arch(features)

@@ -18,13 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip import CowClipConfig
-from modules.embedding import FeatureSpec, SparseArch, wide_row_offsets
+from modules.embedding import FeatureSpec, wide_row_offsets
 from pipeline.data.store import Ragged, SplitArrays
 from tests.dist_utils import run_workers
+from tests.test_cowclip import DIM, ClipModel, score
 
 SPEC = FeatureSpec((), ("a", "item"), {"a": 7, "item": 30, "tags": 12}, ("tags", "hist"),
                    {"tags": "mean", "hist": "sum"}, {"hist": "item"})
-DIM, GLOBAL_BATCH, STEPS = 8, 16, 3
+GLOBAL_BATCH, STEPS = 16, 3
 LR = {"sgd": 0.5, "rowwise_adagrad": 0.1, "adagrad": 0.1}
 CFG = CowClipConfig(enabled=True, r=0.05, zeta=1e-3)
 L2 = 0.01
@@ -32,19 +33,8 @@ BAG_WIDE = wide_row_offsets(SPEC)
 SEQ_WIDE = wide_row_offsets(SPEC, SPEC.seq_features)
 
 
-class Net(torch.nn.Module):
-    def __init__(self, device: torch.device | None = None) -> None:
-        super().__init__()
-        self.sparse_arch = SparseArch(SPEC, DIM, init_std=0.3, wide=True, device=device)
-
-    def forward(self, dense: torch.Tensor, features) -> torch.Tensor:
-        emb, first = self.sparse_arch(features)
-        return score(emb, first)
-
-
-def score(emb: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    proj = torch.linspace(-1, 1, DIM, dtype=emb.dtype)
-    return 3.0 * torch.tanh((emb * proj).sum(-1)).sum(1) + (emb.sum(1) ** 2).sum(1) + first
+def Net(device: torch.device | None = None) -> ClipModel:
+    return ClipModel(device, SPEC)
 
 
 def ragged(rng: np.random.Generator, n: int, max_len: int, size: int) -> Ragged:

@@ -86,6 +86,10 @@ def test_pyfunc_model_and_mlflow_models_serve_match_predict(trained):
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model(f"runs:/{result.mlflow_run_id}/model")
     np.testing.assert_allclose(model.predict(rows)["probability"].to_numpy(), want, atol=1e-6)
+    # the run registered it (logger.register_model_as=mylog_ctr): version 1 is this run's model
+    assert mlflow.MlflowClient(uri).get_model_version("mylog_ctr", "1").run_id == result.mlflow_run_id
+    registered = mlflow.pyfunc.load_model("models:/mylog_ctr/1")
+    np.testing.assert_allclose(registered.predict(rows)["probability"].to_numpy(), want, atol=1e-6)
 
     port = free_port()
     server = subprocess.Popen([str(Path(PYTHON).parent / "mlflow"), "models", "serve", "-m",

@@ -40,7 +40,11 @@ def test_yaml_dataset_outside_the_repo_trains_and_its_multi_hot_column_matters(o
     # without the multi-hot column the label's main signal is gone
     without = write_dataset(folder / "conf_no_tags", "\n".join(line for line in DATASET_YAML.splitlines()
                                                                 if "name: tags" not in line) + "\n").parent.parent
-    result_without = train_cli(["--config-dir", str(without), *args[2:]], folder / "run_no_tags")[1]
+    proc, result_without = train_cli(["--config-dir", str(without), *args[2:], "logger.model_max_gb=0"],
+                                     folder / "run_no_tags")
+    # tables over logger.model_max_gb: no model folder, no MLflow model, and the way to score instead
+    assert "no model folder and no MLflow model; score with python -m pipeline.predict" in proc.stdout
+    assert not (folder / "run_no_tags" / "model").exists()
     numbers = f"oracle {oracle:.4f}, with tags {result.test_auc:.4f}, without {result_without.test_auc:.4f}"
     assert result.test_auc >= oracle - 0.025, numbers
     assert result_without.test_auc <= result.test_auc - 0.1, numbers
@@ -79,17 +83,20 @@ def test_csv_tsv_gz_and_parquet_give_identical_stores(log, tmp_path):
     assert first.table_sizes["tags"] >= 2 + 1 and first.table_sizes["tags"] - 2 <= int((kept >= 2).sum())
 
 
-def test_shared_table_one_vocabulary_counted_over_both_features(tmp_path):
-    frame = pd.DataFrame({"y": [0, 1, 0, 1, 1, 0], "item": ["a", "b", "c", "a", "d", "e"],
-                          "hist": ["b|c", "a", "", "d|d|a", "e", "x"]})
-    frame.to_csv(tmp_path / "f.csv", index=False)
-    data = declaration("""
+ITEM_HIST = """
 format: csv
 header: true
 label: y
 features:
   - {name: item, type: categorical}
-  - {name: hist, type: sequence, separator: "|", share_table_with: item}
+"""
+
+
+def test_shared_table_one_vocabulary_counted_over_both_features(tmp_path):
+    frame = pd.DataFrame({"y": [0, 1, 0, 1, 1, 0], "item": ["a", "b", "c", "a", "d", "e"],
+                          "hist": ["b|c", "a", "", "d|d|a", "e", "x"]})
+    frame.to_csv(tmp_path / "f.csv", index=False)
+    data = declaration(ITEM_HIST + """  - {name: hist, type: sequence, separator: "|", share_table_with: item}
 preprocess: {min_count: 2, split: {method: random, valid: 0.0, test: 0.0}}
 """)
     store = preprocess([tmp_path / "f.csv"], data, tmp_path / "s")
@@ -200,13 +207,7 @@ def test_parquet_with_a_wrong_column_type(tmp_path):
 
 def test_hashed_sequences_use_the_categorical_hash(tmp_path):
     (tmp_path / "f.csv").write_text("y,item,hist\n1,a,a|b\n0,b,\n1,c,c|a|zz\n")
-    data = declaration("""
-format: csv
-header: true
-label: y
-features:
-  - {name: item, type: categorical}
-  - {name: hist, type: sequence, separator: "|"}
+    data = declaration(ITEM_HIST + """  - {name: hist, type: sequence, separator: "|"}
 preprocess: {categorical: hash, hash_buckets: 97, split: {method: random, valid: 0.0, test: 0.0}}
 """)
     store = preprocess([tmp_path / "f.csv"], data, tmp_path / "s")
