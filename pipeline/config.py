@@ -104,6 +104,7 @@ class TrainerConfig:
     merging: MergeConfig = field(default_factory=MergeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None
+    init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
     nonfinite: str = "stop"
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
 

@@ -47,7 +47,7 @@ class BundleError(ValueError):
 
 
 def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                 data: DataConfig, store_meta: dict[str, Any], vocab_dir: Path) -> Path:
+                 data: DataConfig, store_meta: dict[str, Any], vocab_dir: Path, mlflow_run_id: str | None = None) -> Path:
     """Write the folder atomically; returns its path."""
     out = Path(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
@@ -56,7 +56,7 @@ def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], mo
     try:
         declaration = {k: v for k, v in asdict(data).items() if k not in ("path", "synthetic", "shape_only",
                                                                             "cardinalities", "zipf_exponent")}
-        description = {"version": BUNDLE_VERSION, "model": asdict(model_cfg), "data": declaration,
+        description = {"version": BUNDLE_VERSION, "mlflow_run_id": mlflow_run_id, "model": asdict(model_cfg), "data": declaration,
                        "store": {k: store_meta[k] for k in META_KEYS if k in store_meta}}
         (tmp / "model.json").write_text(json.dumps(description, indent=2, sort_keys=True))
         torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, tmp / "weights.pt")

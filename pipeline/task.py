@@ -26,6 +26,7 @@ from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
+from pipeline.init_from import initialize_from
 from pipeline.metrics import CTRMetrics
 from pipeline.nonfinite import NonFiniteGuard
 
@@ -34,6 +35,7 @@ class CTRTask(L.LightningModule):
     def __init__(self, cfg: RunConfig, topology: TopologySpec) -> None:
         super().__init__()
         self.model_cfg = cfg.model
+        self.init_from = cfg.trainer.init_from
         self.topology = topology  # as run: this world's ranks per node and nodes
         self.data_parallel = not cfg.trainer.merging.enabled  # k-step merging averages the replicas itself
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
@@ -66,6 +68,8 @@ class CTRTask(L.LightningModule):
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.data_parallel, coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse})
+        if self.init_from and not self.trainer.ckpt_path:  # a resumed run takes its own checkpoint's weights
+            initialize_from(self.model, self.init_from, spec)
         self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2)
         self.val_metrics.to(device)
         self.test_metrics.to(device)

@@ -39,6 +39,7 @@ from pipeline.config import LoggerConfig, RunConfig, TrainerConfig, check_runnab
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.errors import TrackingUnavailableError
 from pipeline.data.sources import example_rows
+from pipeline.init_from import lineage_tags
 from pipeline.launch import global_rank, world_from_env
 from pipeline.mlflow_model import log_pyfunc, register
 from pipeline.model_bundle import full_state_dict, write_bundle
@@ -192,7 +193,8 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
         logger.experiment.log_artifact(logger.run_id, str(artifact))
 
 
-def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, output_dir: Path) -> Path | None:
+def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, output_dir: Path,
+                run_id: str | None) -> Path | None:
     """``<output>/model`` (:mod:`pipeline.model_bundle`) from the trained weights, on global rank 0 (every
     rank takes part in gathering the sharded tables); None where tables exceed ``logger.model_max_gb``."""
     spec = datamodule.feature_spec
@@ -207,7 +209,8 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
     if weights is None:
         return None
     store = datamodule.store
-    return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, store.meta, store.root / "vocab")
+    return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, store.meta, store.root / "vocab",
+                        run_id)
 
 
 def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
@@ -233,7 +236,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     logger: TrackedMLflowLogger | bool = False
     if global_rank() == 0:
         uri, tags = tracking_uri(run_cfg.logger, output_dir)
-        logger = make_logger(run_cfg.logger, run_id, uri, {**tags, **sweep_job_tags()})
+        logger = make_logger(run_cfg.logger, run_id, uri, {**tags, **sweep_job_tags(), **lineage_tags(t.init_from)})
         logger.start()
     datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed)
     task = CTRTask(run_cfg, topology)
@@ -244,7 +247,8 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     try:
         trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
         test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
-        bundle = write_model(run_cfg, task, datamodule, output_dir) if run_cfg.logger.log_model else None
+        bundle = write_model(run_cfg, task, datamodule, output_dir, logger.run_id if logger else None) \
+            if run_cfg.logger.log_model else None
         if logger:
             log_summary(logger, params, task, trainer, datamodule, output_dir)
             if bundle is not None:

@@ -19,12 +19,14 @@ from torchmetrics.functional.classification import binary_auroc
 USERS, TAGS = 200, 300
 
 
-def click_log(rows: int, seed: int = 0, tag_weight: float = 2.0) -> tuple[pd.DataFrame, np.ndarray]:
-    """(the log as a DataFrame of raw columns, the true click probability of every row)."""
+def click_log(rows: int, seed: int = 0, tag_weight: float = 2.0, first_user: int = 0) -> tuple[pd.DataFrame, np.ndarray]:
+    """(the log as a DataFrame of raw columns, the true click probability of every row); users are
+    ``first_user`` … ``first_user + 199`` (later days: a shifted window of the same user population)."""
     rng = np.random.default_rng(seed)
     world = np.random.default_rng(1234)  # the click model is the same for every seed
     u, v = world.normal(0, 0.4, USERS), world.normal(0, 1.0, TAGS)
-    user = rng.integers(0, USERS, rows)
+    u = np.concatenate([u, world.normal(0, 0.4, 9 * USERS)])  # users of later windows
+    user = first_user + rng.integers(0, USERS, rows)
     price = rng.lognormal(1.0, 1.0, rows).round(2)
     seconds = 1_510_000_000 + rng.integers(0, 7 * 86400, rows)
     hour = (seconds // 3600) % 24

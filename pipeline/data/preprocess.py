@@ -328,8 +328,22 @@ class Vocabulary:
     stats: dict[str, dict]
 
 
+def base_keys(folder: str | os.PathLike | None, table: str) -> np.ndarray | None:
+    """The vocabulary of ``table`` in a store or model folder's ``vocab/`` (None: no base, or no such table)."""
+    if folder is None:
+        return None
+    path = Path(folder) / "vocab" / f"{table}.parquet"
+    if not (Path(folder) / "vocab").is_dir():
+        raise ValueError(f"data.preprocess.base_vocabulary={folder}: not a store or model folder (no vocab/)")
+    return pq.read_table(path, columns=["key"]).column("key").to_numpy() if path.is_file() else None
+
+
 def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
-    """Keys with training count >= ``min_count``, most frequent first (ties by key); or hash buckets."""
+    """Keys with training count >= ``min_count``, most frequent first (ties by key); or hash buckets.
+
+    With ``preprocess.base_vocabulary`` (an earlier store or model folder), every key of the base keeps
+    its id, and the keys new to it that pass ``min_count`` here are appended, most frequent first: the
+    table grows, and a model of the base continues with its rows where they were."""
     cfg = data.preprocess
     vocab = Vocabulary({}, {}, {}, {})
     for t, name in enumerate(Tables.of_data(data).names):
@@ -341,8 +355,15 @@ def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
         parts = first.key_counts[t]
         k, n = _merge_counts(parts) if parts else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
         keep = n >= cfg.min_count
+        base = base_keys(cfg.base_vocabulary, name)
+        if base is not None:
+            keep &= ~np.isin(k, base)
         order = np.lexsort((k[keep], -n[keep]))
         vocab.keys[name], vocab.counts[name] = k[keep][order], n[keep][order]
+        if base is not None:  # the base's keys first, in their order, with their counts here (0: unseen)
+            seen = pd.Series(n, index=pd.Index(k, dtype=np.uint64)).reindex(pd.Index(base, dtype=np.uint64))
+            vocab.keys[name] = np.concatenate([base, vocab.keys[name]])
+            vocab.counts[name] = np.concatenate([seen.fillna(0).to_numpy(np.int64), vocab.counts[name]])
         vocab.stats[name] = _field_stats(n, len(vocab.keys[name]))
         vocab.table_sizes[name] = len(vocab.keys[name]) + FIRST_VOCAB_ID
     return vocab

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 SPLIT_METHODS = ("random", "sequential", "given")
 
@@ -31,6 +32,7 @@ class PreprocessConfig:
     hash_buckets: int = 1 << 20        # buckets per table with categorical=hash
     bad_rows: str = "error"            # error | skip
     block_size: int = 32 << 20         # bytes of text per parsed block
+    base_vocabulary: Optional[str] = None  # an earlier store / model folder: its ids kept, new values appended
 
     def __post_init__(self) -> None:
         if self.categorical not in ("vocab", "hash"):
