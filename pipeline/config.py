@@ -105,6 +105,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None
     init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
+    daily: bool = False                 # data.path is a list of days: train them in turn (pipeline/daily.py)
     nonfinite: str = "stop"
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
 

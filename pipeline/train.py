@@ -290,6 +290,14 @@ def run_sweep_job(cfg: DictConfig) -> RunResult | None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     """Returns the best validation AUC (what a sweeper maximises); NaN for a failed sweep job."""
+    if cfg.trainer.daily:
+        from pipeline.daily import run_daily
+
+        days = exit_on_user_error(lambda: run_daily(cfg, _output_dir()))
+        print(f"Trained {len(days)} days; next-day AUC: "
+              f"{', '.join(f'{d.next_day_auc:.4f}' for d in days if d.next_day_auc is not None)} "
+              f"(next_day_auc.png, next_day_auc.md in {_output_dir()})", flush=True)
+        return days[-1].result.best_val_auc or math.nan
     try:
         result = run_sweep_job(cfg) if _in_sweep() else exit_on_user_error(lambda: run(cfg))
     finally:

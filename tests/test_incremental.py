@@ -72,3 +72,28 @@ def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
     # wide rows: a at 0..3 → 0..3 (+2 new), b at 4..6 → 6..8 (+2 new)
     assert row_sources("sparse_arch.ebc.embedding_bags.wide.weight", old, new, 11).tolist() == \
         [0, 1, 2, 3, -1, -1, 4, 5, 6, -1, -1]
+
+
+def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
+    """+experiment=daily over three days: one MLflow run per day chained by lineage tags, each day scored by
+    the previous day's model before training (logged to that model's run), the plot and table written."""
+    import mlflow
+
+    folder, args = days
+    files = ",".join(str(folder / f"day{d}.csv") for d in (1, 2, 3))
+    uri = f"sqlite:///{tmp_path / 'daily.db'}"
+    proc, _ = train_cli([*args, "+experiment=daily", f"data.path=[{files}]", "trainer.max_epochs=1",
+                         f"logger.tracking_uri={uri}"], tmp_path / "daily")
+    table = (tmp_path / "daily" / "next_day_auc.md").read_text().splitlines()
+    assert len(table) == 2 + 3 and (tmp_path / "daily" / "next_day_auc.png").stat().st_size > 0
+    client = mlflow.MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              order_by=["attributes.start_time ASC"])
+    assert [r.data.tags["mlflow.runName"] for r in runs] == ["day 0", "day 1", "day 2"]
+    assert runs[1].data.tags["ctr.parent_run_id"] == runs[0].info.run_id
+    assert runs[2].data.tags["ctr.parent_run_id"] == runs[1].info.run_id
+    scored = [r.data.metrics.get("next_day/auc") for r in runs]
+    assert scored[2] is None and all(0.3 < a < 1 for a in scored[:2]), scored
+    # the next-day AUC logged for day 0's model is that model's AUC on all of day 1's rows, as printed
+    assert f"AUC {scored[0]:.6f}" in proc.stdout
+    assert "next_day_auc.png" in [a.path for a in client.list_artifacts(runs[2].info.run_id)]

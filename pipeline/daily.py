@@ -1,0 +1,113 @@
+"""Keeping a model fresh day after day: train day N from day N−1's model, scoring day N with that model
+before training on it (the "next-day AUC" production teams track).
+
+    python -m pipeline.train +experiment=daily 'data.path=[day_0.csv,day_1.csv,day_2.csv]'
+
+Day N is one ordinary run (its own MLflow run, named ``day N``; its folder ``<output>/day_N``) with
+``data.path=<day N>``, ``trainer.init_from`` and ``data.preprocess.base_vocabulary`` set to day N−1's
+model folder: known values keep their ids and rows, new ones are appended (:mod:`pipeline.init_from`).
+Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.predict`); that AUC is
+logged to day N−1's run as ``next_day/auc`` (and ``next_day/logloss``). At the end a plot of next-day
+AUC over the days (``next_day_auc.png``) and its table go to the output folder and to the last day's
+run. One process (each day's run may not be under ``torchrun`` here; start a day from the previous
+day's model by hand with ``trainer.init_from`` for that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+
+from pipeline.config import ConfigError, parse_config  # noqa: E402
+from pipeline.result import RunResult  # noqa: E402
+
+
+@dataclass
+class Day:
+    file: str
+    result: RunResult
+    next_day_auc: float | None = None
+    next_day_logloss: float | None = None
+
+
+def days_of(cfg: DictConfig) -> list[str]:
+    paths = cfg.data.path
+    if not OmegaConf.is_list(paths) or len(paths) < 2:
+        raise ConfigError("data.path: +experiment=daily needs a list of at least two day files, in order: "
+                          "'data.path=[day_0.csv,day_1.csv]'")
+    return [str(p) for p in paths]
+
+
+def _day_config(cfg: DictConfig, file: str, previous: Path | None, index: int) -> DictConfig:
+    day = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    with open_dict(day):
+        day.data.path = file
+        day.trainer.daily = False
+        day.logger.log_model = True  # the next day starts from it
+        day.logger.run_name = f"day {index}"
+        if previous is not None:
+            day.trainer.init_from = str(previous)
+            day.data.preprocess.base_vocabulary = str(previous)
+    return day
+
+
+def _score(model: Path, file: str, out: Path) -> tuple[float | None, float | None]:
+    from pipeline.predict import run as predict
+
+    result = predict({"checkpoint": str(model), "input": file, "output": str(out), "batch_size": "65536",
+                      "block_size": str(32 << 20)})
+    return result.auc, result.logloss
+
+
+def plot(days: list[Day], out: Path) -> Path:
+    scored = [(i, d) for i, d in enumerate(days) if d.next_day_auc is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([i + 1 for i, _ in scored], [d.next_day_auc for _, d in scored], marker="o")
+    ax.set_xlabel("day scored (by the model trained up to the day before)")
+    ax.set_ylabel("next-day AUC")
+    ax.set_xticks([i + 1 for i, _ in scored])
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def run_daily(cfg: DictConfig, output_dir: Path) -> list[Day]:
+    """Train the days in order (module docstring); returns each day's result and next-day scores."""
+    from pipeline.train import run
+
+    files = days_of(cfg)
+    parse_config(cfg)  # every other key checked once, before the first day
+    days: list[Day] = []
+    previous: Path | None = Path(cfg.trainer.init_from) if cfg.trainer.init_from else None
+    client = MlflowClient(cfg.logger.tracking_uri)
+    for index, file in enumerate(files):
+        folder = output_dir / f"day_{index}"
+        if previous is not None and days:
+            auc, logloss = _score(previous, file, folder.with_name(f"day_{index}_scored_by_day_{index - 1}.parquet"))
+            days[-1].next_day_auc, days[-1].next_day_logloss = auc, logloss
+            if days[-1].result.mlflow_run_id:
+                client.log_metric(days[-1].result.mlflow_run_id, "next_day/auc", auc, step=index)
+                client.log_metric(days[-1].result.mlflow_run_id, "next_day/logloss", logloss, step=index)
+            print(f"day {index - 1}'s model on day {index} ({file}): AUC {auc:.6f}, logloss {logloss:.6f}", flush=True)
+        result = run(_day_config(cfg, file, previous, index), folder)
+        days.append(Day(file, result))
+        previous = folder / "model"
+    table = ["| day | file | test AUC (own split) | next-day AUC |", "|---:|---|---:|---:|"]
+    table += [f"| {i} | {d.file} | {d.result.test_auc:.4f} | "
+              f"{'' if d.next_day_auc is None else f'{d.next_day_auc:.4f}'} |" for i, d in enumerate(days)]
+    (output_dir / "next_day_auc.md").write_text("\n".join(table) + "\n")
+    figure = plot(days, output_dir / "next_day_auc.png")
+    last = days[-1].result.mlflow_run_id
+    if last:
+        for artifact in (figure, output_dir / "next_day_auc.md"):
+            client.log_artifact(last, str(artifact))
+    return days
