@@ -68,8 +68,23 @@ def _segments(spec: FeatureSpec, name: str) -> dict[str, tuple[int, int]]:
     return {t: (0, spec.table_sizes[t])}
 
 
-def row_sources(name: str, old: FeatureSpec, new: FeatureSpec, rows: int) -> np.ndarray:
-    """For each row of the new parameter ``name``, the row of the old one it continues (-1: a new row)."""
+def reused_positions(vocab_dir: Path, day: int) -> dict[str, np.ndarray]:
+    """Per table, the vocabulary positions a new value took this ``day`` in place of an evicted one
+    (:mod:`pipeline.data.vocab_growth`): their rows start afresh."""
+    import pyarrow.parquet as pq
+
+    out = {}
+    for path in sorted(Path(vocab_dir).glob("*.parquet")):
+        table = pq.read_table(path)
+        if "since" in table.column_names and day > 0:
+            out[path.stem] = np.flatnonzero(table.column("since").to_numpy() == day)
+    return out
+
+
+def row_sources(name: str, old: FeatureSpec, new: FeatureSpec, rows: int,
+                reused: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """For each row of the new parameter ``name``, the row of the old one it continues (-1: a new row, or a
+    row whose id now names another value: ``reused`` vocabulary positions, id = position + 2)."""
     source = np.full(rows, -1, dtype=np.int64)
     old_segments = _segments(old, name)
     for table, (start, n) in _segments(new, name).items():
@@ -79,6 +94,8 @@ def row_sources(name: str, old: FeatureSpec, new: FeatureSpec, rows: int) -> np.
                 raise BundleError(f"trainer.init_from: table {table!r} had {old_n} rows, this run has {n}: the "
                                   f"vocabulary shrank (preprocess the new data with data.preprocess.base_vocabulary)")
             source[start:start + old_n] = np.arange(old_start, old_start + old_n)
+            if reused and table in reused:
+                source[start + 2 + reused[table]] = -1
     return source
 
 
@@ -90,9 +107,10 @@ def _copy_rows(target: torch.Tensor, row0: int, col0: int, source: np.ndarray, o
 
 
 @torch.no_grad()
-def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec) -> str | None:
-    """Copy the weights of ``path`` into the (sharded) ``model`` of a run with ``spec``; returns the
-    source's MLflow run id (for lineage) or None."""
+def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
+                    reused: dict[str, np.ndarray] | None = None) -> str | None:
+    """Copy the weights of ``path`` into the (sharded) ``model`` of a run with ``spec`` (``reused``: see
+    :func:`row_sources`); returns the source's MLflow run id (for lineage) or None."""
     weights, old_spec, run_id = source_weights(path)
     state = model.state_dict()
     missing = sorted(set(state) - set(weights))
@@ -112,7 +130,7 @@ def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec) -> st
         size = tuple(value.size()) if hasattr(value, "local_shards") else tuple(value.shape)
         if old.shape[1] != size[1]:
             raise BundleError(f"trainer.init_from={path}: {key} has {old.shape[1]} columns, this model {size[1]}")
-        source = row_sources(key, old_spec, spec, size[0])
+        source = row_sources(key, old_spec, spec, size[0], reused)
         if hasattr(value, "local_shards"):
             for shard in value.local_shards():
                 (r0, c0), _ = shard.metadata.shard_offsets, shard.metadata.shard_sizes

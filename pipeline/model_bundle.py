@@ -36,10 +36,11 @@ from pipeline.data.features import FeatureBlock, extract
 from pipeline.data.hashing import factorized_string_keys
 from pipeline.data.preprocess import encode_ids, transform_dense
 from pipeline.data.store import Ragged, SplitArrays
+from pipeline.data.vocab_growth import VocabIndex
 
 BUNDLE_VERSION = 1
 META_KEYS = ("dataset", "dense", "categorical", "sequence", "features", "transforms", "table_sizes", "dense_range",
-             "preprocess")
+             "preprocess", "vocabulary_day")
 
 
 class BundleError(ValueError):
@@ -108,7 +109,7 @@ class RowEncoder:
         self.lo = np.array([ranges.get(f, [0.0, 0.0])[0] for f in self.spec.dense])
         self.hi = np.array([ranges.get(f, [0.0, 0.0])[1] for f in self.spec.dense])
 
-    def _vocabulary(self, table: str) -> pd.Index:
+    def _vocabulary(self, table: str) -> VocabIndex:
         path = self.vocab_dir / f"{table}.parquet"
         try:
             keys = pq.read_table(path, columns=["key"]).column("key").to_numpy()
@@ -117,7 +118,7 @@ class RowEncoder:
         if len(keys) != self.meta["table_sizes"][table] - 2:
             raise BundleError(f"{path}: {len(keys)} values, expected {self.meta['table_sizes'][table] - 2} "
                               f"(table {table!r}): a damaged vocabulary file")
-        return pd.Index(keys, dtype=np.uint64)
+        return VocabIndex(keys)
 
     def reading(self, label: bool) -> DataConfig:
         """The declaration to read raw rows with (without the label column when ``label`` is False)."""

@@ -26,7 +26,7 @@ from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
-from pipeline.init_from import initialize_from
+from pipeline.init_from import initialize_from, reused_positions
 from pipeline.metrics import CTRMetrics
 from pipeline.nonfinite import NonFiniteGuard
 
@@ -69,7 +69,9 @@ class CTRTask(L.LightningModule):
                                             data_parallel=self.data_parallel, coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse})
         if self.init_from and not self.trainer.ckpt_path:  # a resumed run takes its own checkpoint's weights
-            initialize_from(self.model, self.init_from, spec)
+            store = data.store
+            initialize_from(self.model, self.init_from, spec,
+                            reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0))))
         self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2)
         self.val_metrics.to(device)
         self.test_metrics.to(device)

@@ -72,10 +72,16 @@ def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
     # wide rows: a at 0..3 → 0..3 (+2 new), b at 4..6 → 6..8 (+2 new)
     assert row_sources("sparse_arch.ebc.embedding_bags.wide.weight", old, new, 11).tolist() == \
         [0, 1, 2, 3, -1, -1, 4, 5, 6, -1, -1]
+    # vocabulary position 0 of b (id 2, an old row) now names a new value (eviction): its rows start afresh
+    reused = {"b": np.array([0])}
+    assert row_sources("sparse_arch.ebc.embedding_bags.emb_b.weight", old, new, 5, reused).tolist() == \
+        [0, 1, -1, -1, -1]
+    assert row_sources("sparse_arch.ebc.embedding_bags.wide.weight", old, new, 11, reused).tolist() == \
+        [0, 1, 2, 3, -1, -1, 4, 5, -1, -1, -1]
 
 
 def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
-    """+experiment=daily over three days: one MLflow run per day chained by lineage tags, each day scored by
+    """+experiment=daily over three days (with eviction: rows of reused ids start afresh): one MLflow run per day chained by lineage tags, each day scored by
     the previous day's model before training (logged to that model's run), the plot and table written."""
     import mlflow
 
@@ -83,7 +89,7 @@ def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
     files = ",".join(str(folder / f"day{d}.csv") for d in (1, 2, 3))
     uri = f"sqlite:///{tmp_path / 'daily.db'}"
     proc, _ = train_cli([*args, "+experiment=daily", f"data.path=[{files}]", "trainer.max_epochs=1",
-                         f"logger.tracking_uri={uri}"], tmp_path / "daily")
+                         "data.preprocess.evict_after=1", f"logger.tracking_uri={uri}"], tmp_path / "daily")
     table = (tmp_path / "daily" / "next_day_auc.md").read_text().splitlines()
     assert len(table) == 2 + 3 and (tmp_path / "daily" / "next_day_auc.png").stat().st_size > 0
     client = mlflow.MlflowClient(uri)
@@ -97,3 +103,31 @@ def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
     # the next-day AUC logged for day 0's model is that model's AUC on all of day 1's rows, as printed
     assert f"AUC {scored[0]:.6f}" in proc.stdout
     assert "next_day_auc.png" in [a.path for a in client.list_artifacts(runs[2].info.run_id)]
+
+
+def test_eviction_keeps_tables_bounded_over_drifting_days(tmp_path):
+    """Four days whose user window moves by 60 of 200 per day: without eviction the user table keeps growing
+    (every user ever seen); with evict_after=1 it holds the current day's users, ids of the users still
+    present unchanged, evicted positions reused by new users."""
+    from pipeline.data.preprocess import preprocess
+    from tests.test_own_data import declaration
+
+    sizes = {None: [], 1: []}
+    for evict in sizes:
+        base = None
+        for d in range(4):
+            frame = click_log(3000, seed=10 + d, first_user=60 * d)[0]
+            frame.to_csv(tmp_path / f"d{d}.csv", index=False)
+            data = declaration(preprocess={"min_count": 1, "base_vocabulary": base, "evict_after": evict,
+                                           "split": {"method": "random", "valid": 0.0, "test": 0.0}})
+            store = preprocess([tmp_path / f"d{d}.csv"], data, tmp_path / f"s{evict}_{d}")
+            keys = pq.read_table(store.root / "vocab" / "user_id.parquet").column("key").to_numpy()
+            if base is not None:
+                before = pq.read_table(base / "vocab" / "user_id.parquet").column("key").to_numpy()
+                kept = keys[:len(before)] == before
+                assert kept[np.isin(before, keys)].all()  # a user still there kept its id
+            sizes[evict].append(store.table_sizes["user_id"] - 2)
+            assert store.meta["vocabulary_day"] == d
+            base = store.root
+    assert sizes[None] == [200, 260, 320, 380], sizes
+    assert max(sizes[1]) <= 260 and sizes[1][-1] <= sizes[1][1], sizes  # bounded: live users + free slots

@@ -29,6 +29,7 @@ vocabulary file lists each kept key with its count, so new data is encoded by ha
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -39,7 +40,6 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -50,6 +50,7 @@ from pipeline.data.features import FeatureBlock, extract, sparse_features
 from pipeline.data.other_readers import open_reader
 from pipeline.data.preprocess_config import SplitConfig
 from pipeline.data.reader import BadInputError, RawReader, open_lines
+from pipeline.data.vocab_growth import FREE, TableVocabulary, VocabIndex, fresh, grow
 from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID, SPLITS, ColumnarStore, StoreWriter
 from pipeline.errors import DiskFullError, disk_full, ensure_space
 
@@ -319,33 +320,49 @@ def run_pass1(sources: Sources, data: DataConfig, total_rows: int, scratch: Path
 
 @dataclass
 class Vocabulary:
-    """Per embedding table: the kept keys in id order (vocab), the table size and the statistics
-    (occurrences: every value of every feature reading the table, sequences included)."""
+    """Per embedding table: the keys in id order (vocab; :class:`TableVocabulary`), the table size and the
+    statistics (occurrences: every value of every feature reading the table, sequences included)."""
 
-    keys: dict[str, np.ndarray]        # vocab only: key of id FIRST_VOCAB_ID + i at position i
-    counts: dict[str, np.ndarray]      # vocab only: their training counts
+    tables: dict[str, TableVocabulary]  # vocab only: key of id FIRST_VOCAB_ID + i at position i (FREE: none)
     table_sizes: dict[str, int]
     stats: dict[str, dict]
+    day: int = 0                        # 0, or the base vocabulary's day + 1
 
 
-def base_keys(folder: str | os.PathLike | None, table: str) -> np.ndarray | None:
-    """The vocabulary of ``table`` in a store or model folder's ``vocab/`` (None: no base, or no such table)."""
-    if folder is None:
-        return None
+def _folder_meta(folder: str | os.PathLike) -> dict:
+    """The store meta of a store folder (meta.json) or a model folder (model.json)."""
+    folder = Path(folder)
+    if (folder / "meta.json").is_file():
+        return json.loads((folder / "meta.json").read_text())
+    if (folder / "model.json").is_file():
+        return json.loads((folder / "model.json").read_text())["store"]
+    raise ValueError(f"data.preprocess.base_vocabulary={folder}: not a store or model folder (no meta.json or "
+                     f"model.json)")
+
+
+def base_vocabulary(folder: str | os.PathLike, table: str) -> TableVocabulary | None:
+    """A table's vocabulary in a store or model folder's ``vocab/`` (None: no such table there)."""
     path = Path(folder) / "vocab" / f"{table}.parquet"
-    if not (Path(folder) / "vocab").is_dir():
-        raise ValueError(f"data.preprocess.base_vocabulary={folder}: not a store or model folder (no vocab/)")
-    return pq.read_table(path, columns=["key"]).column("key").to_numpy() if path.is_file() else None
+    if not path.is_file():
+        return None
+    t = pq.read_table(path)
+    n = t.num_rows
+    column = (lambda name, dtype: t.column(name).to_numpy().astype(dtype) if name in t.column_names
+              else np.zeros(n, dtype))
+    return TableVocabulary(column("key", np.uint64), column("count", np.int64), column("last_seen", np.int32),
+                           column("since", np.int32))
 
 
 def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
     """Keys with training count >= ``min_count``, most frequent first (ties by key); or hash buckets.
 
-    With ``preprocess.base_vocabulary`` (an earlier store or model folder), every key of the base keeps
-    its id, and the keys new to it that pass ``min_count`` here are appended, most frequent first: the
-    table grows, and a model of the base continues with its rows where they were."""
+    With ``preprocess.base_vocabulary`` (an earlier store or model folder) the vocabulary continues the
+    base's (:mod:`pipeline.data.vocab_growth`): its keys keep their ids, new keys with ``min_count``
+    take free positions or are appended, and with ``preprocess.evict_after`` keys unseen for that many
+    days free their positions."""
     cfg = data.preprocess
-    vocab = Vocabulary({}, {}, {}, {})
+    day = int(_folder_meta(cfg.base_vocabulary).get("vocabulary_day", 0)) + 1 if cfg.base_vocabulary else 0
+    vocab = Vocabulary({}, {}, {}, day)
     for t, name in enumerate(Tables.of_data(data).names):
         if cfg.categorical == "hash":
             b = first.bucket_counts[t]
@@ -354,28 +371,26 @@ def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
             continue
         parts = first.key_counts[t]
         k, n = _merge_counts(parts) if parts else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
-        keep = n >= cfg.min_count
-        base = base_keys(cfg.base_vocabulary, name)
-        if base is not None:
-            keep &= ~np.isin(k, base)
-        order = np.lexsort((k[keep], -n[keep]))
-        vocab.keys[name], vocab.counts[name] = k[keep][order], n[keep][order]
-        if base is not None:  # the base's keys first, in their order, with their counts here (0: unseen)
-            seen = pd.Series(n, index=pd.Index(k, dtype=np.uint64)).reindex(pd.Index(base, dtype=np.uint64))
-            vocab.keys[name] = np.concatenate([base, vocab.keys[name]])
-            vocab.counts[name] = np.concatenate([seen.fillna(0).to_numpy(np.int64), vocab.counts[name]])
-        vocab.stats[name] = _field_stats(n, len(vocab.keys[name]))
-        vocab.table_sizes[name] = len(vocab.keys[name]) + FIRST_VOCAB_ID
+        base = base_vocabulary(cfg.base_vocabulary, name) if cfg.base_vocabulary else None
+        if base is None:
+            keep = n >= cfg.min_count
+            order = np.lexsort((k[keep], -n[keep]))
+            table = fresh(k[keep][order], n[keep][order], day)
+        else:
+            table = grow(base, k, n, cfg.min_count, day, cfg.evict_after)
+        vocab.tables[name] = table
+        vocab.stats[name] = _field_stats(n, int(np.count_nonzero(table.keys != FREE)))
+        vocab.table_sizes[name] = len(table.keys) + FIRST_VOCAB_ID
     return vocab
 
 
-def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: pd.Index | None, hash_buckets: int) -> np.ndarray:
+def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: VocabIndex | None, hash_buckets: int) -> np.ndarray:
     """Ids of one feature's values given as (distinct keys, code per value): only the distinct keys
     are looked up (``index``: the table's vocabulary; None: hashing)."""
     if index is None:
         ids = (distinct % np.uint64(hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
     else:
-        pos = index.get_indexer(distinct)  # -1 where not in the vocabulary
+        pos = index.positions_of(distinct)  # -1 where not in the vocabulary
         ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
     ids[distinct == 0] = MISSING_ID
     return ids[codes]
@@ -393,13 +408,13 @@ def run_pass2(first: Pass1, vocab: Vocabulary, data: DataConfig, writer: StoreWr
               pool: ThreadPoolExecutor) -> dict[str, int]:
     """Encode the spilled rows and append them to the store; returns the positives per split."""
     cfg = data.preprocess
-    for name in vocab.keys:
-        pq.write_table(pa.table({"key": pa.array(vocab.keys[name], pa.uint64()), "count": vocab.counts[name]}),
+    for name, table in vocab.tables.items():
+        pq.write_table(pa.table({"key": pa.array(table.keys, pa.uint64()), "count": table.counts,
+                                 "last_seen": table.last_seen, "since": table.since}),
                        writer.vocab_dir / f"{name}.parquet")
     tables = Tables.of_data(data)
     # a pandas Index keeps its hash table between lookups (pc.index_in would rebuild it per chunk)
-    index = {name: pd.Index(vocab.keys[name], dtype=np.uint64) if name in vocab.keys else None
-             for name in tables.names}
+    index = {name: VocabIndex(vocab.tables[name].keys) if name in vocab.tables else None for name in tables.names}
     n_cat = len(data.categorical)
     transforms = [data.decl(f).transform for f in data.numeric]
     positives = dict.fromkeys(SPLITS, 0)
@@ -470,6 +485,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
                          for f, t in zip(sparse, tables.of)],
             "transforms": {f: data.decl(f).transform for f in data.numeric},
             "table_sizes": vocab.table_sizes,
+            "vocabulary_day": vocab.day,
             "splits": rows,
             "positive_rate": {k: positives[k] / rows[k] if rows[k] else None for k in SPLITS},
             **({"dense_range": {c: [float(first.lo[j]), float(first.hi[j])] for j, c in enumerate(data.numeric)

@@ -33,8 +33,11 @@ class PreprocessConfig:
     bad_rows: str = "error"            # error | skip
     block_size: int = 32 << 20         # bytes of text per parsed block
     base_vocabulary: Optional[str] = None  # an earlier store / model folder: its ids kept, new values appended
+    evict_after: Optional[int] = None      # with a base: drop values unseen for this many days (ids reused)
 
     def __post_init__(self) -> None:
+        if self.evict_after is not None and self.evict_after < 1:
+            raise ValueError(f"evict_after={self.evict_after}: expected a number of days >= 1 or null")
         if self.categorical not in ("vocab", "hash"):
             raise ValueError(f"categorical={self.categorical!r}: expected 'vocab' or 'hash'")
         if self.bad_rows not in ("error", "skip"):
