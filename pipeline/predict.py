@@ -187,10 +187,11 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
 
 
 def input_files(spec: str, data: DataConfig) -> list[Path]:
-    from pipeline.data.sources import _paths
+    """``input=``: a file, files separated by commas, a directory or a glob (the forms of ``data.path``)."""
+    from pipeline.data.sources import resolve_paths
 
     probe = DataConfig(name=data.name, format=data.format, path=spec.split(",") if "," in spec else spec)
-    files = _paths(probe)
+    files = resolve_paths(probe)
     return files if isinstance(files, list) else [p for group in files.values() for p in group]
 
 

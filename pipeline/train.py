@@ -37,8 +37,8 @@ from pipeline.checkpointing import (DCPCheckpointIO, TrainingState, checked_chec
 from pipeline.cli import exit_on_user_error
 from pipeline.config import LoggerConfig, RunConfig, TrainerConfig, check_runnable, parse_config
 from pipeline.data.datamodule import CTRDataModule
-from pipeline.errors import TrackingUnavailableError
 from pipeline.data.sources import example_rows
+from pipeline.errors import TrackingUnavailableError
 from pipeline.init_from import lineage_tags
 from pipeline.launch import global_rank, world_from_env
 from pipeline.mlflow_model import log_pyfunc, register
@@ -264,7 +264,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
             for line in undelivered:
                 print(line, flush=True)
     if logger and run_cfg.logger.register_model_as and bundle is not None and not undelivered:
-        version = register(logger._tracking_uri, logger.run_id, run_cfg.logger.register_model_as)
+        version = register(uri, logger.run_id, run_cfg.logger.register_model_as)
         print(f"Registered the model as {run_cfg.logger.register_model_as!r} version {version}", flush=True)
 
     throughput, comm, best = (find_callback(callbacks, cls) for cls in (TrainThroughput, CommAccounting,

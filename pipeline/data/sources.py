@@ -27,7 +27,7 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _paths(data: DataConfig) -> list[Path] | dict[str, list[Path]]:
+def resolve_paths(data: DataConfig) -> list[Path] | dict[str, list[Path]]:
     """``data.path``: a file, a list of files, a directory (its files, sorted), a glob, or a mapping
     split → any of these (the dataset's own split)."""
     raw = data.path
@@ -66,7 +66,7 @@ def raw_fingerprint(data: DataConfig) -> dict[str, Any]:
     """What identifies the raw input (without generating or reading it)."""
     if data.generated:
         return {"synthetic": asdict(data.synthetic)}
-    paths = _paths(data)
+    paths = resolve_paths(data)
     described = {split: [_describe(p) for p in group] for split, group in paths.items()} \
         if isinstance(paths, dict) else [_describe(p) for p in paths]
     return {"files": described}
@@ -89,7 +89,7 @@ def store_dir(data: DataConfig, cache_dir: str | os.PathLike) -> Path:
 def raw_files(data: DataConfig, cache_dir: str | os.PathLike) -> tuple[list[Path] | dict[str, list[Path]], dict[str, Any]]:
     """The raw files (generating the synthetic one if needed) and a provenance record."""
     if not data.generated:
-        return _paths(data), raw_fingerprint(data)
+        return resolve_paths(data), raw_fingerprint(data)
     cfg = data.synthetic
     path = Path(cache_dir) / "raw" / f"synthetic-{_digest(asdict(cfg))}.tsv"
     summary_path = Path(str(path) + ".json")
