@@ -12,10 +12,11 @@ A feature reads an embedding *table* (its own, or another feature's with ``share
 
 Tables read by one categorical (one-id) feature live in an ``EmbeddingBagCollection`` (``ebc``;
 first-order table ``wide``): a one-id bag's pooled output is the row itself. Tables read by a sequence
-(multi-hot) feature or by several features live in an ``EmbeddingCollection`` (``ec``; their first-order
-table ``wide_seq`` in ``ec_wide``: a collection's tables share one width), which returns one row per id; :class:`SparseArch` pools each bag itself (sum or mean, per feature), so
-features of any pooling can share a table and the gradient of every occurrence of an id is there to
-be clipped exactly (:class:`UnpooledLookups`).
+(multi-hot) feature or by several features live in an ``EmbeddingCollection`` (``ec``; their
+first-order table ``wide_seq`` in ``ec_wide``, since a collection's tables share one width), which
+returns one row per id; :class:`SparseArch` pools each bag itself (sum or mean, per feature,
+:func:`pool_bags`), so features of any pooling can share a table and the gradient of every occurrence
+of an id is there to be clipped exactly (:class:`UnpooledLookups`).
 
 Why one wide table rather than one per field: every id is looked up, gradient-sorted and updated by
 the embedding backward once per table it feeds; on CPU, FBGEMM's row-wise Adagrad backward takes

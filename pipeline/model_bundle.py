@@ -61,7 +61,10 @@ def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], mo
                        "store": {k: store_meta[k] for k in META_KEYS if k in store_meta}}
         (tmp / "model.json").write_text(json.dumps(description, indent=2, sort_keys=True))
         torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, tmp / "weights.pt")
-        shutil.copytree(vocab_dir, tmp / "vocab") if vocab_dir.is_dir() else (tmp / "vocab").mkdir()
+        if vocab_dir.is_dir():
+            shutil.copytree(vocab_dir, tmp / "vocab")
+        else:  # hashed tables have no vocabulary
+            (tmp / "vocab").mkdir()
         shutil.rmtree(out, ignore_errors=True)
         os.rename(tmp, out)
     except BaseException:
