@@ -120,6 +120,12 @@ def wide_row_offsets(spec: FeatureSpec, features: Sequence[str] | None = None) -
     return offsets
 
 
+def is_table_parameter(name: str) -> bool:
+    """Whether a parameter name (as the model's ``named_parameters`` / ``state_dict`` spell it) is an
+    embedding table of either collection."""
+    return ".embedding_bags." in name or ".embeddings." in name
+
+
 def field_of(feature: str) -> str:
     """The feature a KJT key reads: ``f`` for ``f`` and for ``wide_<f>``."""
     return feature[len(WIDE_PREFIX):] if feature.startswith(WIDE_PREFIX) else feature

@@ -61,8 +61,7 @@ def _day_config(cfg: DictConfig, file: str, previous: Path | None, index: int) -
 def _score(model: Path, file: str, out: Path) -> tuple[float | None, float | None]:
     from pipeline.predict import run as predict
 
-    result = predict({"checkpoint": str(model), "input": file, "output": str(out), "batch_size": "65536",
-                      "block_size": str(32 << 20)})
+    result = predict({"checkpoint": str(model), "input": file, "output": str(out)})
     return result.auc, result.logloss
 
 

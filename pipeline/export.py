@@ -13,26 +13,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from modules.models import ModelConfig
-from pipeline.checkpointing import checked_checkpoint, full_model_state, read_rank0_state
+from pipeline.checkpointing import full_model_state
 from pipeline.cli import exit_on_user_error, key_values
-from pipeline.data.store import ColumnarStore
-from pipeline.model_bundle import BundleError, declaration_from, write_bundle
+from pipeline.model_bundle import checkpoint_run, write_bundle
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    path = checked_checkpoint(checkpoint)
-    run = read_rank0_state(path)["pipeline"].get("run")
-    if run is None:
-        raise BundleError(f"{path}: the checkpoint does not describe its model and data (written by an older "
-                          f"version); export the model folder of a newer run instead")
-    try:
-        store = ColumnarStore(run["store"])
-    except (FileNotFoundError, ValueError) as e:
-        raise BundleError(f"{path}: the store the run trained on is needed for its vocabularies: {e}") from None
-    weights = full_model_state(path)
-    return write_bundle(out, weights, ModelConfig(**run["model"]), declaration_from(run["data"]), store.meta,
-                        store.root / "vocab")
+    run = checkpoint_run(checkpoint)
+    return write_bundle(out, full_model_state(run.path), run.model_cfg, run.data, run.store.meta,
+                        run.store.root / "vocab")
 
 
 def main(argv: list[str]) -> None:

@@ -18,26 +18,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
-from pipeline.model_bundle import BundleError, is_bundle
+from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, is_table_parameter, wide_row_offsets
+from pipeline.model_bundle import BundleError, checkpoint_run, is_bundle
 
 
-def source_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], FeatureSpec, str | None]:
-    """(full state dict, feature spec, MLflow run id or None) of a model folder or checkpoint."""
-    from pipeline.checkpointing import checked_checkpoint, full_model_state, read_rank0_state
-    from pipeline.data.store import ColumnarStore
+def source_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
+    """(full state dict, feature spec) of a model folder or checkpoint."""
+    from pipeline.checkpointing import full_model_state
 
     path = Path(path)
     if is_bundle(path):
         description = json.loads((path / "model.json").read_text())
         weights = torch.load(path / "weights.pt", weights_only=True, map_location="cpu")
-        return weights, FeatureSpec.from_store_meta(description["store"]), description.get("mlflow_run_id")
-    path = checked_checkpoint(path)
-    state = read_rank0_state(path)["pipeline"]
-    if state.get("run") is None:
-        raise BundleError(f"trainer.init_from={path}: the checkpoint does not describe its model and data")
-    spec = FeatureSpec.from_store_meta(ColumnarStore(state["run"]["store"]).meta)
-    return full_model_state(path), spec, state.get("mlflow_run_id")
+        return weights, FeatureSpec.from_store_meta(description["store"])
+    run = checkpoint_run(path)
+    return full_model_state(run.path), FeatureSpec.from_store_meta(run.store.meta)
 
 
 def lineage_tags(path: str | None) -> dict[str, str]:
@@ -108,10 +103,10 @@ def _copy_rows(target: torch.Tensor, row0: int, col0: int, source: np.ndarray, o
 
 @torch.no_grad()
 def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
-                    reused: dict[str, np.ndarray] | None = None) -> str | None:
+                    reused: dict[str, np.ndarray] | None = None) -> None:
     """Copy the weights of ``path`` into the (sharded) ``model`` of a run with ``spec`` (``reused``: see
-    :func:`row_sources`); returns the source's MLflow run id (for lineage) or None."""
-    weights, old_spec, run_id = source_weights(path)
+    :func:`row_sources`). The source's MLflow run is named by :func:`lineage_tags`."""
+    weights, old_spec = source_weights(path)
     state = model.state_dict()
     missing = sorted(set(state) - set(weights))
     if missing:
@@ -119,9 +114,7 @@ def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
                           f"dataset layout")
     for key, value in state.items():
         old = weights[key]
-        tables = key.startswith("sparse_arch.") and key.endswith(".weight") and (".embedding_bags." in key
-                                                                              or ".embeddings." in key)
-        if not tables:
+        if not is_table_parameter(key):
             if tuple(old.shape) != tuple(value.shape):
                 raise BundleError(f"trainer.init_from={path}: {key} has shape {tuple(old.shape)}, this model "
                                   f"{tuple(value.shape)} (model settings differ)")
@@ -133,8 +126,7 @@ def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
         source = row_sources(key, old_spec, spec, size[0], reused)
         if hasattr(value, "local_shards"):
             for shard in value.local_shards():
-                (r0, c0), _ = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                r0, c0 = shard.metadata.shard_offsets
                 _copy_rows(shard.tensor, r0, c0, source, old)
         else:
             _copy_rows(value, 0, 0, source, old)
-    return run_id

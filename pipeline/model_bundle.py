@@ -18,7 +18,7 @@ import json
 import os
 import pickle
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from pipeline.data.dataset import DataConfig
 from pipeline.data.features import FeatureBlock, extract
 from pipeline.data.hashing import factorized_string_keys
 from pipeline.data.preprocess import encode_ids, transform_dense
-from pipeline.data.store import Ragged, SplitArrays
+from pipeline.data.store import ColumnarStore, Ragged, SplitArrays
 from pipeline.data.vocab_growth import VocabIndex
 
 BUNDLE_VERSION = 1
@@ -95,6 +95,33 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 def declaration_from(raw: dict[str, Any]) -> DataConfig:
     """A dataset declaration saved as a plain dict (model.json, a checkpoint) as a typed DataConfig."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), raw))  # type: ignore[return-value]
+
+
+@dataclass
+class CheckpointRun:
+    """What a checkpoint records of its run beside the tensors: the model, the dataset and its store."""
+
+    path: Path
+    model_cfg: ModelConfig
+    data: DataConfig
+    store: ColumnarStore
+
+
+def checkpoint_run(checkpoint: str | os.PathLike) -> CheckpointRun:
+    """The checkpoint's run description (checked against its manifest first); the store it trained on
+    must be on this machine (its vocabularies)."""
+    from pipeline.checkpointing import checked_checkpoint, read_rank0_state  # not needed to serve a model folder
+
+    path = checked_checkpoint(checkpoint)
+    run = read_rank0_state(path)["pipeline"].get("run")
+    if run is None:
+        raise BundleError(f"{path}: the checkpoint does not describe its model and data (written by an older "
+                          f"version); use the model folder of a newer run instead")
+    try:
+        store = ColumnarStore(run["store"])
+    except (FileNotFoundError, ValueError) as e:
+        raise BundleError(f"{path}: the store the run trained on is needed for its vocabularies: {e}") from None
+    return CheckpointRun(path, ModelConfig(**run["model"]), declaration_from(run["data"]), store)
 
 
 class RowEncoder:
@@ -166,16 +193,19 @@ class RowEncoder:
         return extract(pa.table(columns), data, lambda i: f"row {i}", {})
 
 
-def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays, batch_size: int = 65536) -> np.ndarray:
-    """Click probabilities of every row of ``arrays`` (the model in eval mode, no gradients)."""
+def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays, batch_size: int = 65536,
+                  rows: np.ndarray | None = None) -> np.ndarray:
+    """Click probabilities of ``rows`` of ``arrays`` (default: every row), in that order (the model in eval
+    mode, no gradients)."""
     from pipeline.data.batches import make_batch
 
-    out = np.empty(len(arrays), np.float32)
+    rows = np.arange(len(arrays)) if rows is None else rows
+    out = np.empty(len(rows), np.float32)
     with torch.no_grad():
-        for start in range(0, len(arrays), batch_size):
-            rows = np.arange(start, min(len(arrays), start + batch_size))
-            batch = make_batch(arrays, rows, spec.kjt_keys, categorical=spec.categorical)
-            out[rows] = torch.sigmoid(model(batch.dense_features, batch.sparse_features)).float().numpy()
+        for start in range(0, len(rows), batch_size):
+            part = rows[start:start + batch_size]
+            batch = make_batch(arrays, part, spec.kjt_keys, categorical=spec.categorical)
+            out[start:start + len(part)] = torch.sigmoid(model(batch.dense_features, batch.sparse_features)).float().numpy()
     return out
 
 

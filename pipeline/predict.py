@@ -41,9 +41,10 @@ from pipeline.data.other_readers import open_reader
 from pipeline.data.reader import open_lines
 from pipeline.data.store import SplitArrays
 from pipeline.launch import world_from_env
-from pipeline.model_bundle import BundleError, RowEncoder, Scorer, is_bundle
+from pipeline.model_bundle import BundleError, RowEncoder, Scorer, checkpoint_run, is_bundle, score_batches
 
 OUTPUT_FORMATS = (".parquet", ".csv")
+DEFAULTS = {"batch_size": "65536", "block_size": str(32 << 20)}
 
 
 @dataclass
@@ -108,7 +109,7 @@ def predict(model: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None]
     with_label = labels.pop()
     data = model.reading(with_label)
     writer = _Writer(output, with_label) if rank == 0 else None
-    probs, truth = [], []
+    probs, truth, rows = [], [], 0  # probabilities and labels kept for the AUC only (labelled input)
     try:
         for path in inputs:
             reader = open_reader([path], data, block_size, "error", f"predict {path.name}")
@@ -117,8 +118,10 @@ def predict(model: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None]
                 p = score(model.encode(block))
                 if writer is not None:
                     writer.write(p, block.label if with_label else None)
-                    probs.append(p)
-                    truth.append(block.label)
+                    rows += len(p)
+                    if with_label:
+                        probs.append(p)
+                        truth.append(block.label)
         if writer is not None:
             writer.commit()
     except BaseException:
@@ -127,14 +130,13 @@ def predict(model: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None]
         raise
     if rank != 0:
         return None
-    p = np.concatenate(probs) if probs else np.zeros(0, np.float32)
     auc = logloss = None
-    if with_label and len(p):
-        y = np.concatenate(truth)
+    if probs:
+        p, y = np.concatenate(probs), np.concatenate(truth)
         auc = float(binary_auroc(torch.from_numpy(p), torch.from_numpy(y.astype(np.int64))))
         q = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
         logloss = float(-np.mean(y * np.log(q) + (1 - y) * np.log1p(-q)))
-    return Prediction(len(p), auc, logloss, output)
+    return Prediction(rows, auc, logloss, output)
 
 
 def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Callable[[SplitArrays], np.ndarray | None]]:
@@ -142,27 +144,21 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
     that splits each block over the ranks and gathers the probabilities on rank 0."""
     import torch.distributed.checkpoint as dcp
 
-    from modules.models import ModelConfig, build_model
+    from modules.models import build_model
     from modules.optimizers import OptimizerSpec
     from modules.placement import TopologySpec
     from modules.sharding import shard_model
-    from pipeline.checkpointing import SafeFileSystemReader, checked_checkpoint, read_rank0_state
-    from pipeline.data.store import ColumnarStore
-    from pipeline.model_bundle import declaration_from
+    from pipeline.checkpointing import SafeFileSystemReader
 
-    path = checked_checkpoint(checkpoint)
-    run = read_rank0_state(path)["pipeline"].get("run")
-    if run is None:
-        raise BundleError(f"{path}: the checkpoint does not describe its model and data (an older version)")
-    store = ColumnarStore(run["store"])
-    encoder = RowEncoder(store.meta, declaration_from(run["data"]), store.root / "vocab")
-    net = build_model(ModelConfig(**run["model"]), encoder.spec, device=torch.device("meta"))
+    run = checkpoint_run(checkpoint)
+    encoder = RowEncoder(run.store.meta, run.data, run.store.root / "vocab")
     spec = encoder.spec
+    net = build_model(run.model_cfg, spec, device=torch.device("meta"))
     # any fused optimizer: nothing is trained; SGD keeps no state
     dmp, _ = shard_model(net, OptimizerSpec("sgd", 0.0), TopologySpec(compute_device="cpu"), torch.device("cpu"),
                          table_of={f: spec.table_of(f) for f in spec.sparse})
     live = {f"state_dict/model.{k}": v for k, v in dmp.state_dict().items()}
-    dcp.load(live, storage_reader=SafeFileSystemReader(str(path)))
+    dcp.load(live, storage_reader=SafeFileSystemReader(str(run.path)))
     dmp.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -171,14 +167,7 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
         share = max(1, math.ceil(n / world))
         rows = np.arange(rank * share, (rank + 1) * share)
         rows = np.where(rows < n, rows, 0)  # padding rows (row 0) keep every rank's step count equal
-        from pipeline.data.batches import make_batch
-
-        local = np.empty(share, np.float32)
-        with torch.no_grad():
-            for start in range(0, share, batch_size):
-                part = rows[start:start + batch_size]
-                batch = make_batch(arrays, part, spec.kjt_keys, categorical=spec.categorical)
-                local[start:start + len(part)] = torch.sigmoid(dmp(batch.dense_features, batch.sparse_features)).numpy()
+        local = score_batches(dmp, spec, arrays, batch_size, rows)
         gathered = [torch.empty(share) for _ in range(world)]
         dist.all_gather(gathered, torch.from_numpy(local))
         return torch.cat(gathered)[:n].numpy() if rank == 0 else None
@@ -196,31 +185,33 @@ def input_files(spec: str, data: DataConfig) -> list[Path]:
 
 
 def run(args: dict[str, str]) -> Prediction | None:
+    """The command with ``args`` (``checkpoint``, ``input``, ``output``; :data:`DEFAULTS` for the rest)."""
+    args = {**DEFAULTS, **args}
     checkpoint, output = Path(args["checkpoint"]), Path(args["output"])
     batch_size, block_size = int(args["batch_size"]), int(args["block_size"])
     world, _ = world_from_env()
+
+    def score_with(encoder: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None], rank: int = 0):
+        return predict(encoder, score, input_files(args["input"], encoder.data), output, block_size, rank)
+
     if world > 1:
         dist.init_process_group("gloo")
-        encoder, score = sharded_scorer(checkpoint, batch_size)
-        return predict(encoder, score, input_files(args["input"], encoder.data), output, block_size, dist.get_rank())
+        return score_with(*sharded_scorer(checkpoint, batch_size), dist.get_rank())
     if is_bundle(checkpoint):
         scorer = Scorer(checkpoint)
-        return predict(scorer, lambda a: scorer.score(a, batch_size), input_files(args["input"], scorer.data),
-                       output, block_size)
+        return score_with(scorer, lambda a: scorer.score(a, batch_size))
     from pipeline.export import export_checkpoint
 
-    with tempfile.TemporaryDirectory(prefix="ctr-predict-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ctr-predict-") as tmp:  # the checkpoint read in this process
         scorer = Scorer(export_checkpoint(checkpoint, Path(tmp) / "model"))
-        return predict(scorer, lambda a: scorer.score(a, batch_size), input_files(args["input"], scorer.data),
-                       output, block_size)
+        return score_with(scorer, lambda a: scorer.score(a, batch_size))
 
 
 def main(argv: list[str]) -> None:
     from pipeline.cli import exit_on_user_error, key_values
     from pipeline.process_exit import leave_process_group
 
-    args = key_values(argv, required=("checkpoint", "input", "output"),
-                      optional={"batch_size": "65536", "block_size": str(32 << 20)})
+    args = key_values(argv, required=("checkpoint", "input", "output"), optional=DEFAULTS)
     try:
         result = exit_on_user_error(lambda: run(args))
     finally:

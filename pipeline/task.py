@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
+from modules.embedding import is_table_parameter
 from modules.models import build_model
 from modules.optimizers import OptimizerChain, build_optimizer, replicated_parameters
 from modules.placement import TopologySpec
@@ -140,7 +141,7 @@ class CTRTask(L.LightningModule):
         """
         dense, embedding = [], []
         for name, p in replicated_parameters(self.model):  # the fused tables are updated by FBGEMM
-            (embedding if ".embedding_bags." in name or ".embeddings." in name else dense).append(p)
+            (embedding if is_table_parameter(name) else dense).append(p)
         dense_opt = build_optimizer(self.dense_optim, dense)
         optimizer: torch.optim.Optimizer = dense_opt
         if embedding:

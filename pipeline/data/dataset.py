@@ -175,7 +175,7 @@ class DataConfig:
         return self.of_type("sequence")
 
     def table_of(self, feature: str) -> str:
-        decl = next(f for f in self.declared() if f.name == feature)
+        decl = self.decl(feature)
         return decl.share_table_with or decl.name
 
     def decl(self, feature: str) -> FeatureDecl:
