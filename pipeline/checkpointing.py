@@ -382,7 +382,13 @@ def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.")
     with warnings.catch_warnings():  # DCP says it reads without a process group: that is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
-    return {k[len(prefix):]: v for k, v in tensors.items()}
+    out = {k[len(prefix):]: v for k, v in tensors.items()}
+    doubled = prefix.removeprefix("state_dict/")
+    if doubled and out and all(k.startswith(doubled) for k in out):
+        # TorchRec's DistributedModelParallel.state_dict adds its prefix twice when the dense part is not
+        # in DDP (one process, k-step merging): "model.model.<key>" where DDP runs give "model.<key>"
+        out = {k[len(doubled):]: v for k, v in out.items()}
+    return out
 
 
 def _numpy_rng_state(state: tuple) -> list:

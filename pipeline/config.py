@@ -36,6 +36,7 @@ from pipeline.launch import world_from_env
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 NONFINITE_POLICIES = ("stop", "skip")
+INIT_OPTIMIZER_PARTS = ("none", "embedding", "dense", "all")  # trainer.init_from_optimizer (pipeline/init_from.py)
 
 
 class ConfigError(ValueError):
@@ -105,6 +106,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: Optional[str] = None
     init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
+    init_from_optimizer: str = "none"   # also carry a checkpoint's optimizer state: none | embedding | dense | all
     daily: bool = False                 # data.path is a list of days: train them in turn (pipeline/daily.py)
     nonfinite: str = "stop"
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
@@ -115,6 +117,10 @@ class TrainerConfig:
                 raise ValueError(f"{key}={getattr(self, key)!r}: expected a positive integer")
         if str(self.precision) not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
+        if self.init_from_optimizer not in INIT_OPTIMIZER_PARTS:
+            raise ValueError(f"init_from_optimizer={self.init_from_optimizer!r}: expected one of {INIT_OPTIMIZER_PARTS}")
+        if self.init_from_optimizer != "none" and not (self.init_from or self.daily):
+            raise ValueError(f"init_from_optimizer={self.init_from_optimizer!r}: needs trainer.init_from (a checkpoint)")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}: expected one of {NONFINITE_POLICIES}")
         if self.early_stopping_patience is not None and self.early_stopping_patience < 1:

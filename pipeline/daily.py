@@ -5,7 +5,9 @@ before training on it (the "next-day AUC" production teams track).
 
 Day N is one ordinary run (its own MLflow run, named ``day N``; its folder ``<output>/day_N``) with
 ``data.path=<day N>``, ``trainer.init_from`` and ``data.preprocess.base_vocabulary`` set to day N−1's
-model folder: known values keep their ids and rows, new ones are appended (:mod:`pipeline.init_from`).
+model folder: known values keep their ids and rows, new ones are appended (:mod:`pipeline.init_from`);
+with ``trainer.init_from_optimizer`` each day also writes checkpoints, and the next day starts from the
+newest one, carrying its optimizer state.
 Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.predict`); that AUC is
 logged to day N−1's run as ``next_day/auc`` (and ``next_day/logloss``). At the end a plot of next-day
 AUC over the days (``next_day_auc.png``) and its table go to the output folder and to the last day's
@@ -45,17 +47,37 @@ def days_of(cfg: DictConfig) -> list[str]:
     return [str(p) for p in paths]
 
 
-def _day_config(cfg: DictConfig, file: str, previous: Path | None, index: int) -> DictConfig:
+def _day_config(cfg: DictConfig, file: str, index: int, folder: Path, start: Path | None,
+                vocabulary: Path | None) -> DictConfig:
+    """Day ``index``'s run in ``folder``: from ``start`` (a model folder, or a checkpoint to carry the
+    optimizer state from) with ``vocabulary``'s ids, or from scratch."""
     day = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     with open_dict(day):
         day.data.path = file
         day.trainer.daily = False
         day.logger.log_model = True  # the next day starts from it
         day.logger.run_name = f"day {index}"
-        if previous is not None:
-            day.trainer.init_from = str(previous)
-            day.data.preprocess.base_vocabulary = str(previous)
+        if cfg.trainer.init_from_optimizer != "none":  # the next day needs a checkpoint (a model folder holds weights)
+            day.trainer.checkpoint.dir = str(folder / "checkpoints")
+        if start is not None:
+            day.trainer.init_from = str(start)
+            day.data.preprocess.base_vocabulary = str(vocabulary)
+        else:
+            day.trainer.init_from_optimizer = "none"
     return day
+
+
+def _next_start(cfg: DictConfig, folder: Path) -> Path:
+    """What the day after the one trained in ``folder`` starts from."""
+    from pipeline.checkpointing import newest_intact_checkpoint
+
+    if cfg.trainer.init_from_optimizer == "none":
+        return folder / "model"
+    found = newest_intact_checkpoint(folder / "checkpoints")
+    if found is None:
+        raise ConfigError(f"trainer.init_from_optimizer: {folder / 'checkpoints'} holds no intact checkpoint to carry "
+                          f"the optimizer state from")
+    return found
 
 
 def _score(model: Path, file: str, out: Path) -> tuple[float | None, float | None]:
@@ -86,7 +108,8 @@ def run_daily(cfg: DictConfig, output_dir: Path) -> list[Day]:
     files = days_of(cfg)
     parse_config(cfg)  # every other key checked once, before the first day
     days: list[Day] = []
-    previous: Path | None = Path(cfg.trainer.init_from) if cfg.trainer.init_from else None
+    previous: Path | None = Path(cfg.trainer.init_from) if cfg.trainer.init_from else None  # a model folder
+    start = previous
     client = MlflowClient(cfg.logger.tracking_uri)
     for index, file in enumerate(files):
         folder = output_dir / f"day_{index}"
@@ -97,9 +120,9 @@ def run_daily(cfg: DictConfig, output_dir: Path) -> list[Day]:
                 client.log_metric(days[-1].result.mlflow_run_id, "next_day/auc", auc, step=index)
                 client.log_metric(days[-1].result.mlflow_run_id, "next_day/logloss", logloss, step=index)
             print(f"day {index - 1}'s model on day {index} ({file}): AUC {auc:.6f}, logloss {logloss:.6f}", flush=True)
-        result = run(_day_config(cfg, file, previous, index), folder)
+        result = run(_day_config(cfg, file, index, folder, start, previous), folder)
         days.append(Day(file, result))
-        previous = folder / "model"
+        previous, start = folder / "model", _next_start(cfg, folder)
     table = ["| day | file | test AUC (own split) | next-day AUC |", "|---:|---|---:|---:|"]
     table += [f"| {i} | {d.file} | {d.result.test_auc:.4f} | "
               f"{'' if d.next_day_auc is None else f'{d.next_day_auc:.4f}'} |" for i, d in enumerate(days)]

@@ -6,19 +6,28 @@ the rows of its own shards). Every dense parameter and buffer is copied as it is
 whose vocabulary grew (``data.preprocess.base_vocabulary``: the earlier ids are kept) keeps the rows
 of the ids it had, and its new rows keep their fresh initialisation; a first-order table (the rows of
 several tables back to back, :func:`modules.embedding.wide_row_offsets`) is copied table by table,
-since a grown table moves the ones after it. The optimizers' states start fresh.
+since a grown table moves the ones after it.
+
+The optimizers' states start fresh unless ``trainer.init_from_optimizer`` says otherwise (a checkpoint
+only; a model folder holds weights alone): ``embedding`` carries the fused embedding optimizer's state
+(row-wise Adagrad's accumulator, Adam's moments: one row per table row, mapped like the weights; new
+rows start at 0) and the state of data-parallel tables' optimizer (:mod:`modules.optimizers`);
+``dense`` the dense optimizer's state (Adam's moments and step count); ``all`` both. Learning rates and
+the schedule are always the new run's own.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, is_table_parameter, wide_row_offsets
+from pipeline.config import ConfigError
 from pipeline.model_bundle import BundleError, checkpoint_run, is_bundle
 
 
@@ -33,6 +42,23 @@ def source_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], FeatureSp
         return weights, FeatureSpec.from_store_meta(description["store"])
     run = checkpoint_run(path)
     return full_model_state(run.path), FeatureSpec.from_store_meta(run.store.meta)
+
+
+def check_optimizer_source(path: str | None, parts: str) -> None:
+    """Refuse, before anything runs, to carry optimizer state from a model folder (it holds weights only)."""
+    if path and parts != "none" and is_bundle(path):
+        raise ConfigError(f"trainer.init_from_optimizer={parts}: {path} is a model folder, which holds weights only; "
+                          f"set trainer.init_from to a checkpoint directory (the earlier run's trainer.checkpoint.dir)")
+
+
+def source_optimizer_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], FeatureSpec]:
+    """(fused embedding-optimizer state ``{"<parameter>/<state>": full tensor}``, rank 0's optimizer
+    state ``{"[<member>/]state/<i>/<name>": tensor}``, feature spec) of a checkpoint."""
+    from pipeline.checkpointing import full_model_state
+
+    run = checkpoint_run(path)
+    return (full_model_state(run.path, "fused_optimizer/"), full_model_state(run.path, "rank0/optimizer_states/0/"),
+            FeatureSpec.from_store_meta(run.store.meta))
 
 
 def lineage_tags(path: str | None) -> dict[str, str]:
@@ -94,11 +120,29 @@ def row_sources(name: str, old: FeatureSpec, new: FeatureSpec, rows: int,
     return source
 
 
-def _copy_rows(target: torch.Tensor, row0: int, col0: int, source: np.ndarray, old: torch.Tensor) -> None:
-    mapped = source[row0:row0 + target.shape[0]]
+def _copy_rows(target: torch.Tensor, offsets: tuple[int, ...] | list[int], source: np.ndarray,
+               old: torch.Tensor) -> None:
+    """Rows of ``target`` (the block of a table — or of a per-row state vector — at ``offsets``) from
+    the rows ``source`` names in the full ``old``; rows named -1 are left as they are."""
+    mapped = source[offsets[0]:offsets[0] + target.shape[0]]
     keep = torch.from_numpy(np.flatnonzero(mapped >= 0))
     if len(keep):
-        target[keep] = old[torch.from_numpy(mapped[keep.numpy()]), col0:col0 + target.shape[1]].to(target.dtype)
+        rows = old[torch.from_numpy(mapped[keep.numpy()])]
+        if target.dim() == 2:
+            rows = rows[:, offsets[1]:offsets[1] + target.shape[1]]
+        target[keep] = rows.to(target.dtype)
+
+
+def _copy_table(value: Any, key: str, old: torch.Tensor, source: np.ndarray) -> None:
+    """Fill a (sharded) table-shaped tensor ``value`` from the full ``old`` through ``source``."""
+    size = tuple(value.size()) if hasattr(value, "local_shards") else tuple(value.shape)
+    if tuple(old.shape[1:]) != size[1:]:
+        raise BundleError(f"{key} has shape {tuple(old.shape)} there, {size} here (model settings differ)")
+    if hasattr(value, "local_shards"):
+        for shard in value.local_shards():
+            _copy_rows(shard.tensor, shard.metadata.shard_offsets, source, old)
+    else:
+        _copy_rows(value, (0, 0), source, old)
 
 
 @torch.no_grad()
@@ -112,21 +156,87 @@ def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
     if missing:
         raise BundleError(f"trainer.init_from={path}: the model there lacks {missing[:5]} — another model or "
                           f"dataset layout")
-    for key, value in state.items():
-        old = weights[key]
-        if not is_table_parameter(key):
-            if tuple(old.shape) != tuple(value.shape):
-                raise BundleError(f"trainer.init_from={path}: {key} has shape {tuple(old.shape)}, this model "
-                                  f"{tuple(value.shape)} (model settings differ)")
-            value.copy_(old)
-            continue
-        size = tuple(value.size()) if hasattr(value, "local_shards") else tuple(value.shape)
-        if old.shape[1] != size[1]:
-            raise BundleError(f"trainer.init_from={path}: {key} has {old.shape[1]} columns, this model {size[1]}")
-        source = row_sources(key, old_spec, spec, size[0], reused)
-        if hasattr(value, "local_shards"):
-            for shard in value.local_shards():
-                r0, c0 = shard.metadata.shard_offsets
-                _copy_rows(shard.tensor, r0, c0, source, old)
-        else:
-            _copy_rows(value, 0, 0, source, old)
+    try:
+        for key, value in state.items():
+            old = weights[key]
+            if not is_table_parameter(key):
+                if tuple(old.shape) != tuple(value.shape):
+                    raise BundleError(f"{key} has shape {tuple(old.shape)} there, {tuple(value.shape)} here "
+                                      f"(model settings differ)")
+                value.copy_(old)
+                continue
+            rows = value.size()[0] if hasattr(value, "local_shards") else value.shape[0]
+            _copy_table(value, key, old, row_sources(key, old_spec, spec, rows, reused))
+    except BundleError as e:
+        raise BundleError(f"trainer.init_from={path}: {e}") from None
+
+
+def _optimizer_state(flat: dict[str, torch.Tensor], member: str | None) -> dict[int, dict[str, torch.Tensor]]:
+    """``{"[<member>/]state/<i>/<name>": t}`` → ``{i: {name: t}}`` for one optimizer."""
+    prefix = f"{member}/state/" if member else "state/"
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        if key.startswith(prefix):
+            index, name = key[len(prefix):].split("/", 1)
+            out.setdefault(int(index), {})[name] = value
+    return out
+
+
+@torch.no_grad()
+def carry_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, spec: FeatureSpec,
+                          parts: str, reused: dict[str, np.ndarray] | None = None) -> None:
+    """Load the optimizer state of the checkpoint ``path`` named by ``parts`` (module docstring) into this
+    run's fused embedding optimizer and its ``optimizer`` (a torch optimizer or an ``OptimizerChain``
+    with members ``dense`` and ``embedding``), mapping table rows as :func:`initialize_from` does."""
+    from modules.optimizers import replicated_parameters
+
+    if parts == "none":
+        return
+    setting = f"trainer.init_from_optimizer={parts}"
+    fused_old, flat, old_spec = source_optimizer_state(path)
+
+    def rows_of(name: str, value: Any) -> np.ndarray:
+        rows = value.size()[0] if hasattr(value, "local_shards") else value.shape[0]
+        return row_sources(name, old_spec, spec, rows, reused)
+
+    try:
+        fused = getattr(model, "fused_optimizer", None)
+        if parts in ("embedding", "all") and fused is not None and fused.param_groups:
+            sd = fused.state_dict()
+            for name, states in sd["state"].items():
+                for state_name, value in states.items():
+                    key = f"{name}/{state_name}"
+                    if key not in fused_old:
+                        raise BundleError(f"the checkpoint has no {key} (another embedding optimizer?)")
+                    if len(value.size()):
+                        _copy_table(value, key, fused_old[key], rows_of(name, value))
+                    else:
+                        value.copy_(fused_old[key])  # a scalar, e.g. a step count
+            fused.load_state_dict(sd)
+        members = getattr(optimizer, "optimizers", {"dense": optimizer})
+        chained = hasattr(optimizer, "optimizers")
+        tables = [n for n, _ in replicated_parameters(model) if is_table_parameter(n)]
+        for member, opt in members.items():
+            if parts not in ("all", member):
+                continue
+            params = [p for g in opt.param_groups for p in g["params"]]
+            old = _optimizer_state(flat, member if chained else None)
+            state: dict[int, dict[str, torch.Tensor]] = {}
+            for i, p in enumerate(params):
+                if i not in old:
+                    continue  # no state there (a parameter never stepped): fresh here too
+                state[i] = {}
+                for name, t in old[i].items():
+                    if t.dim() == 0:
+                        state[i][name] = t.clone()
+                    elif member == "embedding":  # a data-parallel table's state: rows mapped, new rows 0
+                        state[i][name] = t.new_zeros((p.shape[0], *t.shape[1:]))
+                        _copy_table(state[i][name], f"{tables[i]}/{name}", t, rows_of(tables[i], p))
+                    elif tuple(t.shape) != tuple(p.shape):
+                        raise BundleError(f"{member} optimizer state {i}/{name} has shape {tuple(t.shape)} there, "
+                                          f"the parameter {tuple(p.shape)} here (model settings differ)")
+                    else:
+                        state[i][name] = t.clone()
+            opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+    except BundleError as e:
+        raise BundleError(f"{setting} ({path}): {e}") from None

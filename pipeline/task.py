@@ -27,7 +27,7 @@ from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
-from pipeline.init_from import initialize_from, reused_positions
+from pipeline.init_from import carry_optimizer_state, initialize_from, reused_positions
 from pipeline.metrics import CTRMetrics
 from pipeline.nonfinite import NonFiniteGuard
 
@@ -37,6 +37,7 @@ class CTRTask(L.LightningModule):
         super().__init__()
         self.model_cfg = cfg.model
         self.init_from = cfg.trainer.init_from
+        self.init_from_optimizer = cfg.trainer.init_from_optimizer
         self.topology = topology  # as run: this world's ranks per node and nodes
         self.data_parallel = not cfg.trainer.merging.enabled  # k-step merging averages the replicas itself
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
@@ -70,12 +71,21 @@ class CTRTask(L.LightningModule):
                                             data_parallel=self.data_parallel, coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse})
         if self.init_from and not self.trainer.ckpt_path:  # a resumed run takes its own checkpoint's weights
-            store = data.store
-            initialize_from(self.model, self.init_from, spec,
-                            reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0))))
+            initialize_from(self.model, self.init_from, spec, self._reused_positions())
         self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2)
         self.val_metrics.to(device)
         self.test_metrics.to(device)
+
+    def _reused_positions(self) -> dict:
+        store = self.trainer.datamodule.store
+        return reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
+
+    def on_train_start(self) -> None:
+        """``trainer.init_from_optimizer``: the source checkpoint's optimizer state, once the optimizers exist."""
+        if self.init_from and self.init_from_optimizer != "none" and not self.trainer.ckpt_path:
+            carry_optimizer_state(self.model, self.trainer.optimizers[0], self.init_from,
+                                  self.trainer.datamodule.feature_spec, self.init_from_optimizer,
+                                  self._reused_positions())
 
     def forward(self, batch: CTRBatch) -> torch.Tensor:
         return self.model(batch.dense_features, batch.sparse_features)

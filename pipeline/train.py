@@ -39,7 +39,7 @@ from pipeline.config import LoggerConfig, RunConfig, TrainerConfig, check_runnab
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import example_rows
 from pipeline.errors import TrackingUnavailableError
-from pipeline.init_from import lineage_tags
+from pipeline.init_from import check_optimizer_source, lineage_tags
 from pipeline.launch import global_rank, world_from_env
 from pipeline.mlflow_model import log_pyfunc, register
 from pipeline.model_bundle import full_state_dict, write_bundle
@@ -232,6 +232,7 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
 
     t = run_cfg.trainer
     ckpt_path, run_id = resume_checkpoint(t)
+    check_optimizer_source(t.init_from, t.init_from_optimizer)
     # Only global rank 0 logs; creating the client elsewhere would race on the store's creation.
     logger: TrackedMLflowLogger | bool = False
     if global_rank() == 0:

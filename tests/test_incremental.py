@@ -35,10 +35,18 @@ def _day3_auc(model, folder) -> float:
     return result.auc
 
 
-def test_continued_model_beats_one_day_model_on_the_next_day_with_2_processes_from_1(days):
+@pytest.fixture(scope="module")
+def day1(days):
+    """Day 1's run (with checkpoints, for the optimizer state)."""
     folder, args = days
-    _, first = train_cli([*args, f"data.path={folder / 'day1.csv'}"], folder / "A1")
-    model_1 = folder / "A1" / "model"
+    _, first = train_cli([*args, f"data.path={folder / 'day1.csv'}", f"trainer.checkpoint.dir={folder / 'A1ck'}"],
+                         folder / "A1")
+    return first
+
+
+def test_continued_model_beats_one_day_model_on_the_next_day_with_2_processes_from_1(days, day1):
+    folder, args = days
+    first, model_1 = day1, folder / "A1" / "model"
     # day 2 from day 1's model, on 2 processes (the 1-process model is resharded on load)
     proc, continued = train_cli([*args, f"data.path={folder / 'day2.csv'}", f"trainer.init_from={model_1}",
                                  f"data.preprocess.base_vocabulary={model_1}"], folder / "A2",
@@ -61,6 +69,60 @@ def test_continued_model_beats_one_day_model_on_the_next_day_with_2_processes_fr
     assert tags["ctr.parent_run_id"] == first.mlflow_run_id and tags["ctr.init_from"] == str(model_1.resolve())
 
 
+def test_init_from_optimizer_carries_the_state_rows_mapped(days, day1):
+    """One step on day 2 from day 1's checkpoint with and without the optimizer state: both runs take the same
+    first gradients (same weights, data and seed), so the carried state is exactly the difference — row-wise
+    Adagrad's accumulator adds (mapped rows: carried − fresh = day 1's row; new rows: equal), Adam's moments
+    decay once (carried − fresh = β·day 1's) and its step count continues."""
+    from modules.embedding import FeatureSpec
+    from pipeline.checkpointing import full_model_state, newest_intact_checkpoint
+    from pipeline.init_from import row_sources
+    from pipeline.model_bundle import checkpoint_run
+
+    folder, args = days
+    source = newest_intact_checkpoint(folder / "A1ck")
+    after = {}
+    for parts in ("all", "none"):
+        train_cli([*args, f"data.path={folder / 'day2.csv'}", f"trainer.init_from={source}",
+                   f"data.preprocess.base_vocabulary={folder / 'A1' / 'model'}", f"trainer.init_from_optimizer={parts}",
+                   "trainer.max_steps=1", "trainer.checkpoint.every_n_steps=1", "logger.log_model=false",
+                   f"trainer.checkpoint.dir={folder / ('opt_' + parts)}"], folder / f"opt_{parts}_run")
+        after[parts] = newest_intact_checkpoint(folder / f"opt_{parts}")
+    old_spec = FeatureSpec.from_store_meta(checkpoint_run(source).store.meta)
+    new_spec = FeatureSpec.from_store_meta(checkpoint_run(after["all"]).store.meta)
+    prefix = "fused_optimizer/"
+    old, carried, fresh = (full_model_state(p, prefix) for p in (source, after["all"], after["none"]))
+    assert old and set(carried) == set(old) == set(fresh)
+    new_rows = 0
+    for key, start in old.items():
+        rows = row_sources(key.split("/")[0], old_spec, new_spec, carried[key].shape[0])
+        kept = rows >= 0
+        assert kept.sum() == len(start), key
+        new_rows += int((~kept).sum())
+        np.testing.assert_allclose(carried[key][kept] - fresh[key][kept], start[rows[kept]], rtol=1e-4, atol=1e-7,
+                                   err_msg=key)
+        np.testing.assert_allclose(carried[key][~kept], fresh[key][~kept], rtol=1e-5, atol=1e-9, err_msg=key)
+    assert new_rows > 30  # day 2's new users and tags
+    prefix = "rank0/optimizer_states/0/state/"
+    old, carried, fresh = (full_model_state(p, prefix) for p in (source, after["all"], after["none"]))
+    assert old and set(carried) == set(old)
+    for key, start in old.items():
+        if key.endswith("/step"):
+            assert float(carried[key]) == float(start) + 1 and float(fresh[key]) == 1, key
+        else:
+            beta = 0.9 if key.endswith("/exp_avg") else 0.999
+            np.testing.assert_allclose(carried[key] - fresh[key], beta * start, rtol=1e-4, atol=1e-8, err_msg=key)
+
+
+def test_init_from_optimizer_needs_a_checkpoint(days, day1):
+    folder, args = days
+    proc, _ = train_cli([*args, f"data.path={folder / 'day2.csv'}", f"trainer.init_from={folder / 'A1' / 'model'}",
+                         "trainer.init_from_optimizer=dense", "trainer.max_steps=1"], folder / "opt_bundle", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Error (ConfigError): trainer.init_from_optimizer=dense: " in proc.stderr, proc.stderr[-2000:]
+    assert "is a model folder, which holds weights only" in proc.stderr and "preprocess pass" not in proc.stderr
+
+
 def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
     """row_sources: a grown table keeps its old rows in place; a first-order table moves each table's segment."""
     from modules.embedding import FeatureSpec
@@ -81,15 +143,17 @@ def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
 
 
 def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
-    """+experiment=daily over three days (with eviction: rows of reused ids start afresh): one MLflow run per day chained by lineage tags, each day scored by
-    the previous day's model before training (logged to that model's run), the plot and table written."""
+    """+experiment=daily over three days (with eviction: rows of reused ids start afresh; optimizer state
+    carried): one MLflow run per day chained by lineage tags, each day scored by the previous day's model
+    before training (logged to that model's run), the plot and table written."""
     import mlflow
 
     folder, args = days
     files = ",".join(str(folder / f"day{d}.csv") for d in (1, 2, 3))
     uri = f"sqlite:///{tmp_path / 'daily.db'}"
     proc, _ = train_cli([*args, "+experiment=daily", f"data.path=[{files}]", "trainer.max_epochs=1",
-                         "data.preprocess.evict_after=1", f"logger.tracking_uri={uri}"], tmp_path / "daily")
+                         "data.preprocess.evict_after=1", "trainer.init_from_optimizer=all",
+                         f"logger.tracking_uri={uri}"], tmp_path / "daily")
     table = (tmp_path / "daily" / "next_day_auc.md").read_text().splitlines()
     assert len(table) == 2 + 3 and (tmp_path / "daily" / "next_day_auc.png").stat().st_size > 0
     client = mlflow.MlflowClient(uri)
@@ -98,6 +162,8 @@ def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
     assert [r.data.tags["mlflow.runName"] for r in runs] == ["day 0", "day 1", "day 2"]
     assert runs[1].data.tags["ctr.parent_run_id"] == runs[0].info.run_id
     assert runs[2].data.tags["ctr.parent_run_id"] == runs[1].info.run_id
+    # carrying the optimizer state, each day starts from the previous day's newest checkpoint
+    assert runs[2].data.tags["ctr.init_from"].startswith(str((tmp_path / "daily" / "day_1" / "checkpoints").resolve()))
     scored = [r.data.metrics.get("next_day/auc") for r in runs]
     assert scored[2] is None and all(0.3 < a < 1 for a in scored[:2]), scored
     # the next-day AUC logged for day 0's model is that model's AUC on all of day 1's rows, as printed
