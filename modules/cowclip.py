@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torchrec import KeyedJaggedTensor
@@ -67,12 +67,34 @@ class CowClipConfig:
         return self.zeta if self.floor == "zeta" else self.r * math.sqrt(dim) * self.zeta
 
 
+BUCKET_EDGES = (10, 100, 1_000, 10_000)  # training-data occurrences of an id
+BUCKET_LABELS = ("unknown", "lt10", "10-99", "100-999", "1k-9999", "ge10k")  # unknown: OOV/missing rows, hashed ids
+
+
+def frequency_bucket(counts: torch.Tensor) -> torch.Tensor:
+    """Bucket index (into ``BUCKET_LABELS``) of each row from its occurrence count (< 0: unknown)."""
+    edges = torch.tensor(BUCKET_EDGES, dtype=counts.dtype)
+    return torch.where(counts < 0, 0, 1 + torch.bucketize(counts, edges, right=True))
+
+
 class CowClipStats:
-    """Counts of ids seen and ids clipped, accumulated by the backward passes (for logging)."""
+    """Counts of (id, step) pairs seen and clipped, accumulated by the backward passes (for logging):
+    in total, and per id-frequency bucket where the hooks know each row's bucket."""
 
     def __init__(self) -> None:
         self.ids = 0
         self.clipped = 0
+        self.bucket_seen = torch.zeros(len(BUCKET_LABELS), dtype=torch.int64)
+        self.bucket_clipped = torch.zeros(len(BUCKET_LABELS), dtype=torch.int64)
+
+    def add(self, over: torch.Tensor, buckets: torch.Tensor | None = None) -> None:
+        """One block's unique ids: ``over`` [U] clipped or not, ``buckets`` [U] their frequency buckets."""
+        self.ids += len(over)
+        self.clipped += int(over.sum())
+        if buckets is not None:
+            n = len(BUCKET_LABELS)
+            self.bucket_seen += torch.bincount(buckets.cpu(), minlength=n)
+            self.bucket_clipped += torch.bincount(buckets[over].cpu(), minlength=n)
 
     def take(self) -> float | None:
         """Fraction of clipped ids since the last call (None if no ids were seen)."""
@@ -80,14 +102,55 @@ class CowClipStats:
         self.ids = self.clipped = 0
         return frac
 
+    def take_buckets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen, clipped) per frequency bucket since the last call."""
+        out = self.bucket_seen.clone(), self.bucket_clipped.clone()
+        self.bucket_seen.zero_()
+        self.bucket_clipped.zero_()
+        return out
+
+
+class RowBuckets:
+    """Frequency bucket of every row of the tables (``"emb_<t>"``, ``"wide"``, ``"wide_seq"`` → [rows]),
+    looked up for a block's ids. A block's id is ``group << 40 | row`` where ``group`` indexes the
+    (table, first row of the shard) pairs the hook names (one pair, group 0, for a single table)."""
+
+    def __init__(self, tables: dict[str, torch.Tensor]) -> None:
+        self.tables = tables
+
+    def lookup(self, parts: Sequence[tuple[str, int]]) -> "BucketOf | None":
+        if not all(t in self.tables for t, _ in parts):
+            return None
+        return BucketOf([(self.tables[t], offset) for t, offset in parts])
+
+
+class BucketOf:
+    """Callable: block ids (``group << 40 | row``) → frequency buckets (see :class:`RowBuckets`)."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int]]) -> None:
+        self.parts = parts
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.cpu()
+        if len(self.parts) == 1:
+            table, offset = self.parts[0]
+            return table[ids + offset]
+        group, row = ids >> 40, ids & ((1 << 40) - 1)
+        out = torch.zeros_like(ids)
+        for g, (table, offset) in enumerate(self.parts):
+            mine = group == g
+            out[mine] = table[row[mine] + offset]
+        return out
+
 
 def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, clip: CowClipConfig | None,
                     l2: float = 0.0, grad_scale: float = 1.0, l2_share: float = 1.0,
-                    stats: CowClipStats | None = None) -> torch.Tensor:
+                    stats: CowClipStats | None = None, bucket_of: Callable | None = None) -> torch.Tensor:
     """The per-occurrence gradients whose per-id sums are the clipped per-id gradients.
 
     ``grad``, ``rows``: [N, d] output gradients and looked-up rows of N one-id bags; ``ids``: [N].
-    ``clip``: the clipping rule (None: no clipping); ``l2``: λ of the per-id L2 term (0: none).
+    ``clip``: the clipping rule (None: no clipping); ``l2``: λ of the per-id L2 term (0: none);
+    ``bucket_of``: ids → frequency buckets, for ``stats``.
     Returned in the units of ``grad``; the clipping itself happens on ``grad_scale ·`` Σ grad.
     """
     uniq, inv, cnt = torch.unique(ids, return_inverse=True, return_counts=True)
@@ -104,8 +167,7 @@ def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, c
         over = norm > threshold
         factor = torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))
         if stats is not None:
-            stats.ids += len(uniq)
-            stats.clipped += int(over.sum())
+            stats.add(over, bucket_of(uniq) if bucket_of is not None else None)
     else:
         factor = torch.ones(len(uniq), dtype=acc, device=grad.device)
     out = grad.to(acc)
@@ -128,7 +190,7 @@ def one_hot_ids(features: KeyedJaggedTensor) -> torch.Tensor:
     return ids
 
 
-Block = tuple[int, int, torch.Tensor, bool]  # (first column, end column, ids [N], clip?)
+Block = tuple  # (first column, end column, ids [N], clip?, ids → frequency buckets or None)
 
 
 class _PerIdGradientFn(torch.autograd.Function):
@@ -146,13 +208,13 @@ class _PerIdGradientFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         (out,) = ctx.saved_tensors
         grad = grad.clone()
-        for start, stop, ids, clip in ctx.blocks:
+        for start, stop, ids, clip, bucket_of in ctx.blocks:
             valid = ids >= 0
             if valid.any():
                 sel = valid.nonzero().squeeze(1)
                 grad[sel, start:stop] = per_id_gradient(grad[sel, start:stop], out[sel, start:stop], ids[sel],
                                                         ctx.clip if clip else None, ctx.l2, ctx.grad_scale,
-                                                        ctx.l2_share, ctx.stats)
+                                                        ctx.l2_share, ctx.stats, bucket_of)
         return grad, None, None, None, None, None, None
 
 

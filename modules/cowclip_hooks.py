@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec import KeyedJaggedTensor
@@ -45,8 +46,10 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
-from modules.cowclip import Block, CowClipConfig, CowClipStats, apply_cowclip, one_hot_ids
-from modules.embedding import EMB_PREFIX, WIDE_COLUMNS, WIDE_PREFIX, SparseArch, lookup_field, lookup_name
+from modules.cowclip import Block, CowClipConfig, CowClipStats, RowBuckets, apply_cowclip, one_hot_ids
+from modules.embedding_l2 import DecayRule, DenseRowsL2, LazyRowsL2
+from modules.embedding import (EMB_PREFIX, WIDE_COLUMNS, WIDE_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, SparseArch,
+                               lookup_field, lookup_name)
 
 log = logging.getLogger(__name__)
 EXACT_SHARDINGS = (TwPooledEmbeddingSharding, RwPooledEmbeddingSharding, TwSequenceEmbeddingSharding,
@@ -68,12 +71,29 @@ def lookup_rules(lookups: Iterable[str], cfg: CowClipConfig, l2: float) -> dict[
 
 @dataclass
 class CowClipHooks:
-    """What :func:`attach_cowclip` attached: lookups per scope, the statistics the backward fills, handles."""
+    """What :func:`attach_cowclip` attached: lookups per scope, the statistics the backward fills, handles,
+    and with ``embedding_l2_scope=all`` the every-row L2 term (:mod:`modules.embedding_l2`), which the
+    training loop drives: ``begin_step`` before each step's forward, ``after_backward`` before the
+    optimizer steps, ``flush`` before anything reads the tables."""
 
     global_lookups: set[str] = field(default_factory=set)
     local_lookups: set[str] = field(default_factory=set)
     stats: CowClipStats = field(default_factory=CowClipStats)
     handles: list[RemovableHandle] = field(default_factory=list)
+    dense_l2: DenseRowsL2 | None = None
+    lazy_l2: LazyRowsL2 | None = None
+
+    def begin_step(self, step: int, embedding_lr: float) -> None:
+        if self.lazy_l2 is not None:
+            self.lazy_l2.begin_step(step, embedding_lr)
+
+    def after_backward(self) -> None:
+        if self.dense_l2 is not None:
+            self.dense_l2.apply()
+
+    def flush(self) -> None:
+        if self.lazy_l2 is not None:
+            self.lazy_l2.flush()
 
 
 def _kernel_layout(kernel: nn.Module) -> list[tuple[str, int, int]]:
@@ -86,20 +106,44 @@ def _kernel_layout(kernel: nn.Module) -> list[tuple[str, int, int]]:
     return layout
 
 
-def _global_hook(layout: list[tuple[str, int, int]], rules: dict[str, bool], cfg: CowClipConfig, l2: float,
-                 stats: CowClipStats):
+def _shard_tables(kernel: nn.Module) -> list[tuple[str, int]]:
+    """(table, first row of this shard) of each table of a kernel (the ids it receives are shard rows)."""
+    out = []
+    for table in kernel.config.embedding_tables:
+        meta = getattr(table, "local_metadata", None)
+        out.append((table.name, int(meta.shard_offsets[0]) if meta is not None else 0))
+    return out
+
+
+def _lookup(buckets: RowBuckets | None, parts: list[tuple[str, int]]):
+    return buckets.lookup(parts) if buckets is not None else None
+
+
+def _global_hook(kernel: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats,
+                 buckets: RowBuckets | None):
+    layout = _kernel_layout(kernel)
+    shards = [part for part, table in zip(_shard_tables(kernel), kernel.config.embedding_tables)
+              for _ in table.feature_names]
+    bucket_of = [_lookup(buckets, [part]) for part in shards]
+
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         ids = one_hot_ids(inputs[0])
-        blocks = [(start, stop, ids[j], rules[name]) for j, (name, start, stop) in enumerate(layout) if name in rules]
+        blocks = [(start, stop, ids[j], rules[name], bucket_of[j]) for j, (name, start, stop) in enumerate(layout)
+                  if name in rules]
         return apply_cowclip(output, blocks, cfg, l2, stats=stats)
 
     return hook
 
 
-def _local_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats):
+def _local_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats,
+                buckets: RowBuckets | None):
+    bucket_of = {False: [_lookup(buckets, [(EMB_PREFIX + arch.tables[f], 0)]) for f in arch.bag_fields],
+                 True: [_lookup(buckets, [(WIDE_TABLE, 0)])] * len(arch.bag_fields)}
+
     def blocks(wide: bool, width: int, ids: torch.Tensor) -> list[Block]:
         names = [WIDE_PREFIX + f if wide else EMB_PREFIX + arch.tables[f] for f in arch.bag_fields]
-        return [(j * width, (j + 1) * width, ids[j], rules[name]) for j, name in enumerate(names) if name in rules]
+        return [(j * width, (j + 1) * width, ids[j], rules[name], bucket_of[wide][j]) for j, name in enumerate(names)
+                if name in rules]
 
     def hook(module: nn.Module, inputs: tuple, output: tuple) -> tuple:
         emb, wide = output
@@ -115,7 +159,7 @@ def _local_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2
 
 
 def occurrence_blocks(features: KeyedJaggedTensor, lookups: list[str], groups: list[int], width: int,
-                      rules: dict[str, bool]) -> list[Block]:
+                      rules: dict[str, bool], bucket_of=None) -> list[Block]:
     """Blocks over unpooled rows (one per id of ``features``, key after key): key ``j`` makes lookup
     ``lookups[j]`` in table group ``groups[j]``; each row's id becomes ``group << 40 | id``, so rows of one
     table row group together across keys. One block of the rows to clip, one of the rows with L2 only."""
@@ -128,26 +172,29 @@ def occurrence_blocks(features: KeyedJaggedTensor, lookups: list[str], groups: l
     for clip in (True, False):
         chosen = torch.tensor([rules.get(name) is clip for name in lookups], device=key.device)[key]
         if bool(chosen.any()):
-            blocks.append((0, width, torch.where(chosen, ids, torch.full_like(ids, -1)), clip))
+            blocks.append((0, width, torch.where(chosen, ids, torch.full_like(ids, -1)), clip, bucket_of))
     return blocks
 
 
-def _unpooled_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats):
+def _unpooled_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats,
+                   buckets: RowBuckets | None):
     n = len(arch.seq_fields)
     tables = list(dict.fromkeys(arch.tables[f] for f in arch.seq_fields))
     emb_lookups = [EMB_PREFIX + arch.tables[f] for f in arch.seq_fields]
     emb_groups = [tables.index(arch.tables[f]) for f in arch.seq_fields]
+    emb_buckets = _lookup(buckets, [(EMB_PREFIX + t, 0) for t in tables])
+    wide_buckets = _lookup(buckets, [(WIDE_SEQ_TABLE, 0)])
 
     def hook(module: nn.Module, inputs: tuple, output: tuple) -> tuple:
         emb, wide = output
         features: KeyedJaggedTensor = inputs[2]  # the sequence keys, then their wide keys
         parts = features.split([n, n]) if wide is not None else [features]
         world = dist.get_world_size() if dist.is_initialized() else 1
-        emb = apply_cowclip(emb, occurrence_blocks(parts[0], emb_lookups, emb_groups, arch.embedding_dim, rules),
-                            cfg, l2, 1.0 / world, 1.0 / world, stats)
+        emb = apply_cowclip(emb, occurrence_blocks(parts[0], emb_lookups, emb_groups, arch.embedding_dim, rules,
+                                                   emb_buckets), cfg, l2, 1.0 / world, 1.0 / world, stats)
         if wide is not None:  # one first-order table: ids are already its rows
             wide = apply_cowclip(wide, occurrence_blocks(parts[1], [WIDE_PREFIX + f for f in arch.seq_fields],
-                                                         [0] * n, WIDE_COLUMNS, rules),
+                                                         [0] * n, WIDE_COLUMNS, rules, wide_buckets),
                                  cfg, l2, 1.0 / world, 1.0 / world, stats)
         return emb, wide
 
@@ -155,28 +202,26 @@ def _unpooled_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig,
 
 
 def _sequence_kernel_hook(kernel: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float,
-                          stats: CowClipStats):
+                          stats: CowClipStats, buckets: RowBuckets | None):
     """Global scope on a sharded sequence kernel: its input KJT holds the ids of its tables' features
     for the whole global batch; its output has one row per id."""
     table_of = {f: (i, t.name) for i, t in enumerate(kernel.config.embedding_tables) for f in t.feature_names}
     width = kernel.config.embedding_tables[0].local_cols
+    bucket_of = _lookup(buckets, _shard_tables(kernel))
 
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         features: KeyedJaggedTensor = inputs[0]
         keys = features.keys()
         lookups = [lookup_name(table_of[k][1], k) for k in keys]
         groups = [table_of[k][0] for k in keys]
-        return apply_cowclip(output, occurrence_blocks(features, lookups, groups, width, rules), cfg, l2, stats=stats)
+        return apply_cowclip(output, occurrence_blocks(features, lookups, groups, width, rules, bucket_of), cfg, l2,
+                             stats=stats)
 
     return hook
 
 
-def _attach_global(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float,
-                   hooks: CowClipHooks) -> set[str]:
-    """Hook every table-wise / row-wise kernel; returns the handled lookups left uncovered."""
-    if not get_gradient_division():
-        raise RuntimeError("global CowClip expects TorchRec's gradient division (set_gradient_division(True))")
-    uncovered: set[str] = set()
+def _kernels(model: nn.Module) -> Iterator[tuple[nn.Module, object, nn.Module]]:
+    """(sharded collection, its sharding, kernel) for every FBGEMM kernel module of a DMP model."""
     for module in model.modules():
         if isinstance(module, ShardedEmbeddingBagCollection):
             shardings = module._embedding_shardings
@@ -187,39 +232,82 @@ def _attach_global(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig,
         for sharding, lookup in zip(shardings, module._lookups):
             lookup = getattr(lookup, "module", lookup)  # data-parallel lookups are DDP-wrapped
             for kernel in lookup._emb_modules:
-                layout = _kernel_layout(kernel)
-                names = {name for name, _, _ in layout if name in rules}
-                if not names:
-                    continue
-                if isinstance(sharding, EXACT_SHARDINGS):
-                    hook = _global_hook(layout, rules, cfg, l2, hooks.stats) \
-                        if isinstance(module, ShardedEmbeddingBagCollection) \
-                        else _sequence_kernel_hook(kernel, rules, cfg, l2, hooks.stats)
-                    hooks.handles.append(kernel.register_forward_hook(hook))
-                    hooks.global_lookups |= names
-                else:
-                    uncovered |= names
+                yield module, sharding, kernel
+
+
+def _attach_global(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float,
+                   hooks: CowClipHooks, buckets: RowBuckets | None) -> set[str]:
+    """Hook every table-wise / row-wise kernel; returns the handled lookups left uncovered."""
+    if not get_gradient_division():
+        raise RuntimeError("global CowClip expects TorchRec's gradient division (set_gradient_division(True))")
+    uncovered: set[str] = set()
+    for module, sharding, kernel in _kernels(model):
+        layout = _kernel_layout(kernel)
+        names = {name for name, _, _ in layout if name in rules}
+        if not names:
+            continue
+        if isinstance(sharding, EXACT_SHARDINGS):
+            hook = _global_hook(kernel, rules, cfg, l2, hooks.stats, buckets) \
+                if isinstance(module, ShardedEmbeddingBagCollection) \
+                else _sequence_kernel_hook(kernel, rules, cfg, l2, hooks.stats, buckets)
+            hooks.handles.append(kernel.register_forward_hook(hook))
+            hooks.global_lookups |= names
+        else:
+            uncovered |= names
     if uncovered:
         log.warning("CowClip scope=global covers table-wise and row-wise shards only; %s use local scope",
                     sorted(uncovered))
     return uncovered
 
 
-def attach_cowclip(model: nn.Module, cfg: CowClipConfig, l2: float) -> CowClipHooks:
-    """Attach CowClip (``cfg``) and the per-id L2 term (λ = ``l2``) to a DMP-wrapped model."""
+def _attach_every_row_l2(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float,
+                         decay: DecayRule, hooks: CowClipHooks, buckets: RowBuckets | None) -> dict[str, bool]:
+    """``embedding_l2_scope=all``: the dense version on data-parallel kernels (which then need no per-id
+    hook: it clips too), the lazy one on fused kernels; returns the rules left to the per-id hooks."""
+    if cfg.fields is not None:
+        raise ValueError("optim.embedding_l2_scope=all applies to every table: scaling.cowclip.fields must be null")
+    hooks.dense_l2 = DenseRowsL2(l2, cfg, hooks.stats)
+    hooks.lazy_l2 = LazyRowsL2(decay)
+    left = dict(rules)
+    for _, _, kernel in _kernels(model):
+        layout = _kernel_layout(kernel)
+        if isinstance(kernel.emb_module, DenseTableBatchedEmbeddingBagsCodegen):
+            hooks.dense_l2.add(kernel, {t.name for t in kernel.config.embedding_tables
+                                        if any(rules.get(lookup_name(t.name, f)) for f in t.feature_names)}, buckets)
+            for name, _, _ in layout:
+                left.pop(name, None)
+        else:
+            hooks.lazy_l2.add(kernel)
+    if hooks.lazy_l2.kernels and cfg.enabled and 2 * l2 > cfg.r:
+        raise ValueError(f"optim.embedding_l2_scope=all: 2λ = {2 * l2:g} > scaling.cowclip.r = {cfg.r:g} (λ after "
+                         f"scaling): an absent row's L2 step could be clipped, which the lazy replay does not do")
+    return left
+
+
+def attach_cowclip(model: nn.Module, cfg: CowClipConfig, l2: float, l2_scope: str = "batch",
+                   decay: DecayRule | None = None, buckets: RowBuckets | None = None) -> CowClipHooks:
+    """Attach CowClip (``cfg``) and the L2 term (λ = ``l2``) to a DMP-wrapped model: on the ids of each
+    batch (``l2_scope="batch"``) or on every row (``"all"``; ``decay`` names the embedding optimizer).
+    ``buckets``: each row's id-frequency bucket, for the clipping statistics per bucket."""
     hooks = CowClipHooks()
     arches = [m for m in model.modules() if isinstance(m, SparseArch)]
     rules = lookup_rules({t for a in arches for t in a.lookup_names}, cfg, l2)
+    if l2_scope == "all" and l2 > 0:
+        if decay is None:
+            raise ValueError("embedding_l2_scope=all needs the embedding optimizer's decay rule")
+        rules = _attach_every_row_l2(model, rules, cfg, l2, decay, hooks, buckets)
     if not rules:
         return hooks
     local = set(rules)
     if cfg.scope == "global":
-        local = _attach_global(model, rules, cfg, l2, hooks)
+        local = _attach_global(model, rules, cfg, l2, hooks, buckets)
     for arch in arches:
         mine = {name: clip for name, clip in rules.items() if name in local and name in arch.lookup_names}
         if mine:
-            hooks.handles.append(arch.pooled.register_forward_hook(_local_hook(arch, mine, cfg, l2, hooks.stats)))
+            hooks.handles.append(arch.pooled.register_forward_hook(_local_hook(arch, mine, cfg, l2, hooks.stats,
+                                                                               buckets)))
             if arch.ec is not None:
-                hooks.handles.append(arch.unpooled.register_forward_hook(_unpooled_hook(arch, mine, cfg, l2, hooks.stats)))
+                hooks.handles.append(arch.unpooled.register_forward_hook(_unpooled_hook(arch, mine, cfg, l2,
+                                                                                        hooks.stats, buckets)))
             hooks.local_lookups |= set(mine)
     return hooks

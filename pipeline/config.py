@@ -25,6 +25,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
 from modules.cowclip import CowClipConfig
+from modules.embedding_l2 import L2_SCOPES
 from modules.kstep_merging import MergeConfig
 from modules.models import ModelConfig
 from modules.optimizers import OptimizerSpec
@@ -49,11 +50,14 @@ class OptimConfig:
 
     dense: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("adam", 1e-3))
     embedding: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("rowwise_adagrad", 0.01))
-    embedding_l2: float = 0.0          # λ of the per-id L2 term 2λ·w_k on the ids in each batch (0: off)
+    embedding_l2: float = 0.0          # λ of the L2 term 2λ·w_k (0: off)
+    embedding_l2_scope: str = "batch"  # batch: the ids in each batch | all: every row, every step (modules/embedding_l2.py)
 
     def __post_init__(self) -> None:
         if self.embedding_l2 < 0:
             raise ValueError(f"embedding_l2={self.embedding_l2}: expected λ >= 0")
+        if self.embedding_l2_scope not in L2_SCOPES:
+            raise ValueError(f"embedding_l2_scope={self.embedding_l2_scope!r}: expected one of {L2_SCOPES}")
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
+from modules.embedding_l2 import DecayRule
 from modules.embedding import is_table_parameter
 from modules.models import build_model
 from modules.optimizers import OptimizerChain, build_optimizer, replicated_parameters
@@ -45,6 +46,7 @@ class CTRTask(L.LightningModule):
         self.dense_optim = replace(cfg.optim.dense, lr=self.scaled.dense_lr)
         self.embedding_optim = replace(cfg.optim.embedding, lr=self.scaled.embedding_lr)
         self.cowclip_cfg = cfg.scaling.cowclip
+        self.l2_scope = cfg.optim.embedding_l2_scope
         self.warmup_epochs = cfg.scaling.warmup_epochs
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
         self.lr_factor = 1.0
@@ -72,7 +74,9 @@ class CTRTask(L.LightningModule):
                                             table_of={f: spec.table_of(f) for f in spec.sparse})
         if self.init_from and not self.trainer.ckpt_path:  # a resumed run takes its own checkpoint's weights
             initialize_from(self.model, self.init_from, spec, self._reused_positions())
-        self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2)
+        e = self.embedding_optim
+        self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2, self.l2_scope,
+                                      DecayRule(e.name, self.scaled.l2, e.eps, tuple(e.betas)), data.row_buckets())
         self.val_metrics.to(device)
         self.test_metrics.to(device)
 
@@ -94,6 +98,9 @@ class CTRTask(L.LightningModule):
         return batch.to(device, non_blocking=True)
 
     # -- steps -----------------------------------------------------------------------------------
+    def on_train_batch_start(self, batch: CTRBatch, batch_idx: int) -> None:
+        self.cowclip.begin_step(self.global_step, self.embedding_optim.lr * self.lr_factor)
+
     def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
         self.data_position = (self.current_epoch, batch_idx + 1)
         logits = self(batch)
@@ -108,6 +115,7 @@ class CTRTask(L.LightningModule):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Closure (forward + backward), then the dense step — skipped for non-finite values."""
         optimizer_closure()
+        self.cowclip.after_backward()  # the every-row L2 term of data-parallel tables (embedding_l2_scope=all)
         if not self._skip_step:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
             self._skip_step = self.nonfinite.bad_gradients(grads, f"step {self.global_step} (epoch {epoch}, "
@@ -135,6 +143,17 @@ class CTRTask(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         self.log("train/skipped_nonfinite_steps", float(self.nonfinite.skipped), sync_dist=True)
+
+    # the every-row L2 term of fused tables is applied lazily: bring every row up to date before the tables
+    # are read (evaluation), saved (checkpoint: the state dict holds views of the tables) or handed on
+    def on_validation_start(self) -> None:
+        self.cowclip.flush()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.cowclip.flush()
+
+    def on_train_end(self) -> None:
+        self.cowclip.flush()
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val", self.val_metrics)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip import CowClipConfig, per_id_gradient
+from modules.embedding_l2 import DecayRule
 from modules.embedding import FeatureSpec, SparseArch, wide_row_offsets
 from tests.dist_utils import run_workers
 
@@ -48,10 +49,10 @@ def score(emb: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     return 3.0 * torch.tanh((emb * proj).sum(-1)).sum(1) + (emb.sum(1) ** 2).sum(1) + first
 
 
-def batches(seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def batches(seed: int = 0, steps: int = STEPS) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids = np.stack([rng.integers(0, SPEC.table_sizes[f], GLOBAL_BATCH) ** 1 for f in SPEC.categorical], 1)
         ids[:, 2] = np.minimum(ids[:, 2], rng.integers(0, 40, GLOBAL_BATCH))  # skewed: repeated small ids
         out.append((ids.astype(np.int32), rng.integers(0, 2, GLOBAL_BATCH).astype(np.float32)))
@@ -70,11 +71,13 @@ def initial_weights() -> dict[str, torch.Tensor]:
 class Reference:
     """Full tables, explicit per-id L2 + clipping, explicit optimizer update rules."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], opt: str, cfg: CowClipConfig, world: int, scope: str):
+    def __init__(self, weights: dict[str, torch.Tensor], opt: str, cfg: CowClipConfig, world: int, scope: str,
+                 l2_scope: str = "batch"):
         self.w = {k.split(".")[-2]: v.clone().double() for k, v in weights.items()}
         self.state = {k: torch.zeros_like(v) for k, v in self.w.items()}
         self.state2 = {k: torch.zeros_like(v) for k, v in self.w.items()}
         self.opt, self.cfg, self.world, self.scope, self.t = opt, cfg, world, scope, 0
+        self.l2_scope = l2_scope  # "all": every row gets 2λw each step, absent rows count 1 in the threshold
         self.clipped = self.unclipped = 0
 
     def _grads(self, ids: np.ndarray, labels: np.ndarray, rows: slice) -> dict[str, torch.Tensor]:
@@ -92,17 +95,17 @@ class Reference:
         counts = np.bincount(ids, minlength=grad.shape[0])
         out = torch.zeros_like(grad)
         w = self.w[table]
-        for k in np.nonzero(counts)[0]:
+        for k in range(len(counts)) if self.l2_scope == "all" else np.nonzero(counts)[0]:
             g = grad[k] + 2 * L2 * l2_share * w[k]
-            threshold = counts[k] * max(self.cfg.r * float(w[k].norm()), self.cfg.zeta)
+            threshold = max(counts[k], 1) * max(self.cfg.r * float(w[k].norm()), self.cfg.zeta)
             n = float(g.norm())
             if not clip:
                 pass
             elif n > threshold:
-                self.clipped += 1
+                self.clipped += counts[k] > 0
                 g = g * threshold / n
             else:
-                self.unclipped += 1
+                self.unclipped += counts[k] > 0
             out[k] = g
         return out
 
@@ -114,8 +117,9 @@ class Reference:
             grads = self._grads(ids, labels, rows)
             for j, f in enumerate(SPEC.categorical):
                 total[f"emb_{f}"] += self._clip(f"emb_{f}", grads[f"emb_{f}"], ids[rows, j], 1.0 / len(parts), True)
-                # first-order weights (the field's rows of the shared table): the L2 term, no clipping
-                total["wide"] += self._clip("wide", grads["wide"], ids[rows, j] + WIDE_ROWS[f], 1.0 / len(parts), False)
+            # first-order weights (each field's rows of the shared table): the L2 term, no clipping
+            wide_ids = np.concatenate([ids[rows, j] + WIDE_ROWS[f] for j, f in enumerate(SPEC.categorical)])
+            total["wide"] += self._clip("wide", grads["wide"], wide_ids, 1.0 / len(parts), False)
         self.t += 1
         for k, g in total.items():
             self._update(k, g)
@@ -137,12 +141,14 @@ class Reference:
             w -= lr * mhat / (vhat.sqrt() + 1e-8)
 
 
-def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: str, scope: str) -> None:
+def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: str, scope: str,
+            l2_scope: str = "batch", steps: int = STEPS) -> None:
     for opt in optimizers:
-        _check(rank, world, opt, sharding_type, scope)
+        _check(rank, world, opt, sharding_type, scope, l2_scope, steps)
 
 
-def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> None:
+def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_scope: str = "batch",
+           steps: int = STEPS) -> None:
     from modules.cowclip_hooks import attach_cowclip
     from modules.optimizers import OptimizerSpec, build_optimizer, replicated_parameters
     from modules.placement import TopologySpec
@@ -157,23 +163,28 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str) -> N
     topology = TopologySpec(compute_device="cpu", sharding_types=[sharding_type])
     dmp, _ = shard_model(net, spec, topology, torch.device("cpu"))
     dmp.load_state_dict(weights)
-    hooks = attach_cowclip(dmp, cfg, L2)
+    hooks = attach_cowclip(dmp, cfg, L2, l2_scope, DecayRule(opt, L2))
     stats = hooks.stats
     dense_kernel = [p for _, p in replicated_parameters(dmp)]
     optimizer = build_optimizer(spec, dense_kernel) if dense_kernel else None
-    # tables not hooked on the shards (data-parallel Adam) are clipped per rank: the local reference
-    reference = Reference(weights, opt, cfg, world, "global" if hooks.global_lookups else "local")
+    # tables not hooked on the shards (data-parallel Adam) are clipped per rank: the local reference —
+    # except with the every-row L2 term, whose dense version works on the all-reduced gradient
+    exact = hooks.global_lookups or hooks.dense_l2 is not None
+    reference = Reference(weights, opt, cfg, world, "global" if exact else "local", l2_scope)
     b = GLOBAL_BATCH // world
-    for ids, labels in batches():
+    for step, (ids, labels) in enumerate(batches(steps=steps)):
         rows = np.arange(rank * b, (rank + 1) * b)
         batch = make_batch(SplitArrays(labels.astype(np.int8), np.zeros((len(labels), 0), np.float32), ids),
                            rows, list(SPEC.categorical))
+        hooks.begin_step(step, LR[opt])
         loss = F.binary_cross_entropy_with_logits(dmp(batch.dense_features, batch.sparse_features), batch.labels)
         loss.backward()
+        hooks.after_backward()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
         reference.step(ids, labels)
+    hooks.flush()
     assert reference.clipped > 0 and reference.unclipped > 0, (reference.clipped, reference.unclipped)
     if world == 1:  # the statistics count exactly the reference's clipped ids
         assert (stats.clipped, stats.ids) == (reference.clipped, reference.clipped + reference.unclipped)
@@ -203,6 +214,16 @@ def test_two_ranks(sharding_type, scope):
 def test_two_ranks_other_optimizers():
     # Adam on CPU means data-parallel tables: CowClip falls back to local scope, checked as such
     run_workers(_worker, 2, ("sgd", "adam"), "table_wise", "global")
+
+
+# L2 on every row (optim.embedding_l2_scope=all): 30 steps over a 40-row table whose large ids are rare, so
+# rows sit out many steps. Fused tables replay the missed steps lazily; data-parallel ones (Adam) do it densely.
+@pytest.mark.parametrize("world,sharding_type,optimizers", [
+    (1, "table_wise", ("sgd", "adagrad", "rowwise_adagrad", "adam")),
+    (2, "row_wise", ("rowwise_adagrad", "adam")),
+])
+def test_l2_on_every_row(world, sharding_type, optimizers):
+    run_workers(_worker, world, optimizers, sharding_type, "global", "all", 30)
 
 
 def test_per_id_gradient_formula_in_float64():

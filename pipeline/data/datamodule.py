@@ -7,7 +7,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from modules.embedding import FeatureSpec
+from modules.cowclip import RowBuckets, frequency_bucket
+from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
 from pipeline.data.batches import BatchLoader
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import prepare_store, store_dir
@@ -45,6 +46,33 @@ class CTRDataModule(L.LightningDataModule):
         assert self.store is not None, "setup() first"
         return {f: {float(q): int(n) for q, n in s.get("coverage_rows", {}).items()}
                 for f, s in self.store.meta["stats"].items()}
+
+    def row_buckets(self) -> RowBuckets:
+        """Each embedding row's id-frequency bucket from the vocabulary counts (:func:`modules.cowclip.frequency_bucket`;
+        the OOV and missing rows, and every row of a hashed table, are "unknown")."""
+        import pyarrow.parquet as pq
+
+        assert self.store is not None, "setup() first"
+        spec = self.feature_spec
+        counts: dict[str, torch.Tensor] = {}
+        for table, rows in spec.table_sizes.items():
+            c = torch.full((rows,), -1, dtype=torch.int64)
+            path = self.store.root / "vocab" / f"{table}.parquet"
+            if path.is_file():
+                known = torch.from_numpy(pq.read_table(path, columns=["count"]).column("count").to_numpy().astype("int64"))
+                c[2:2 + len(known)] = known  # ids 0 and 1: OOV and missing
+            counts[table] = c
+        tables = {EMB_PREFIX + t: frequency_bucket(c) for t, c in counts.items()}
+        for name, features in ((WIDE_TABLE, spec.bag_features), (WIDE_SEQ_TABLE, spec.seq_features)):
+            offsets = wide_row_offsets(spec, features)
+            if offsets:
+                wide = torch.zeros(max(offsets[f] + spec.table_sizes[spec.table_of(f)] for f in features),
+                                   dtype=torch.int64)
+                for f in features:
+                    part = tables[EMB_PREFIX + spec.table_of(f)]
+                    wide[offsets[f]:offsets[f] + len(part)] = part
+                tables[name] = wide
+        return RowBuckets(tables)
 
     def _loader(self, split: str, train: bool) -> BatchLoader:
         assert self.store is not None, "setup() first"

@@ -1,0 +1,253 @@
+"""L2 on every embedding row at every step (``optim.embedding_l2_scope=all``): the CowClip reference's
+regularizer (bytedance/LargeBatchCTR: a Keras ``l2(λ)`` on the whole embedding matrix).
+
+There every row w_k — in the batch or not — gets the gradient 2λ·w_k each step; CowClip then clips
+each row to ``max(cnt_k, 1)·max(r‖w_k‖, floor)`` (``cnt_k`` = 0 for an absent row) and the optimizer
+updates every row. A row absent from the batch therefore moves each step by
+
+    g = 2λ·w                        (never clipped when 2λ ≤ r: ‖g‖ = 2λ‖w‖ ≤ r‖w‖ ≤ threshold)
+    sgd:               w ← w − η·g
+    adagrad:           s ← s + g²;        w ← w − η·g / (√s + ε)
+    rowwise_adagrad:   s ← s + mean(g²);  w ← w − η·g / (√s + ε)
+    adam (iteration t): m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²;
+                        w ← w − η·(m / (1−β1^t)) / (√(v / (1−β2^t)) + ε)
+
+With Adam's ε ≈ 1e-7 the step of a rarely seen row is ~η whatever λ, so its norm decays between
+appearances and CowClip's threshold (∝ ‖w‖) becomes small for exactly the rare ids.
+
+Two implementations of the same thing, chosen per embedding kernel:
+
+* :class:`DenseRowsL2` — tables whose gradient is a dense tensor (data-parallel tables updated by a
+  ``torch.optim`` optimizer, :mod:`modules.optimizers`): after the backward (and DDP's all-reduce)
+  add 2λ·W to the whole gradient and clip every row with its global count (absent: 1). Exactly the
+  reference; O(table) per step, like the dense gradient itself.
+* :class:`LazyRowsL2` — tables updated inside FBGEMM's backward, where touching every row every step
+  would cost O(table): each row remembers the last step applied to it. When its id next reaches the
+  kernel that holds it (a forward pre-hook: after TorchRec's input all-to-all, so the ids of the
+  whole global batch for table-wise and row-wise shards), the missed steps are replayed exactly —
+  each with that step's learning rate — before the lookup; the row's own update (batch-scope L2
+  term and clipping, :mod:`modules.cowclip`) follows as usual. :meth:`LazyRowsL2.flush` brings every
+  row up to date; it runs before evaluation, checkpoints and the end of training, so what is read
+  or saved is what the dense version would hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from modules.cowclip import CowClipConfig, CowClipStats, RowBuckets
+
+L2_SCOPES = ("batch", "all")
+FBGEMM_KINDS = {"EXACT_SGD": "sgd", "EXACT_ADAGRAD": "adagrad", "EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad",
+                "ADAM": "adam"}
+STATES = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}
+
+
+@dataclass(frozen=True)
+class DecayRule:
+    """The optimizer that applies the L2-only gradient 2λ·w to an absent row (module docstring)."""
+
+    kind: str                     # sgd | adagrad | rowwise_adagrad | adam
+    l2: float                     # λ (scaled for the batch size)
+    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@torch.no_grad()
+def replay_decay(w: torch.Tensor, states: Sequence[torch.Tensor], rule: DecayRule, first: torch.Tensor,
+                 count: torch.Tensor, lrs: torch.Tensor, iteration0: int = 0) -> None:
+    """Apply to each row r of ``w`` [R, d] (and its optimizer ``states``: [R] or [R, d] each) the
+    ``count[r]`` L2-only steps ``first[r] … first[r] + count[r] − 1``, in place.
+
+    ``lrs[j]``: the learning rate of step j; Adam's iteration of step j is ``iteration0 + j + 1``.
+    Rows are sorted by count so that step i of the replay works on a prefix (no masks).
+    """
+    if not len(count) or int(count.max()) <= 0:
+        return
+    order = torch.argsort(count, descending=True)
+    rows, st = w[order], [s[order] for s in states]
+    start, n = first[order], count[order].tolist()
+    active = len(n)
+    for i in range(n[0]):
+        while active and n[active - 1] <= i:
+            active -= 1
+        x = rows[:active]
+        step = start[:active] + i
+        lr = lrs[step].to(x.dtype)[:, None]
+        g = (2.0 * rule.l2) * x
+        if rule.kind == "sgd":
+            x -= lr * g
+        elif rule.kind == "adagrad":
+            s = st[0][:active]
+            s += g * g
+            x -= lr * g / (s.sqrt() + rule.eps)
+        elif rule.kind == "rowwise_adagrad":
+            s = st[0][:active]
+            s += (g * g).mean(dim=1)
+            x -= lr * g / (s.sqrt()[:, None] + rule.eps)
+        else:  # adam
+            m, v = st[0][:active], st[1][:active]
+            t = (step + iteration0 + 1).to(torch.float64)[:, None]
+            m.mul_(rule.betas[0]).add_((1 - rule.betas[0]) * g)
+            v.mul_(rule.betas[1]).add_((1 - rule.betas[1]) * g * g)
+            mhat = m / (1 - rule.betas[0] ** t).to(x.dtype)
+            vhat = v / (1 - rule.betas[1] ** t).to(x.dtype)
+            x -= lr * mhat / (vhat.sqrt() + rule.eps)
+    w[order] = rows
+    for s, part in zip(states, st):
+        s[order] = part
+
+
+def table_ids(features: KeyedJaggedTensor, tables: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+    """The ids (rows of the kernel's shard) each table's features carry in a kernel's input."""
+    keys = features.keys()
+    per_key = features.lengths().view(len(keys), -1).sum(dim=1).tolist()
+    values = features.values().to(torch.int64)
+    segments = dict(zip(keys, torch.split(values, per_key)))
+    return [torch.cat([segments[f] for f in names]) if names else values[:0] for names in tables]
+
+
+def _kernel_tables(kernel: nn.Module) -> tuple[list[str], list[list[str]]]:
+    tables = kernel.config.embedding_tables
+    return [t.name for t in tables], [list(t.feature_names) for t in tables]
+
+
+class LazyRowsL2:
+    """Replays the missed L2-only steps of fused tables' rows when they are next looked up (module
+    docstring). ``begin_step`` before each training step; ``flush`` before anything reads the tables."""
+
+    def __init__(self, rule: DecayRule) -> None:
+        self.rule = rule
+        self.kernels: list[tuple[nn.Module, list[str], list[list[str]], list[torch.Tensor]]] = []
+        self.step = -1            # the training step under way (or last done)
+        self.lrs = torch.zeros(1024, dtype=torch.float64)
+
+    def add(self, kernel: nn.Module) -> None:
+        emb = kernel.emb_module
+        kind = FBGEMM_KINDS.get(getattr(emb.optimizer, "name", ""))
+        if kind != self.rule.kind:
+            raise ValueError(f"optim.embedding_l2_scope=all: kernel optimizer {emb.optimizer} is not the "
+                             f"configured {self.rule.kind}")
+        if getattr(emb, "lxu_cache_weights", torch.empty(0)).numel():
+            raise ValueError("optim.embedding_l2_scope=all: tables with a UVM cache (topology tier 'host' with "
+                             "caching) are not supported by the lazy L2 replay; place them on the device")
+        names, features = _kernel_tables(kernel)
+        rows = [w.shape[0] for w in emb.split_embedding_weights()]
+        last = [torch.full((n,), self.step, dtype=torch.int64) for n in rows]
+        self.kernels.append((kernel, names, features, last))
+        kernel.register_forward_pre_hook(self._pre_hook(len(self.kernels) - 1))
+
+    def begin_step(self, step: int, lr: float) -> None:
+        """Training step ``step`` (0-based, continuing after a resume) is about to run with rate ``lr``."""
+        if self.step < 0 or step < self.step:  # first step of this process: every row is current
+            for _, _, _, last in self.kernels:
+                for t in last:
+                    t.fill_(step - 1)
+        if step >= len(self.lrs):
+            self.lrs = torch.cat([self.lrs, torch.zeros(max(step + 1, 2 * len(self.lrs)) - len(self.lrs),
+                                                        dtype=torch.float64)])
+        self.lrs[step] = lr
+        self.step = step
+
+    def _catch_up(self, kernel: nn.Module, table: int, rows: torch.Tensor, last: torch.Tensor, upto: int) -> None:
+        """Apply the steps ``last[rows] + 1 … upto`` to ``rows`` of the kernel's ``table``."""
+        count = upto - last[rows]
+        pending = count > 0
+        if not bool(pending.any()):
+            return
+        rows, count = rows[pending], count[pending]
+        emb = kernel.emb_module
+        weights = emb.split_embedding_weights()[table]
+        states = [s[table] for s in _states_by_kind(emb.split_optimizer_states(), STATES[self.rule.kind])]
+        w, st = weights[rows].float(), [s[rows].float() for s in states]
+        iteration0 = int(emb.iter.item()) - self.step if self.rule.kind == "adam" else 0
+        replay_decay(w, st, self.rule, last[rows] + 1, count, self.lrs, iteration0)
+        weights[rows] = w.to(weights.dtype)
+        for s, new in zip(states, st):
+            s[rows] = new.to(s.dtype)
+        last[rows] = upto
+
+    def _pre_hook(self, index: int):
+        def hook(module: nn.Module, inputs: tuple) -> None:
+            if not (torch.is_grad_enabled() and module.training) or self.step < 0:
+                return
+            kernel, _, features, last = self.kernels[index]
+            for table, ids in enumerate(table_ids(inputs[0], features)):
+                if ids.numel():
+                    rows = torch.unique(ids)
+                    self._catch_up(kernel, table, rows, last[table], self.step - 1)
+                    last[table][rows] = self.step
+
+        return hook
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Bring every row up to date with the last step run."""
+        if self.step < 0:
+            return
+        for kernel, _, _, last in self.kernels:
+            for table, t in enumerate(last):
+                self._catch_up(kernel, table, torch.arange(len(t)), t, self.step)
+
+
+def _states_by_kind(per_table: list[list[torch.Tensor]], n: int) -> list[list[torch.Tensor]]:
+    """``split_optimizer_states()`` (tables × states) → the first ``n`` states, each a list over tables."""
+    return [[states[i] for states in per_table] for i in range(n)]
+
+
+class DenseRowsL2:
+    """Every row of data-parallel tables gets 2λ·w and clipping with its global count (module docstring):
+    ``apply`` after the backward, before the optimizer steps."""
+
+    def __init__(self, l2: float, clip: CowClipConfig | None, stats: CowClipStats) -> None:
+        self.l2, self.clip, self.stats = l2, clip, stats
+        self.kernels: list[dict[str, Any]] = []
+
+    def add(self, kernel: nn.Module, clipped_tables: set[str], buckets: RowBuckets | None = None) -> None:
+        names, features = _kernel_tables(kernel)
+        rows = [w.shape[0] for w in kernel.emb_module.split_embedding_weights()]
+        entry = {"kernel": kernel, "names": names, "features": features, "clip": [n in clipped_tables for n in names],
+                 "counts": [torch.zeros(n, dtype=torch.int64) for n in rows],
+                 "buckets": [buckets.lookup([(n, 0)]) if buckets is not None else None for n in names]}
+        self.kernels.append(entry)
+
+        def hook(module: nn.Module, inputs: tuple) -> None:
+            if torch.is_grad_enabled() and module.training:
+                for counts, ids in zip(entry["counts"], table_ids(inputs[0], features)):
+                    counts += torch.bincount(ids.cpu(), minlength=len(counts))
+
+        kernel.register_forward_pre_hook(hook)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        for entry in self.kernels:
+            emb = entry["kernel"].emb_module
+            weights = emb.split_embedding_weights()
+            if emb.weights.grad is None:  # no lookup this step: the L2 term alone
+                emb.weights.grad = torch.zeros_like(emb.weights)
+            grad_flat = emb.weights.grad.view(-1)
+            counts = entry["counts"]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                total = torch.cat(counts)
+                dist.all_reduce(total)
+                counts = list(torch.split(total, [len(c) for c in counts]))
+            for table, (w, cnt, clip, bucket_of) in enumerate(zip(weights, counts, entry["clip"], entry["buckets"])):
+                offset = int(emb.weights_physical_offsets[table])
+                g = grad_flat[offset:offset + w.numel()].view_as(w)
+                g += (2.0 * self.l2) * w
+                if clip and self.clip is not None and self.clip.enabled:
+                    threshold = cnt.clamp(min=1).to(w.device, w.dtype) * torch.clamp(
+                        self.clip.r * w.norm(dim=1), min=self.clip.floor_value(w.shape[1]))
+                    norm = g.norm(dim=1)
+                    over = norm > threshold
+                    g *= torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))[:, None]
+                    present = (cnt > 0).nonzero().squeeze(1)
+                    self.stats.add(over[present.to(over.device)], bucket_of(present) if bucket_of is not None else None)
+            for c in entry["counts"]:
+                c.zero_()
