@@ -60,6 +60,8 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
     (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),
     (["model=deepfm", "+model.low_rank=8"], "model.low_rank=8: model 'deepfm' takes no 'low_rank'"),
     (["scaling.rule=cubic"], "scaling.rule='cubic'"),
+    (["optim.embedding_l2_scope=every"], "optim.embedding_l2_scope='every'"),
+    (["trainer.init_from_optimizer=moments", "trainer.init_from=x"], "trainer.init_from_optimizer='moments'"),
 ])
 def test_bad_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

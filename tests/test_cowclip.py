@@ -68,6 +68,18 @@ def initial_weights() -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def row_bucket(table: str, row: int) -> int:
+    """An arbitrary frequency-bucket assignment the statistics must follow, row by row."""
+    return (7 * row + len(table)) % 6
+
+
+def row_buckets():
+    from modules.cowclip import RowBuckets
+
+    sizes = {**{f"emb_{f}": n for f, n in SPEC.table_sizes.items()}, "wide": sum(SPEC.table_sizes.values())}
+    return RowBuckets({t: torch.tensor([row_bucket(t, r) for r in range(n)]) for t, n in sizes.items()})
+
+
 class Reference:
     """Full tables, explicit per-id L2 + clipping, explicit optimizer update rules."""
 
@@ -79,6 +91,7 @@ class Reference:
         self.opt, self.cfg, self.world, self.scope, self.t = opt, cfg, world, scope, 0
         self.l2_scope = l2_scope  # "all": every row gets 2λw each step, absent rows count 1 in the threshold
         self.clipped = self.unclipped = 0
+        self.bucket_seen, self.bucket_clipped = np.zeros(6, np.int64), np.zeros(6, np.int64)
 
     def _grads(self, ids: np.ndarray, labels: np.ndarray, rows: slice) -> dict[str, torch.Tensor]:
         w = {k: v.clone().requires_grad_(True) for k, v in self.w.items()}
@@ -103,9 +116,12 @@ class Reference:
                 pass
             elif n > threshold:
                 self.clipped += counts[k] > 0
+                self.bucket_clipped[row_bucket(table, k)] += counts[k] > 0
                 g = g * threshold / n
             else:
                 self.unclipped += counts[k] > 0
+            if clip:
+                self.bucket_seen[row_bucket(table, k)] += counts[k] > 0
             out[k] = g
         return out
 
@@ -163,7 +179,7 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_s
     topology = TopologySpec(compute_device="cpu", sharding_types=[sharding_type])
     dmp, _ = shard_model(net, spec, topology, torch.device("cpu"))
     dmp.load_state_dict(weights)
-    hooks = attach_cowclip(dmp, cfg, L2, l2_scope, DecayRule(opt, L2))
+    hooks = attach_cowclip(dmp, cfg, L2, l2_scope, DecayRule(opt, L2), row_buckets())
     stats = hooks.stats
     dense_kernel = [p for _, p in replicated_parameters(dmp)]
     optimizer = build_optimizer(spec, dense_kernel) if dense_kernel else None
@@ -188,6 +204,11 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_s
     assert reference.clipped > 0 and reference.unclipped > 0, (reference.clipped, reference.unclipped)
     if world == 1:  # the statistics count exactly the reference's clipped ids
         assert (stats.clipped, stats.ids) == (reference.clipped, reference.clipped + reference.unclipped)
+        # and per frequency bucket of the rows (global scope: the hooks on the shards and the dense version)
+        if reference.scope == "global":
+            seen, clipped = stats.take_buckets()
+            assert seen.tolist() == reference.bucket_seen.tolist() and \
+                clipped.tolist() == reference.bucket_clipped.tolist(), (seen, clipped, reference.bucket_seen)
     for key, value in dmp.state_dict().items():
         want = reference.w[key.split(".")[-2]].float()
         shards = value.local_shards() if hasattr(value, "local_shards") else None
@@ -241,3 +262,49 @@ def test_per_id_gradient_formula_in_float64():
             thr = int(m.sum()) * max(0.3 * float(rows[m][0].norm()), f)
             want = g * min(1.0, thr / float(g.norm()))
             torch.testing.assert_close(out[m].sum(0), want)
+
+
+def test_row_buckets_follow_the_vocabulary_counts(tmp_path):
+    """Each row's frequency bucket from its value's training count (decades: <10, 10–99, …, ≥10k), OOV and
+    missing rows "unknown"; the first-order tables lay the tables' buckets out as their rows."""
+    import pyarrow.parquet as pq
+
+    from modules.cowclip import BUCKET_LABELS
+    from modules.embedding import wide_row_offsets
+    from pipeline.data.datamodule import CTRDataModule
+    from pipeline.data.preprocess import preprocess
+    from tests.click_logs import click_log
+    from tests.test_own_data import declaration
+
+    click_log(20_000, seed=3)[0].to_csv(tmp_path / "log.csv", index=False)
+    data = declaration(preprocess={"min_count": 1, "split": {"method": "random", "valid": 0.0, "test": 0.0}})
+    module = CTRDataModule(data, tmp_path, 1024, 1024, 0)
+    module.store = preprocess([tmp_path / "log.csv"], data, tmp_path / "store")
+    buckets, spec = module.row_buckets().tables, module.feature_spec
+    for table in spec.table_sizes:
+        counts = pq.read_table(tmp_path / "store" / "vocab" / f"{table}.parquet").column("count").to_numpy()
+        want = np.concatenate([[0, 0], 1 + np.digitize(counts, [10, 100, 1000, 10000])])
+        np.testing.assert_array_equal(buckets[f"emb_{table}"].numpy(), want, err_msg=table)
+    assert set(np.unique(np.concatenate([b.numpy() for b in buckets.values()]))) >= {0, 1, 2, 3}, BUCKET_LABELS
+    for name, features in (("wide", spec.bag_features), ("wide_seq", spec.seq_features)):
+        for f, start in wide_row_offsets(spec, features).items():
+            part = buckets[f"emb_{spec.table_of(f)}"]
+            np.testing.assert_array_equal(buckets[name][start:start + len(part)].numpy(), part.numpy(), err_msg=f)
+
+
+def _refusals(rank: int, world: int) -> None:
+    from modules.cowclip_hooks import attach_cowclip
+    from modules.optimizers import OptimizerSpec
+    from modules.placement import TopologySpec
+    from modules.sharding import shard_model
+
+    dmp, _ = shard_model(ClipModel(device=torch.device("meta")), OptimizerSpec("rowwise_adagrad", 0.1),
+                         TopologySpec(compute_device="cpu", sharding_types=["table_wise"]), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"2λ = 0.2 > scaling.cowclip.r = 0.05"):
+        attach_cowclip(dmp, CFG, 0.1, "all", DecayRule("rowwise_adagrad", 0.1))
+    with pytest.raises(ValueError, match="scaling.cowclip.fields must be null"):
+        attach_cowclip(dmp, CowClipConfig(**{**CFG.__dict__, "fields": ["a"]}), L2, "all", DecayRule("rowwise_adagrad", L2))
+
+
+def test_every_row_l2_refuses_what_the_lazy_replay_cannot_do():
+    run_workers(_refusals, 1)
