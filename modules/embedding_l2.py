@@ -34,7 +34,7 @@ Two implementations of the same thing, chosen per embedding kernel:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,9 +113,16 @@ def table_ids(features: KeyedJaggedTensor, tables: Sequence[Sequence[str]]) -> l
     return [torch.cat([segments[f] for f in names]) if names else values[:0] for names in tables]
 
 
-def _kernel_tables(kernel: nn.Module) -> tuple[list[str], list[list[str]]]:
-    tables = kernel.config.embedding_tables
-    return [t.name for t in tables], [list(t.feature_names) for t in tables]
+def _features_per_table(kernel: nn.Module) -> list[list[str]]:
+    return [list(t.feature_names) for t in kernel.config.embedding_tables]
+
+
+@dataclass
+class _LazyKernel:
+    module: nn.Module
+    features: list[list[str]]       # per table of the kernel
+    last: list[torch.Tensor]        # per table: [rows] the last step applied to each row
+    iteration0: int | None = None   # FBGEMM's iteration count before step 0 (Adam's bias correction)
 
 
 class LazyRowsL2:
@@ -124,7 +131,7 @@ class LazyRowsL2:
 
     def __init__(self, rule: DecayRule) -> None:
         self.rule = rule
-        self.kernels: list[tuple[nn.Module, list[str], list[list[str]], list[torch.Tensor]]] = []
+        self.kernels: list[_LazyKernel] = []
         self.step = -1            # the training step under way (or last done)
         self.lrs = torch.zeros(1024, dtype=torch.float64)
 
@@ -137,52 +144,54 @@ class LazyRowsL2:
         if getattr(emb, "lxu_cache_weights", torch.empty(0)).numel():
             raise ValueError("optim.embedding_l2_scope=all: tables with a UVM cache (topology tier 'host' with "
                              "caching) are not supported by the lazy L2 replay; place them on the device")
-        names, features = _kernel_tables(kernel)
         rows = [w.shape[0] for w in emb.split_embedding_weights()]
-        last = [torch.full((n,), self.step, dtype=torch.int64) for n in rows]
-        self.kernels.append((kernel, names, features, last))
-        kernel.register_forward_pre_hook(self._pre_hook(len(self.kernels) - 1))
+        entry = _LazyKernel(kernel, _features_per_table(kernel), [torch.full((n,), -1, dtype=torch.int64) for n in rows])
+        self.kernels.append(entry)
+        kernel.register_forward_pre_hook(self._pre_hook(entry))
 
     def begin_step(self, step: int, lr: float) -> None:
         """Training step ``step`` (0-based, continuing after a resume) is about to run with rate ``lr``."""
         if self.step < 0 or step < self.step:  # first step of this process: every row is current
-            for _, _, _, last in self.kernels:
-                for t in last:
+            for kernel in self.kernels:
+                for t in kernel.last:
                     t.fill_(step - 1)
         if step >= len(self.lrs):
-            self.lrs = torch.cat([self.lrs, torch.zeros(max(step + 1, 2 * len(self.lrs)) - len(self.lrs),
-                                                        dtype=torch.float64)])
+            grown = torch.zeros(max(step + 1, 2 * len(self.lrs)), dtype=torch.float64)
+            grown[:len(self.lrs)] = self.lrs
+            self.lrs = grown
         self.lrs[step] = lr
         self.step = step
 
-    def _catch_up(self, kernel: nn.Module, table: int, rows: torch.Tensor, last: torch.Tensor, upto: int) -> None:
-        """Apply the steps ``last[rows] + 1 … upto`` to ``rows`` of the kernel's ``table``."""
+    def _catch_up(self, kernel: _LazyKernel, table: int, rows: torch.Tensor, upto: int) -> None:
+        """Apply the steps ``last + 1 … upto`` to ``rows`` of the kernel's ``table``."""
+        last = kernel.last[table]
         count = upto - last[rows]
         pending = count > 0
         if not bool(pending.any()):
             return
         rows, count = rows[pending], count[pending]
-        emb = kernel.emb_module
+        emb = kernel.module.emb_module
         weights = emb.split_embedding_weights()[table]
-        states = [s[table] for s in _states_by_kind(emb.split_optimizer_states(), STATES[self.rule.kind])]
+        n_states = STATES[self.rule.kind]
+        states = emb.split_optimizer_states()[table][:n_states] if n_states else []
         w, st = weights[rows].float(), [s[rows].float() for s in states]
-        iteration0 = int(emb.iter.item()) - self.step if self.rule.kind == "adam" else 0
-        replay_decay(w, st, self.rule, last[rows] + 1, count, self.lrs, iteration0)
+        replay_decay(w, st, self.rule, last[rows] + 1, count, self.lrs, kernel.iteration0 or 0)
         weights[rows] = w.to(weights.dtype)
         for s, new in zip(states, st):
             s[rows] = new.to(s.dtype)
         last[rows] = upto
 
-    def _pre_hook(self, index: int):
+    def _pre_hook(self, kernel: _LazyKernel):
         def hook(module: nn.Module, inputs: tuple) -> None:
             if not (torch.is_grad_enabled() and module.training) or self.step < 0:
                 return
-            kernel, _, features, last = self.kernels[index]
-            for table, ids in enumerate(table_ids(inputs[0], features)):
+            if kernel.iteration0 is None and hasattr(module.emb_module, "iter"):
+                kernel.iteration0 = int(module.emb_module.iter.item()) - self.step  # before this step's update
+            for table, ids in enumerate(table_ids(inputs[0], kernel.features)):
                 if ids.numel():
                     rows = torch.unique(ids)
-                    self._catch_up(kernel, table, rows, last[table], self.step - 1)
-                    last[table][rows] = self.step
+                    self._catch_up(kernel, table, rows, self.step - 1)
+                    kernel.last[table][rows] = self.step
 
         return hook
 
@@ -191,63 +200,67 @@ class LazyRowsL2:
         """Bring every row up to date with the last step run."""
         if self.step < 0:
             return
-        for kernel, _, _, last in self.kernels:
-            for table, t in enumerate(last):
-                self._catch_up(kernel, table, torch.arange(len(t)), t, self.step)
+        for kernel in self.kernels:
+            for table, last in enumerate(kernel.last):
+                self._catch_up(kernel, table, torch.arange(len(last)), self.step)
 
 
-def _states_by_kind(per_table: list[list[torch.Tensor]], n: int) -> list[list[torch.Tensor]]:
-    """``split_optimizer_states()`` (tables × states) → the first ``n`` states, each a list over tables."""
-    return [[states[i] for states in per_table] for i in range(n)]
+@dataclass
+class _DenseKernel:
+    module: nn.Module
+    features: list[list[str]]               # per table of the kernel
+    clip: list[bool]                        # per table: CowClip applies
+    counts: list[torch.Tensor]              # per table: [rows] occurrences in this step's (local) batch
+    buckets: list[Callable | None]          # per table: rows → id-frequency buckets (statistics)
 
 
 class DenseRowsL2:
     """Every row of data-parallel tables gets 2λ·w and clipping with its global count (module docstring):
     ``apply`` after the backward, before the optimizer steps."""
 
-    def __init__(self, l2: float, clip: CowClipConfig | None, stats: CowClipStats) -> None:
+    def __init__(self, l2: float, clip: CowClipConfig, stats: CowClipStats) -> None:
         self.l2, self.clip, self.stats = l2, clip, stats
-        self.kernels: list[dict[str, Any]] = []
+        self.kernels: list[_DenseKernel] = []
 
     def add(self, kernel: nn.Module, clipped_tables: set[str], buckets: RowBuckets | None = None) -> None:
-        names, features = _kernel_tables(kernel)
-        rows = [w.shape[0] for w in kernel.emb_module.split_embedding_weights()]
-        entry = {"kernel": kernel, "names": names, "features": features, "clip": [n in clipped_tables for n in names],
-                 "counts": [torch.zeros(n, dtype=torch.int64) for n in rows],
-                 "buckets": [buckets.lookup([(n, 0)]) if buckets is not None else None for n in names]}
+        tables = kernel.config.embedding_tables
+        entry = _DenseKernel(kernel, _features_per_table(kernel), [t.name in clipped_tables for t in tables],
+                             [torch.zeros(w.shape[0], dtype=torch.int64) for w in kernel.emb_module.split_embedding_weights()],
+                             [buckets.lookup([(t.name, 0)]) if buckets is not None else None for t in tables])
         self.kernels.append(entry)
 
         def hook(module: nn.Module, inputs: tuple) -> None:
             if torch.is_grad_enabled() and module.training:
-                for counts, ids in zip(entry["counts"], table_ids(inputs[0], features)):
+                for counts, ids in zip(entry.counts, table_ids(inputs[0], entry.features)):
                     counts += torch.bincount(ids.cpu(), minlength=len(counts))
 
         kernel.register_forward_pre_hook(hook)
 
     @torch.no_grad()
     def apply(self) -> None:
-        for entry in self.kernels:
-            emb = entry["kernel"].emb_module
-            weights = emb.split_embedding_weights()
+        for kernel in self.kernels:
+            emb = kernel.module.emb_module
             if emb.weights.grad is None:  # no lookup this step: the L2 term alone
                 emb.weights.grad = torch.zeros_like(emb.weights)
-            grad_flat = emb.weights.grad.view(-1)
-            counts = entry["counts"]
-            if dist.is_initialized() and dist.get_world_size() > 1:
+            grad = emb.weights.grad.view(-1)
+            counts = kernel.counts
+            if dist.is_initialized() and dist.get_world_size() > 1:  # the gradient is the global batch's
                 total = torch.cat(counts)
                 dist.all_reduce(total)
                 counts = list(torch.split(total, [len(c) for c in counts]))
-            for table, (w, cnt, clip, bucket_of) in enumerate(zip(weights, counts, entry["clip"], entry["buckets"])):
+            for table, w in enumerate(emb.split_embedding_weights()):
                 offset = int(emb.weights_physical_offsets[table])
-                g = grad_flat[offset:offset + w.numel()].view_as(w)
+                g = grad[offset:offset + w.numel()].view_as(w)
                 g += (2.0 * self.l2) * w
-                if clip and self.clip is not None and self.clip.enabled:
+                if kernel.clip[table] and self.clip.enabled:
+                    cnt = counts[table]
                     threshold = cnt.clamp(min=1).to(w.device, w.dtype) * torch.clamp(
                         self.clip.r * w.norm(dim=1), min=self.clip.floor_value(w.shape[1]))
                     norm = g.norm(dim=1)
                     over = norm > threshold
                     g *= torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))[:, None]
                     present = (cnt > 0).nonzero().squeeze(1)
+                    bucket_of = kernel.buckets[table]
                     self.stats.add(over[present.to(over.device)], bucket_of(present) if bucket_of is not None else None)
-            for c in entry["counts"]:
+            for c in kernel.counts:
                 c.zero_()
