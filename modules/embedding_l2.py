@@ -183,7 +183,7 @@ class LazyRowsL2:
 
     def _pre_hook(self, kernel: _LazyKernel):
         def hook(module: nn.Module, inputs: tuple) -> None:
-            if not (torch.is_grad_enabled() and module.training) or self.step < 0:
+            if not torch.is_grad_enabled() or self.step < 0:  # training forwards only (eval: no grad)
                 return
             if kernel.iteration0 is None and hasattr(module.emb_module, "iter"):
                 kernel.iteration0 = int(module.emb_module.iter.item()) - self.step  # before this step's update
@@ -230,7 +230,7 @@ class DenseRowsL2:
         self.kernels.append(entry)
 
         def hook(module: nn.Module, inputs: tuple) -> None:
-            if torch.is_grad_enabled() and module.training:
+            if torch.is_grad_enabled():  # training forwards only (eval: no grad)
                 for counts, ids in zip(entry.counts, table_ids(inputs[0], entry.features)):
                     counts += torch.bincount(ids.cpu(), minlength=len(counts))
 

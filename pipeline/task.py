@@ -155,6 +155,11 @@ class CTRTask(L.LightningModule):
     def on_train_end(self) -> None:
         self.cowclip.flush()
 
+    def on_validation_model_train(self) -> None:
+        """Back to training mode after validation, every module: Lightning's default restores the modes it
+        recorded through ``named_modules``, which does not reach TorchRec's embedding kernels."""
+        self.trainer.model.train()
+
     def on_validation_epoch_end(self) -> None:
         self._log_eval("val", self.val_metrics)
 
