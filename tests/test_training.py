@@ -88,3 +88,22 @@ def test_resumed_run_id_missing_from_the_store_starts_a_new_run(tmp_path):
     fresh = make_logger(cfg, "0123456789abcdef0123456789abcdef")  # one from another store
     assert fresh.run_id != "0123456789abcdef0123456789abcdef"
     assert MlflowClient(uri).get_run(fresh.run_id).info.experiment_id == first.experiment_id
+
+
+def test_reference_regime_l2_on_every_row_logs_clipping_per_frequency_bucket(small_overrides, tmp_path):
+    """optim=reference (data-parallel Adam tables on CPU) with CowClip and L2 on every row: trains, and the
+    clipping statistics count ids in every epoch (they stopped after the first validation while Lightning left
+    TorchRec's kernels in eval mode), per frequency bucket, with the plot in the run."""
+    uri = f"sqlite:///{tmp_path}/m.db"
+    result = _train([*small_overrides, "optim=reference", "scaling=cowclip", "optim.embedding_l2_scope=all",
+                     "trainer.log_every_n_steps=10"], uri, tmp_path / "run")
+    assert result.test_auc > 0.55, result
+    client = MlflowClient(uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert len(client.get_metric_history(run.info.run_id, "train/cowclip_clipped_fraction")) == 2
+    steps_per_epoch = run.data.metrics["data/train_rows"] // 1024
+    buckets = [k for k in run.data.metrics if k.startswith("train/cowclip_clipped_fraction/")]
+    assert buckets, sorted(run.data.metrics)
+    last = max(m.step for k in buckets for m in client.get_metric_history(run.info.run_id, k))
+    assert last > steps_per_epoch + 10, (last, steps_per_epoch)
+    assert "cowclip_clipped_by_frequency.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
