@@ -1,6 +1,7 @@
 """Batch-scaling report from MLflow: ``python -m pipeline.report --experiment batch_scaling``.
 
-Reads the finished training runs of an experiment (latest run per batch size × scaling rule),
+Reads the finished training runs of an experiment (latest run per batch size × scaling rule × L2 scope
+× seed; a cell with several seeds gives their mean, the number of seeds and their spread),
 writes ``<out>/report.md`` (test AUC per batch size and rule, difference to the 1K baseline,
 epochs, throughput) and ``<out>/auc_vs_batch.png`` (one line per rule), and logs both to MLflow
 as a run named ``report`` in the same experiment.
@@ -41,10 +42,26 @@ class RunSummary:
     start_time: int
     scale: float = 0.0
     shared: bool = False  # filled in from the equivalent s = 1 run of another rule
+    l2_scope: str = "batch"
+    seed: str = ""
+    seeds: int = 1        # runs averaged into this summary
+    spread: float = 0.0   # their max − min test AUC
 
     @property
     def label(self) -> str:
-        return self.rule if self.clip == (self.rule == "cowclip") else f"{self.rule}{'+clip' if self.clip else '-clip'}"
+        base = self.rule if self.clip == (self.rule == "cowclip") else f"{self.rule}{'+clip' if self.clip else '-clip'}"
+        return base + ("·all" if self.l2_scope == "all" else "")
+
+
+def _mean(runs: list[RunSummary]) -> RunSummary:
+    """One summary of the seeds of a cell: mean AUC / logloss / epochs, their number and AUC spread."""
+    if len(runs) == 1:
+        return runs[0]
+    aucs = [r.test_auc for r in runs]
+    epochs = [r.epochs for r in runs if r.epochs is not None]
+    return replace(runs[0], test_auc=sum(aucs) / len(aucs), test_logloss=sum(r.test_logloss for r in runs) / len(runs),
+                   epochs=sum(epochs) / len(epochs) if epochs else None, best_epoch=None, seeds=len(runs),
+                   spread=max(aucs) - min(aucs), seed="")
 
 
 def collect_runs(client: MlflowClient, experiment: str, parent: str | None = None) -> list[RunSummary]:
@@ -56,7 +73,7 @@ def collect_runs(client: MlflowClient, experiment: str, parent: str | None = Non
         if exp is None:
             raise SystemExit(f"MLflow experiment {experiment!r} not found at {client.tracking_uri}")
         exp_id, only = exp.experiment_id, ""
-    latest: dict[tuple[int, str], RunSummary] = {}
+    latest: dict[tuple[int, str, str], RunSummary] = {}
     for run in client.search_runs([exp_id], filter_string="attributes.status = 'FINISHED'" + only,
                                   max_results=5000):
         p, m = run.data.params, run.data.metrics
@@ -65,20 +82,29 @@ def collect_runs(client: MlflowClient, experiment: str, parent: str | None = Non
         s = RunSummary(run.info.run_id, int(p["trainer/batch_size"]), p["scaling/rule"],
                        p.get("scaling/cowclip/enabled", "False") == "True", m["test/auc"], m["test/logloss"],
                        m.get("train/epochs"), m.get("val/best_epoch"), m.get("train/samples_per_s_run"),
-                       run.info.start_time, float(p.get("scaled/scale", "nan")))
-        key = (s.batch_size, s.label)
+                       run.info.start_time, float(p.get("scaled/scale", "nan")),
+                       l2_scope=p.get("optim/embedding_l2_scope", "batch"), seed=p.get("seed", ""))
+        key = (s.batch_size, s.label, s.seed)
         if key not in latest or latest[key].start_time < s.start_time:
             latest[key] = s
     for r in list(latest.values()):
         if r.scale == 1.0 and not r.clip and not r.shared:
             for rule in SAME_AT_SCALE_1:
-                latest.setdefault((r.batch_size, rule), replace(r, rule=rule, shared=rule != r.rule))
-    return sorted(latest.values(), key=lambda r: (r.batch_size, r.label))
+                same = replace(r, rule=rule, shared=rule != r.rule)
+                latest.setdefault((r.batch_size, same.label, r.seed), same)
+    cells: dict[tuple[int, str], list[RunSummary]] = {}
+    for (batch, label, _), r in latest.items():
+        cells.setdefault((batch, label), []).append(r)
+    return sorted((_mean(rs) for rs in cells.values()), key=lambda r: (r.batch_size, r.label))
 
 
 def _labels(runs: list[RunSummary]) -> list[str]:
-    present = {r.label for r in runs}
-    return [x for x in RULE_ORDER if x in present] + sorted(present - set(RULE_ORDER))
+    """Rule labels in RULE_ORDER (each with its L2-scope variants), then any others."""
+    def key(label: str) -> tuple[int, str]:
+        base = label.split("·")[0]
+        return (RULE_ORDER.index(base) if base in RULE_ORDER else len(RULE_ORDER), label)
+
+    return sorted({r.label for r in runs}, key=key)
 
 
 def _grid(runs: list[RunSummary], labels: list[str], cell: Callable[[RunSummary], str]) -> list[str]:
@@ -95,10 +121,13 @@ def markdown_table(runs: list[RunSummary], baseline_rule: str = "none") -> str:
     labels = _labels(runs)
     batches = sorted({r.batch_size for r in runs})
     base = next((r for r in runs if r.batch_size == batches[0] and r.label == baseline_rule), None) if batches else None
+    if base is None and batches:  # the L2-scope variant of the baseline rule
+        base = next((r for r in runs if r.batch_size == batches[0] and r.label.split("·")[0] == baseline_rule), None)
 
     def auc(r: RunSummary) -> str:
         delta = f" ({r.test_auc - base.test_auc:+.4f})" if base else ""
-        return f"{r.test_auc:.4f}{delta}{' †' if r.shared else ''}"
+        seeds = f" [mean of {r.seeds} seeds, spread {r.spread:.4f}]" if r.seeds > 1 else ""
+        return f"{r.test_auc:.4f}{delta}{' †' if r.shared else ''}{seeds}"
 
     def epochs(r: RunSummary) -> str:
         ep = "?" if r.epochs is None else f"{r.epochs:.0f}"
@@ -106,8 +135,9 @@ def markdown_table(runs: list[RunSummary], baseline_rule: str = "none") -> str:
         sps = "" if r.samples_per_s is None else f", {r.samples_per_s:,.0f}/s"
         return f"{ep}{best}{sps}"
 
-    lines = [f"Test AUC (Δ vs the {batches[0] if batches else '?'} `{baseline_rule}` run"
-             f"{f' = {base.test_auc:.4f}' if base else ''}); epochs trained (best epoch); samples/s.", ""]
+    lines = [f"Test AUC (Δ vs the {batches[0] if batches else '?'} `{base.label if base else baseline_rule}` run"
+             f"{f' = {base.test_auc:.4f}' if base else ''}); epochs trained (best epoch); samples/s. `·all`: "
+             f"L2 on every embedding row (optim.embedding_l2_scope=all).", ""]
     lines += _grid(runs, labels, auc)
     if any(r.shared for r in runs):
         lines += ["", "† the same run as the unclipped rule trained at s = 1 (identical hyperparameters)."]
@@ -120,7 +150,7 @@ def plot(runs: list[RunSummary], path: Path, title: str) -> None:
     for lab in _labels(runs):
         pts = sorted((r.batch_size, r.test_auc) for r in runs if r.label == lab)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
-    base = [r for r in runs if r.label == "none"]
+    base = [r for r in runs if r.label.split("·")[0] == "none"]
     if base:
         b0 = min(base, key=lambda r: r.batch_size)
         ax.axhspan(b0.test_auc - 0.002, b0.test_auc + 0.002, color="grey", alpha=0.15,
