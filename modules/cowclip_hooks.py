@@ -24,6 +24,10 @@ Where (the algorithm is :mod:`modules.cowclip`):
   shards do not see the whole global batch / the whole row: their lookups fall back to local scope.
 * ``local`` scope — on each rank's pooled outputs (:class:`modules.embedding.PooledLookups`), over the
   rank's own batch, with ``grad_scale = l2_share = 1/W`` (see :mod:`modules.cowclip`).
+
+With ``optim.embedding_l2_scope=all`` the L2 term reaches every row (:mod:`modules.embedding_l2`):
+data-parallel kernels then get no per-id hook (the dense version adds the term and clips every row
+itself, over the global batch), fused kernels keep theirs and get the lazy replay as a pre-hook.
 """
 
 from __future__ import annotations
