@@ -115,3 +115,21 @@ def test_empty_file_is_refused_with_its_name(tmp_path):
     empty.write_text("")
     with pytest.raises(Exception, match="empty"):
         preprocess([empty], builtin_layout("criteo", PreprocessConfig()), tmp_path / "s")
+
+
+def test_split_leaving_no_training_rows_gives_empty_vocabularies(tmp_path):
+    """Found by the fuzz test: three rows, none drawn for training — every vocabulary is empty and every
+    value of the valid / test rows is OOV, instead of an IndexError in the id lookup."""
+    from pipeline.data.dataset import builtin_layout
+    from pipeline.data.preprocess_config import PreprocessConfig, SplitConfig
+
+    (tmp_path / "in.csv").write_bytes(
+        b"label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city\r\n"
+        b"1,266,1244,5042,5049,5054,5055,5058,5062,5074,5149\r\n0,138,1296,5041,5052,5053,5055,5058,5061,5085,5201\r\n"
+        b"0,317,1694,5041,5047,5053,5055,5058,5061,5070,")
+    cfg = PreprocessConfig(min_count=1, split=SplitConfig(valid=0.2, test=0.2))
+    store = preprocess([tmp_path / "in.csv"], builtin_layout("frappe", cfg), tmp_path / "store")
+    assert store.meta["splits"] == {"train": 0, "valid": 1, "test": 2}
+    assert all(n == 2 for n in store.table_sizes.values())  # OOV and missing rows only
+    for split in ("valid", "test"):
+        assert (np.asarray(store.split(split).sparse) <= 1).all()

@@ -72,4 +72,6 @@ class VocabIndex:
     def positions_of(self, keys: np.ndarray) -> np.ndarray:
         """Position of each key in the vocabulary, -1 where absent."""
         found = self.index.get_indexer(keys)
+        if not len(self.positions):  # an empty vocabulary (e.g. a column without a kept value)
+            return np.full(len(keys), -1, dtype=np.int64)
         return np.where(found >= 0, self.positions[np.maximum(found, 0)], -1)
