@@ -383,8 +383,8 @@ def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.")
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
     out = {k[len(prefix):]: v for k, v in tensors.items()}
-    doubled = prefix.removeprefix("state_dict/")
-    if doubled and out and all(k.startswith(doubled) for k in out):
+    doubled = prefix.removeprefix("state_dict/")  # "model."
+    if prefix.startswith("state_dict/") and out and all(k.startswith(doubled) for k in out):
         # TorchRec's DistributedModelParallel.state_dict adds its prefix twice when the dense part is not
         # in DDP (one process, k-step merging): "model.model.<key>" where DDP runs give "model.<key>"
         out = {k[len(doubled):]: v for k, v in out.items()}

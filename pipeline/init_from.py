@@ -95,10 +95,11 @@ def reused_positions(vocab_dir: Path, day: int) -> dict[str, np.ndarray]:
     import pyarrow.parquet as pq
 
     out = {}
+    if day <= 0:
+        return out
     for path in sorted(Path(vocab_dir).glob("*.parquet")):
-        table = pq.read_table(path)
-        if "since" in table.column_names and day > 0:
-            out[path.stem] = np.flatnonzero(table.column("since").to_numpy() == day)
+        if "since" in pq.read_schema(path).names:
+            out[path.stem] = np.flatnonzero(pq.read_table(path, columns=["since"]).column("since").to_numpy() == day)
     return out
 
 
@@ -135,7 +136,7 @@ def _copy_rows(target: torch.Tensor, offsets: tuple[int, ...] | list[int], sourc
 
 def _copy_table(value: Any, key: str, old: torch.Tensor, source: np.ndarray) -> None:
     """Fill a (sharded) table-shaped tensor ``value`` from the full ``old`` through ``source``."""
-    size = tuple(value.size()) if hasattr(value, "local_shards") else tuple(value.shape)
+    size = tuple(value.size())  # a tensor's or a ShardedTensor's whole shape
     if tuple(old.shape[1:]) != size[1:]:
         raise BundleError(f"{key} has shape {tuple(old.shape)} there, {size} here (model settings differ)")
     if hasattr(value, "local_shards"):
@@ -165,8 +166,7 @@ def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
                                       f"(model settings differ)")
                 value.copy_(old)
                 continue
-            rows = value.size()[0] if hasattr(value, "local_shards") else value.shape[0]
-            _copy_table(value, key, old, row_sources(key, old_spec, spec, rows, reused))
+            _copy_table(value, key, old, row_sources(key, old_spec, spec, value.size()[0], reused))
     except BundleError as e:
         raise BundleError(f"trainer.init_from={path}: {e}") from None
 
@@ -196,8 +196,7 @@ def carry_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, pa
     fused_old, flat, old_spec = source_optimizer_state(path)
 
     def rows_of(name: str, value: Any) -> np.ndarray:
-        rows = value.size()[0] if hasattr(value, "local_shards") else value.shape[0]
-        return row_sources(name, old_spec, spec, rows, reused)
+        return row_sources(name, old_spec, spec, value.size()[0], reused)
 
     try:
         fused = getattr(model, "fused_optimizer", None)

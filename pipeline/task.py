@@ -50,6 +50,7 @@ class CTRTask(L.LightningModule):
         self.warmup_epochs = cfg.scaling.warmup_epochs
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
         self.lr_factor = 1.0
+        self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
         self.model: torch.nn.Module | None = None
         self.plan: PlanResult | None = None
@@ -73,23 +74,21 @@ class CTRTask(L.LightningModule):
                                             data_parallel=self.data_parallel, coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse})
         if self.init_from and not self.trainer.ckpt_path:  # a resumed run takes its own checkpoint's weights
-            initialize_from(self.model, self.init_from, spec, self._reused_positions())
+            store = data.store
+            self._reused = reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
+            initialize_from(self.model, self.init_from, spec, self._reused)
         e = self.embedding_optim
+        buckets = data.row_buckets() if self.cowclip_cfg.enabled else None  # only clipped ids are counted
         self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2, self.l2_scope,
-                                      DecayRule(e.name, self.scaled.l2, e.eps, tuple(e.betas)), data.row_buckets())
+                                      DecayRule(e.name, self.scaled.l2, e.eps, tuple(e.betas)), buckets)
         self.val_metrics.to(device)
         self.test_metrics.to(device)
-
-    def _reused_positions(self) -> dict:
-        store = self.trainer.datamodule.store
-        return reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
 
     def on_train_start(self) -> None:
         """``trainer.init_from_optimizer``: the source checkpoint's optimizer state, once the optimizers exist."""
         if self.init_from and self.init_from_optimizer != "none" and not self.trainer.ckpt_path:
             carry_optimizer_state(self.model, self.trainer.optimizers[0], self.init_from,
-                                  self.trainer.datamodule.feature_spec, self.init_from_optimizer,
-                                  self._reused_positions())
+                                  self.trainer.datamodule.feature_spec, self.init_from_optimizer, self._reused)
 
     def forward(self, batch: CTRBatch) -> torch.Tensor:
         return self.model(batch.dense_features, batch.sparse_features)
