@@ -58,9 +58,7 @@ class OptimizerSpec:
             kw["eps"] = self.eps
         if self.name == "adam":
             kw["beta1"], kw["beta2"] = self.betas
-        if self.weight_decay:
-            kw["weight_decay"] = self.weight_decay
-        return kw
+        return kw  # no weight_decay: the fused kernels ignore it (refused by pipeline.config.check_runnable)
 
 
 def is_fusable(spec: OptimizerSpec, device_type: str) -> bool:

@@ -352,10 +352,17 @@ def newest_intact_checkpoint(folder: str | os.PathLike) -> Path | None:
 
 
 def checked_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` if it is an intact checkpoint directory; else :class:`CorruptCheckpointError`."""
+    """``path`` if it is an intact checkpoint directory; a folder of checkpoints (a run's
+    ``trainer.checkpoint.dir``) means its newest intact one. A damaged one: :class:`CorruptCheckpointError`."""
     path = Path(path)
     if not (path / STATE_FILE.format(rank=0)).is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint directory (no {STATE_FILE.format(rank=0)})")
+        if complete_checkpoints(path):
+            newest = newest_intact_checkpoint(path)
+            if newest is None:
+                raise CorruptCheckpointError(f"{path}: every checkpoint in this folder is damaged")
+            return newest
+        raise FileNotFoundError(f"{path} is neither a checkpoint directory (no {STATE_FILE.format(rank=0)}) nor a "
+                                f"folder of checkpoints (trainer.checkpoint.dir)")
     problems = verify_checkpoint(path)
     if problems:
         raise CorruptCheckpointError(f"{path} is damaged: " + "; ".join(problems))

@@ -11,9 +11,11 @@ import os
 import sys
 from typing import Callable, TypeVar
 
+from omegaconf import DictConfig, OmegaConf
+
 from modules.placement import PlacementError
 from pipeline.checkpointing import CheckpointMismatchError, CorruptCheckpointError
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, to_typed
 from pipeline.data.reader import BadInputError
 from pipeline.errors import DiskFullError, TrackingUnavailableError
 from pipeline.model_bundle import BundleError
@@ -26,28 +28,18 @@ HINTS: dict[type, str] = {
     CheckpointMismatchError: "resume with the settings the checkpoint was written with, or start a fresh "
                              "trainer.checkpoint.dir",
     CorruptCheckpointError: "resume from an earlier checkpoint (trainer.resume=auto skips damaged ones)",
-    PlacementError: "see the plan with python -m pipeline.plan",
+    PlacementError: "see the plan with ctr plan",
     DiskFullError: "free space there, or point that path elsewhere",
     TrackingUnavailableError: "start the server, or log to a local store with logger.on_unavailable=local",
-    BundleError: "export the model again (python -m pipeline.export), or use the run's <output>/model folder",
+    BundleError: "export the model again (ctr export), or use the run's <output>/model folder",
     FileNotFoundError: "check the path",
 }
 
 
-def key_values(argv: list[str], required: tuple[str, ...], optional: dict[str, str]) -> dict[str, str]:
-    """``key=value`` command-line arguments (Hydra's style) of a small command; exits on a bad one."""
-    out = dict(optional)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in (*required, *optional):
-            print(f"Error: {arg!r}: expected key=value with a key among {[*required, *optional]}", file=sys.stderr)
-            sys.exit(EXIT_USER_ERROR)
-        out[key] = value
-    missing = [k for k in required if k not in out]
-    if missing:
-        print(f"Error: missing {', '.join(f'{k}=...' for k in missing)}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
-    return out
+def command_args(cfg: DictConfig, schema: type[T]) -> T:
+    """A small command's composed config (``conf/<command>.yaml`` plus overrides) as its typed
+    dataclass; a missing or mistyped key ends the process with a message naming it."""
+    return exit_on_user_error(lambda: to_typed(OmegaConf.merge(OmegaConf.structured(schema), cfg)))
 
 
 def user_error_message(e: BaseException) -> str:

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
 from modules.cowclip import CowClipConfig
 from modules.embedding_l2 import L2_SCOPES
+from modules.optimizers import is_fusable
 from modules.kstep_merging import MergeConfig
 from modules.models import ModelConfig
 from modules.optimizers import OptimizerSpec
@@ -146,7 +147,7 @@ class LoggerConfig:
     flush_timeout_s: float = 60.0     # at the end, how long queued calls may take to reach the server
     retry_max_s: float = 30.0         # longest wait between retries of a failed call
     log_model: bool = True            # log the trained model (pyfunc, artifact `model`) at the end
-    model_max_gb: float = 4.0         # larger tables: no MLflow model (score with python -m pipeline.predict)
+    model_max_gb: float = 4.0         # larger tables: no MLflow model (score with ctr predict)
     register_model_as: Optional[str] = None  # also register it in the Model Registry under this name
 
     def __post_init__(self) -> None:
@@ -179,7 +180,7 @@ OmegaConf.register_new_resolver("ctr_first", lambda *values: next((v for v in va
 OmegaConf.register_new_resolver("ctr_gpus", lambda device, ranks: ranks if device == "cuda" else None, replace=True)
 
 
-def _build(node: DictConfig, key: str) -> Any:
+def to_typed(node: DictConfig, key: str = "") -> Any:
     """``OmegaConf.to_object`` with the full key of a failing ``__post_init__`` in the error."""
     try:
         return OmegaConf.to_object(node)
@@ -189,17 +190,35 @@ def _build(node: DictConfig, key: str) -> Any:
         for k in node:  # find the innermost node that fails, for its key
             child = node._get_node(k)
             if isinstance(child, DictConfig) and OmegaConf.get_type(child) not in (dict, None):
-                _build(child, f"{key}.{k}" if key else str(k))
+                to_typed(child, f"{key}.{k}" if key else str(k))
             elif isinstance(child, ListConfig) and not child._is_none():  # lists of typed entries (data.features)
                 for i, item in enumerate(child):
                     if isinstance(item, DictConfig) and OmegaConf.get_type(item) not in (dict, None):
-                        _build(item, f"{key}.{k}[{i}]" if key else f"{k}[{i}]")
+                        to_typed(item, f"{key}.{k}[{i}]" if key else f"{k}[{i}]")
         raise ConfigError(f"{key}.{e}" if key else str(e)) from None
 
 
 def parse_config(cfg: DictConfig) -> RunConfig:
-    """The typed config of a composed one; raises :class:`ConfigError` naming the key."""
-    return _build(cfg if OmegaConf.get_type(cfg) is RunConfig else OmegaConf.merge(RunConfig, cfg), "")
+    """The typed config of a composed one; raises :class:`ConfigError` naming the key.
+    ``data.preprocess.base_vocabulary=auto`` becomes the vocabulary of ``trainer.init_from`` (or none)."""
+    run = to_typed(cfg if OmegaConf.get_type(cfg) is RunConfig else OmegaConf.merge(RunConfig, cfg), "")
+    if run.data.preprocess.base_vocabulary == "auto":
+        run.data.preprocess.base_vocabulary = _source_vocabulary(run.trainer.init_from)
+    return run
+
+
+def _source_vocabulary(init_from: Optional[str]) -> Optional[str]:
+    """The folder holding the vocabularies of a model folder or checkpoint to continue from."""
+    if not init_from:
+        return None
+    from pipeline.model_bundle import BundleError, checkpoint_run, is_bundle  # model_bundle reads this module
+
+    if is_bundle(init_from):
+        return str(init_from)
+    try:
+        return str(checkpoint_run(init_from).store.root)
+    except (BundleError, OSError, ValueError) as e:
+        raise ConfigError(f"trainer.init_from={init_from}: {e}") from None
 
 
 def check_runnable(run: RunConfig) -> None:
@@ -211,6 +230,12 @@ def check_runnable(run: RunConfig) -> None:
         if bs % world:
             raise ConfigError(f"trainer.{key}={bs} is not divisible by the world size {world} (WORLD_SIZE); "
                               f"each rank needs an equal share of the global batch")
+    emb = run.optim.embedding
+    if emb.weight_decay and is_fusable(emb, run.topology.compute_device):
+        raise ConfigError(f"optim.embedding.weight_decay={emb.weight_decay:g}: FBGEMM's fused {emb.name} ignores "
+                          f"it (no weight_decay_mode acts on the CPU kernels; tests/test_config.py checks); use "
+                          f"optim.embedding_l2=<λ> (2λ·w on looked-up rows, or every row with "
+                          f"optim.embedding_l2_scope=all)")
     if run.topology.compute_device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("topology.compute_device='cuda' but no CUDA device is available; use topology=cpu")
     if not run.data.declared():

@@ -81,9 +81,9 @@ def _next_start(cfg: DictConfig, folder: Path) -> Path:
 
 
 def _score(model: Path, file: str, out: Path) -> tuple[float | None, float | None]:
-    from pipeline.predict import run as predict
+    from pipeline.predict import PredictArgs, run as predict
 
-    result = predict({"checkpoint": str(model), "input": file, "output": str(out)})
+    result = predict(PredictArgs(checkpoint=str(model), input=file, output=str(out)))
     return result.auc, result.logloss
 
 

@@ -1,7 +1,7 @@
 """Export a checkpoint as a model folder (:mod:`pipeline.model_bundle`): unsharded weights, vocabularies,
 the model and dataset description.
 
-    python -m pipeline.export checkpoint=<checkpoint dir> out=<dir>
+    ctr export checkpoint=<checkpoint dir, or a run's trainer.checkpoint.dir> out=<dir>
 
 A checkpoint written by W processes is read in one: DCP reads every shard of a table into the whole
 table. The vocabularies come from the store the run trained on (its path is in the checkpoint), which
@@ -10,12 +10,23 @@ must be on this machine. The folder is written under a temporary name and rename
 
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import hydra
+from omegaconf import MISSING, DictConfig
+
 from pipeline.checkpointing import full_model_state
-from pipeline.cli import exit_on_user_error, key_values
+from pipeline.cli import command_args, exit_on_user_error
 from pipeline.model_bundle import checkpoint_run, write_bundle
+
+
+@dataclass
+class ExportArgs:
+    """``conf/export.yaml``."""
+
+    checkpoint: str = MISSING
+    out: str = MISSING
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
@@ -24,11 +35,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
                         run.store.root / "vocab")
 
 
-def main(argv: list[str]) -> None:
-    args = key_values(argv, required=("checkpoint", "out"), optional={})
-    out = exit_on_user_error(lambda: export_checkpoint(args["checkpoint"], args["out"]))
-    print(f"Exported {args['checkpoint']} to {out} (model.json, weights.pt, vocab/)")
+@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="export")
+def cli(cfg: DictConfig) -> None:
+    args = command_args(cfg, ExportArgs)
+    out = exit_on_user_error(lambda: export_checkpoint(args.checkpoint, args.out))
+    print(f"Exported {args.checkpoint} to {out} (model.json, weights.pt, vocab/)")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli()

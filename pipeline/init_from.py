@@ -70,9 +70,9 @@ def lineage_tags(path: str | None) -> dict[str, str]:
         if is_bundle(path):
             run_id = json.loads((Path(path) / "model.json").read_text()).get("mlflow_run_id")
         else:
-            from pipeline.checkpointing import read_rank0_state
+            from pipeline.checkpointing import checked_checkpoint, read_rank0_state
 
-            run_id = read_rank0_state(path)["pipeline"].get("mlflow_run_id")
+            run_id = read_rank0_state(checked_checkpoint(path))["pipeline"].get("mlflow_run_id")
     except (OSError, ValueError, KeyError):
         run_id = None  # the run itself reports an unreadable source, with its path
     return {**tags, **({"ctr.parent_run_id": run_id} if run_id else {})}
@@ -114,7 +114,8 @@ def row_sources(name: str, old: FeatureSpec, new: FeatureSpec, rows: int,
             old_start, old_n = old_segments[table]
             if old_n > n:
                 raise BundleError(f"trainer.init_from: table {table!r} had {old_n} rows, this run has {n}: the "
-                                  f"vocabulary shrank (preprocess the new data with data.preprocess.base_vocabulary)")
+                                  f"vocabulary shrank: keep the source's ids with data.preprocess.base_vocabulary=auto (the "
+                                  f"default) or =<its model folder or store>")
             source[start:start + old_n] = np.arange(old_start, old_start + old_n)
             if reused and table in reused:
                 source[start + 2 + reused[table]] = -1

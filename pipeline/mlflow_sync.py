@@ -1,5 +1,5 @@
 """Replay runs kept in a local fallback store to a tracking server:
-``python -m pipeline.mlflow_sync --from sqlite:///<output>/mlflow_fallback.db --to http://host:5000``.
+``ctr sync source=sqlite:///<output>/mlflow.db target=http://host:5000`` (``python -m pipeline.mlflow_sync ...``).
 
 Each run of the local store that carries the tag ``ctr.original_run_id`` (written by
 :mod:`pipeline.tracking` when logging calls could not reach the server in time) is copied into that
@@ -10,13 +10,17 @@ final status. A synced local run is tagged ``ctr.synced_to`` and skipped the nex
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import hydra
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from omegaconf import MISSING, DictConfig
 
 from pipeline.tracking import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
 
@@ -59,22 +63,30 @@ def sync(source_uri: str, target_uri: str) -> list[tuple[str, str, int]]:
     return done
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--from", dest="source", required=True, help="the local fallback store (sqlite:///...)")
-    p.add_argument("--to", dest="target", default=None,
-                   help=f"the tracking server (default: each run's {ORIGINAL_URI_TAG} tag)")
-    args = p.parse_args(argv)
+@dataclass
+class SyncArgs:
+    """``conf/sync.yaml``."""
+
+    source: str = MISSING
+    target: Optional[str] = None
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="sync")
+def cli(cfg: DictConfig) -> None:
+    from pipeline.cli import command_args
+
+    args = command_args(cfg, SyncArgs)
     target = args.target
     if target is None:
         uris = {r.data.tags.get(ORIGINAL_URI_TAG) for e in MlflowClient(args.source).search_experiments()
                 for r in MlflowClient(args.source).search_runs([e.experiment_id])} - {None}
         if len(uris) != 1:
-            sys.exit(f"--to is needed: the store's runs come from {sorted(uris) or 'no known server'}")
+            sys.exit(f"target=<tracking server> is needed: the store's runs come from "
+                     f"{sorted(uris) or 'no known server'}")
         target = uris.pop()
     for local, dest, n in sync(args.source, target):
         print(f"run {local} -> {target} run {dest}: {n} metric values")
 
 
 if __name__ == "__main__":
-    main()
+    cli()

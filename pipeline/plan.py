@@ -1,4 +1,4 @@
-"""Show where the embedding tables go: ``python -m pipeline.plan topology=<name> data=<name> [model=...]``.
+"""Show where the embedding tables go: ``ctr plan topology=<name> data=<name> [model=...]``.
 
 Prints one row per table — rows, dim, bytes (weights + optimizer state), sharding type, tier and
 kernel, ranks — and the estimated memory per tier per rank (TorchRec's planner estimates). Works
@@ -97,10 +97,11 @@ def plan_for_config(cfg: DictConfig) -> str:
     return format_plan(result, optim.name, topology.world_size, title)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
+def cli(cfg: DictConfig) -> None:
+    """``ctr plan`` / ``python -m pipeline.plan``."""
     print(exit_on_user_error(lambda: plan_for_config(cfg)))
 
 
 if __name__ == "__main__":
-    main()
+    cli()

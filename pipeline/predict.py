@@ -1,11 +1,11 @@
 """Batch prediction: raw rows in the dataset's own format → one click probability per row, in input order.
 
-    python -m pipeline.predict checkpoint=<model folder | checkpoint dir> input=<file, list, dir or glob> \
+    ctr predict checkpoint=<model folder | checkpoint dir> input=<file, list, dir or glob> \
         output=<file.parquet | file.csv> [batch_size=65536]
     torchrun --nproc_per_node=2 -m pipeline.predict checkpoint=<checkpoint dir> ...
 
-``checkpoint`` is a model folder (a run's ``<output>/model``, or :mod:`pipeline.export`'s) or a sharded
-checkpoint directory. The layout, vocabularies (unseen values → OOV, missing → the missing id),
+``checkpoint`` is a model folder (a run's ``<output>/model``, or :mod:`pipeline.export`'s), a sharded
+checkpoint directory, or a folder of checkpoints (a run's ``trainer.checkpoint.dir``: its newest intact one). The layout, vocabularies (unseen values → OOV, missing → the missing id),
 numeric transforms and model come from it; the input rows are exactly like the training files, with
 or without the label column. The input is read block by block (bounded memory, a progress bar);
 the output has the column ``probability`` (and ``label`` when the input has one) and is written
@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import hydra
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
+from omegaconf import MISSING, DictConfig
 from torchmetrics.functional.classification import binary_auroc
 
 from pipeline.data.dataset import DataConfig
@@ -44,7 +45,17 @@ from pipeline.launch import world_from_env
 from pipeline.model_bundle import BundleError, RowEncoder, Scorer, checkpoint_run, is_bundle, score_batches
 
 OUTPUT_FORMATS = (".parquet", ".csv")
-DEFAULTS = {"batch_size": "65536", "block_size": str(32 << 20)}
+
+
+@dataclass
+class PredictArgs:
+    """``conf/predict.yaml``."""
+
+    checkpoint: str = MISSING
+    input: str = MISSING
+    output: str = MISSING
+    batch_size: int = 65536
+    block_size: int = 32 << 20
 
 
 @dataclass
@@ -184,15 +195,14 @@ def input_files(spec: str, data: DataConfig) -> list[Path]:
     return files if isinstance(files, list) else [p for group in files.values() for p in group]
 
 
-def run(args: dict[str, str]) -> Prediction | None:
-    """The command with ``args`` (``checkpoint``, ``input``, ``output``; :data:`DEFAULTS` for the rest)."""
-    args = {**DEFAULTS, **args}
-    checkpoint, output = Path(args["checkpoint"]), Path(args["output"])
-    batch_size, block_size = int(args["batch_size"]), int(args["block_size"])
+def run(args: PredictArgs) -> Prediction | None:
+    """The command with ``args``; None on ranks other than 0."""
+    checkpoint, output = Path(args.checkpoint), Path(args.output)
+    batch_size, block_size = args.batch_size, args.block_size
     world, _ = world_from_env()
 
     def score_with(encoder: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None], rank: int = 0):
-        return predict(encoder, score, input_files(args["input"], encoder.data), output, block_size, rank)
+        return predict(encoder, score, input_files(args.input, encoder.data), output, block_size, rank)
 
     if world > 1:
         dist.init_process_group("gloo")
@@ -207,11 +217,12 @@ def run(args: dict[str, str]) -> Prediction | None:
         return score_with(scorer, lambda a: scorer.score(a, batch_size))
 
 
-def main(argv: list[str]) -> None:
-    from pipeline.cli import exit_on_user_error, key_values
+@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="predict")
+def cli(cfg: DictConfig) -> None:
+    from pipeline.cli import command_args, exit_on_user_error
     from pipeline.process_exit import leave_process_group
 
-    args = key_values(argv, required=("checkpoint", "input", "output"), optional=DEFAULTS)
+    args = command_args(cfg, PredictArgs)
     try:
         result = exit_on_user_error(lambda: run(args))
     finally:
@@ -222,4 +233,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli()

@@ -1,4 +1,4 @@
-"""Batch-scaling report from MLflow: ``python -m pipeline.report --experiment batch_scaling``.
+"""Batch-scaling report from MLflow: ``ctr report experiment=batch_scaling`` (``parent=<run id>``: a sweep's).
 
 Reads the finished training runs of an experiment (latest run per batch size × scaling rule × L2 scope
 × seed; a cell with several seeds gives their mean, the number of seeds and their spread),
@@ -12,17 +12,17 @@ hyperparameters, so one unclipped run there stands for all three; such filled-in
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
+import hydra
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 RULE_ORDER = ("none", "sqrt", "linear", "cowclip")
 SAME_AT_SCALE_1 = ("none", "sqrt", "linear")  # identical hyperparameters at the base batch size
@@ -169,15 +169,22 @@ def plot(runs: list[RunSummary], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experiment", default="batch_scaling")
-    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db"))
-    parser.add_argument("--parent", default=None, help="report on the child runs of this sweep parent run "
-                                                       "(and log the report there)")
-    parser.add_argument("--out", default=None, help="output folder (default: reports/<experiment>)")
-    parser.add_argument("--no-mlflow", action="store_true", help="do not log the report to MLflow")
-    args = parser.parse_args()
+@dataclass
+class ReportArgs:
+    """``conf/report.yaml``."""
+
+    experiment: str = "batch_scaling"
+    tracking_uri: str = "sqlite:///mlflow.db"
+    parent: Optional[str] = None
+    out: Optional[str] = None
+    log_to_mlflow: bool = True
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="report")
+def cli(cfg: DictConfig) -> None:
+    from pipeline.cli import command_args
+
+    args = command_args(cfg, ReportArgs)
     client = MlflowClient(tracking_uri=args.tracking_uri)
     runs = collect_runs(client, args.experiment, args.parent)
     if not runs:
@@ -188,7 +195,7 @@ def main() -> None:
     (out / "report.md").write_text(table)
     plot(runs, out / "auc_vs_batch.png", f"{args.experiment}: test AUC vs batch size")
     print(table)
-    if not args.no_mlflow:
+    if args.log_to_mlflow:
         if args.parent is not None:  # onto the sweep's own parent run
             target = args.parent
         else:
@@ -202,4 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli()

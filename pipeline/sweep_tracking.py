@@ -13,7 +13,7 @@ Registered as a Hydra callback (``hydra.callbacks.mlflow_sweep`` in ``conf/confi
   saw fail;
 * ``on_multirun_end``: ``sweep_summary.md`` (every child: overrides, best validation AUC, test AUC,
   status; the best first) as an artifact of the parent, its best values as metrics, the parent closed
-  (FAILED if no job finished). ``python -m pipeline.report --parent <id>`` reports on the children.
+  (FAILED if no job finished). ``ctr report parent=<id>`` reports on the children.
 """
 
 from __future__ import annotations

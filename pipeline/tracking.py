@@ -11,7 +11,7 @@
 * **At the end** (:meth:`TrackedMLflowLogger.close`): the queue gets up to ``logger.flush_timeout_s``
   to drain; calls still undelivered are written to ``<output folder>/mlflow_fallback.db`` (a local
   MLflow store, run tagged with the original run id), and the command prints how to replay them:
-  ``python -m pipeline.mlflow_sync --from <that store> --to <tracking uri>``.
+  ``ctr sync source=<that store> target=<tracking uri>``.
 
 Each HTTP request of the MLflow client is bounded too (``MLFLOW_HTTP_REQUEST_TIMEOUT`` 10 s, one
 retry; set the variables to override), so an unanswered call costs seconds, not minutes.
@@ -188,7 +188,7 @@ class TrackedMLflowLogger(MLFlowLogger):
         return [f"MLflow: {len(left)} logging call(s) did not reach {self._tracking_uri} within "
                 f"logger.flush_timeout_s={timeout_s:g} (last error: {client.last_error}); they are kept in "
                 f"{local_uri} (run {local_run}).",
-                f"Replay them later: python -m pipeline.mlflow_sync --from {local_uri} --to {self._tracking_uri}"]
+                f"Replay them later: ctr sync source={local_uri} target={self._tracking_uri}"]
 
 
 def bound_http_requests() -> None:

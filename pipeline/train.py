@@ -102,8 +102,8 @@ def tracking_uri(cfg: LoggerConfig, output_dir: Path) -> tuple[str, dict[str, st
                                        f"{problem}")
     local = f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
     print(f"MLflow: no tracking server at {cfg.tracking_uri} ({problem}); logging to {local} instead "
-          f"(logger.on_unavailable=local). Replay later: python -m pipeline.mlflow_sync --from {local} "
-          f"--to {cfg.tracking_uri}", flush=True)
+          f"(logger.on_unavailable=local). Replay later: ctr sync source={local} "
+          f"target={cfg.tracking_uri}", flush=True)
     return local, {ORIGINAL_RUN_TAG: "-", ORIGINAL_URI_TAG: cfg.tracking_uri}
 
 
@@ -202,7 +202,7 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
     if gb > run_cfg.logger.model_max_gb:
         if global_rank() == 0:
             print(f"The tables take {gb:.2g} GB > logger.model_max_gb={run_cfg.logger.model_max_gb:g}: no model folder "
-                  f"and no MLflow model; score with python -m pipeline.predict checkpoint=<a checkpoint of this run> "
+                  f"and no MLflow model; score with ctr predict checkpoint=<this run's trainer.checkpoint.dir> "
                   f"(under torchrun: the tables stay sharded)", flush=True)
         return None
     weights = full_state_dict(task.model)
@@ -288,7 +288,7 @@ def run_sweep_job(cfg: DictConfig) -> RunResult | None:
         return None
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     """Returns the best validation AUC (what a sweeper maximises); NaN for a failed sweep job."""
     if cfg.trainer.daily:
@@ -313,7 +313,12 @@ def main(cfg: DictConfig) -> float:
     return math.nan if result.best_val_auc is None else result.best_val_auc
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``ctr train`` / ``python -m pipeline.train``."""
     main()
     stop_worker_pools()
     exit_now(0)  # a finished run: no interpreter teardown (see pipeline.process_exit)
+
+
+if __name__ == "__main__":
+    cli()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import torch
 
 from pipeline.config import ConfigError, RunConfig, check_runnable, parse_config
 from tests.conftest import PYTHON, compose_config, subprocess_env
@@ -62,6 +63,7 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
     (["scaling.rule=cubic"], "scaling.rule='cubic'"),
     (["optim.embedding_l2_scope=every"], "optim.embedding_l2_scope='every'"),
     (["trainer.init_from_optimizer=moments", "trainer.init_from=x"], "trainer.init_from_optimizer='moments'"),
+    (["optim.embedding.weight_decay=0.1"], "optim.embedding.weight_decay=0.1: FBGEMM's fused rowwise_adagrad ignores"),
 ])
 def test_bad_values_name_their_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -86,3 +88,30 @@ def test_cli_stops_before_any_work(tmp_path, overrides, env, message):
     assert message in proc.stderr, proc.stderr[-2000:]
     assert not cache.exists()
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_fused_cpu_optimizers_ignore_weight_decay(name):
+    """Why ``optim.embedding.weight_decay`` is refused for fused tables: FBGEMM's CPU kernels take the
+    argument and a ``weight_decay_mode`` but update exactly as without them. Reference: one step on rows
+    of ones, gradient 1 per pooled row; with L2 decay the gradient would be 1 + λ·w = 1.5 (SGD: Δw = −lr·1.5;
+    Adagrad family: accumulator 1.5² = 2.25). If a release starts honouring it, this test fails: lift the
+    refusal in pipeline.config.check_runnable then."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import ComputeDevice, EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType, SplitTableBatchedEmbeddingBagsCodegen
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+    optim = {"sgd": OptimType.EXACT_SGD, "adagrad": OptimType.EXACT_ADAGRAD,
+             "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD}[name]
+    for mode in (WeightDecayMode.L2, WeightDecayMode.DECOUPLE):
+        tbe = SplitTableBatchedEmbeddingBagsCodegen([(8, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=optim,
+                                                    learning_rate=0.1, eps=1e-8, weight_decay=0.5, weight_decay_mode=mode)
+        with torch.no_grad():
+            tbe.weights_host.fill_(1.0)
+        tbe(torch.tensor([1, 5]), torch.tensor([0, 1, 2])).sum().backward()
+        weights = tbe.split_embedding_weights()[0]
+        if name == "sgd":
+            assert torch.allclose(weights[1], torch.full((4,), 0.9)), (mode, weights[1])  # decayed: 0.85
+        else:
+            accumulator = next(iter(tbe.get_optimizer_state()[0].values())).flatten()
+            assert torch.allclose(accumulator[accumulator > 0], torch.tensor(1.0)), (mode, accumulator)  # decayed: 2.25

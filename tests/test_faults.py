@@ -99,8 +99,8 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(small_over
         run_id = __import__("json").loads(result)["mlflow_run_id"]
         fallback = run_dir / FALLBACK_DB
         if fallback.exists():  # what the server missed within flush_timeout_s: replayed now
-            sync = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", "--from", f"sqlite:///{fallback}",
-                                   "--to", server.uri], cwd=ROOT, env=subprocess_env(), capture_output=True,
+            sync = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", f"source=sqlite:///{fallback}",
+                                   f"target={server.uri}"], cwd=ROOT, env=subprocess_env(), capture_output=True,
                                   text=True, timeout=120)
             assert sync.returncode == 0, sync.stderr[-3000:]
             local = MlflowClient(f"sqlite:///{fallback}")
@@ -248,12 +248,12 @@ def test_undelivered_logging_is_kept_locally_and_replays_to_the_server(tmp_path)
         logger.log_hyperparams({"model": {"name": "deepfm"}})
         assert time.perf_counter() - t0 < 1.0
         lines = logger.close(timeout_s=2, folder=tmp_path / "out")
-        assert len(lines) == 2 and "did not reach" in lines[0] and "pipeline.mlflow_sync" in lines[1], lines
+        assert len(lines) == 2 and "did not reach" in lines[0] and "ctr sync source=" in lines[1], lines
         local = f"sqlite:///{(tmp_path / 'out' / FALLBACK_DB).resolve()}"
         kept = MlflowClient(local).search_runs([e.experiment_id for e in MlflowClient(local).search_experiments()])
         assert len(kept) == 1 and kept[0].data.tags[ORIGINAL_RUN_TAG] == run_id
         server.start()
-        sync = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", "--from", local], cwd=ROOT, env=subprocess_env(),
+        sync = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", f"source={local}"], cwd=ROOT, env=subprocess_env(),
                               capture_output=True, text=True, timeout=120)
         assert sync.returncode == 0 and f"{server.uri} run {run_id}: 5 metric values" in sync.stdout, sync.stderr
         client = MlflowClient(server.uri)
@@ -261,7 +261,7 @@ def test_undelivered_logging_is_kept_locally_and_replays_to_the_server(tmp_path)
         assert history == [(s, 1.0 / (s + 1)) for s in range(5)]
         assert client.get_run(run_id).data.params["model/name"] == "deepfm"
         assert client.get_run(run_id).info.status == "FINISHED"
-        again = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", "--from", local], cwd=ROOT,
+        again = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", f"source={local}"], cwd=ROOT,
                                env=subprocess_env(), capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and again.stdout == ""  # synced runs are not copied twice
     finally:

@@ -28,10 +28,10 @@ def days(tmp_path_factory):
 
 
 def _day3_auc(model, folder) -> float:
-    from pipeline.predict import run
+    from pipeline.predict import PredictArgs, run
 
-    result = run({"checkpoint": str(model), "input": str(folder / "day3.csv"), "output": str(model.parent / "d3.parquet"),
-                  "batch_size": "65536", "block_size": str(32 << 20)})
+    result = run(PredictArgs(checkpoint=str(model), input=str(folder / "day3.csv"),
+                             output=str(model.parent / "d3.parquet")))
     return result.auc
 
 
@@ -47,9 +47,10 @@ def day1(days):
 def test_continued_model_beats_one_day_model_on_the_next_day_with_2_processes_from_1(days, day1):
     folder, args = days
     first, model_1 = day1, folder / "A1" / "model"
-    # day 2 from day 1's model, on 2 processes (the 1-process model is resharded on load)
-    proc, continued = train_cli([*args, f"data.path={folder / 'day2.csv'}", f"trainer.init_from={model_1}",
-                                 f"data.preprocess.base_vocabulary={model_1}"], folder / "A2",
+    # day 2 from day 1's model, on 2 processes (the 1-process model is resharded on load); its vocabulary is
+    # the default base (data.preprocess.base_vocabulary=auto)
+    proc, continued = train_cli([*args, f"data.path={folder / 'day2.csv'}", f"trainer.init_from={model_1}"],
+                                folder / "A2",
                                 launcher=["-m", "torch.distributed.run", "--nproc_per_node=2"])
     _, alone = train_cli([*args, f"data.path={folder / 'day2.csv'}"], folder / "B2")
     a, b = _day3_auc(folder / "A2" / "model", folder), _day3_auc(folder / "B2" / "model", folder)
@@ -82,9 +83,9 @@ def test_init_from_optimizer_carries_the_state_rows_mapped(days, day1):
     folder, args = days
     source = newest_intact_checkpoint(folder / "A1ck")
     after = {}
-    for parts in ("all", "none"):
-        train_cli([*args, f"data.path={folder / 'day2.csv'}", f"trainer.init_from={source}",
-                   f"data.preprocess.base_vocabulary={folder / 'A1' / 'model'}", f"trainer.init_from_optimizer={parts}",
+    for parts in ("all", "none"):  # the checkpoint folder means its newest checkpoint, whose vocabulary is kept
+        train_cli([*args, f"data.path={folder / 'day2.csv'}", f"trainer.init_from={folder / 'A1ck'}",
+                   f"trainer.init_from_optimizer={parts}",
                    "trainer.max_steps=1", "trainer.checkpoint.every_n_steps=1", "logger.log_model=false",
                    f"trainer.checkpoint.dir={folder / ('opt_' + parts)}"], folder / f"opt_{parts}_run")
         after[parts] = newest_intact_checkpoint(folder / f"opt_{parts}")

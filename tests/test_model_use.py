@@ -31,10 +31,9 @@ def command(module: str, *args: str, launcher: list[str] | None = None, check: b
 
 def predict_here(checkpoint: Path, input: Path, output: Path) -> np.ndarray:
     """``pipeline.predict`` in this process (one process: no process group)."""
-    from pipeline.predict import run
+    from pipeline.predict import PredictArgs, run
 
-    run({"checkpoint": str(checkpoint), "input": str(input), "output": str(output), "batch_size": "65536",
-         "block_size": str(32 << 20)})
+    run(PredictArgs(checkpoint=str(checkpoint), input=str(input), output=str(output)))
     return pd.read_parquet(output)["probability"].to_numpy() if output.suffix == ".parquet" else \
         pd.read_csv(output)["probability"].to_numpy()
 
@@ -125,12 +124,12 @@ def test_two_process_checkpoint_exports_and_predicts_in_one_process(trained, tmp
     train_cli([*args, f"trainer.checkpoint.dir={ckpt}", "trainer.max_epochs=1"], tmp_path / "run2",
               launcher=["-m", "torch.distributed.run", "--nproc_per_node=2"])
     (last,) = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))[-1:]
-    command("pipeline.export", f"checkpoint={last}", f"out={tmp_path / 'export'}")
+    command("pipeline.export", f"checkpoint={ckpt}", f"out={tmp_path / 'export'}")  # the folder: its newest
     test_csv = folder / "test.csv"
     outputs = {"run_model": predict_here(tmp_path / "run2" / "model", test_csv, tmp_path / "run_model.parquet"),
                "checkpoint": predict_here(last, test_csv, tmp_path / "checkpoint.parquet")}
     for name, source, launcher in (("export", tmp_path / "export", None),  # a fresh process
-                                   ("sharded", last, ["-m", "torch.distributed.run", "--nproc_per_node=2"])):
+                                   ("sharded", ckpt, ["-m", "torch.distributed.run", "--nproc_per_node=2"])):
         out = tmp_path / f"{name}.parquet"
         command("pipeline.predict", f"checkpoint={source}", f"input={test_csv}", f"output={out}", launcher=launcher)
         outputs[name] = pd.read_parquet(out)["probability"].to_numpy()

@@ -43,7 +43,7 @@ def test_yaml_dataset_outside_the_repo_trains_and_its_multi_hot_column_matters(o
     proc, result_without = train_cli(["--config-dir", str(without), *args[2:], "logger.model_max_gb=0"],
                                      folder / "run_no_tags")
     # tables over logger.model_max_gb: no model folder, no MLflow model, and the way to score instead
-    assert "no model folder and no MLflow model; score with python -m pipeline.predict" in proc.stdout
+    assert "no model folder and no MLflow model; score with ctr predict" in proc.stdout
     assert not (folder / "run_no_tags" / "model").exists()
     numbers = f"oracle {oracle:.4f}, with tags {result.test_auc:.4f}, without {result_without.test_auc:.4f}"
     assert result.test_auc >= oracle - 0.025, numbers

@@ -1,6 +1,7 @@
 """Check that every pinned version of the project's CPU and GPU stacks exists on the package index,
 for the platform it is meant for, and that the Dockerfile and the README's GPU install pin the same
-versions as ``pyproject.toml``'s ``gpu`` extra.
+versions as ``pyproject.toml``'s ``gpu`` extra, that the ``cpu`` and ``gpu`` extras pin the same torch and
+torchrec, and that the fbgemm-gpu shim depends on the cpu extra's fbgemm-gpu-cpu.
 
     python tools/check_pins.py          # exit 1 naming each pin that does not resolve or disagrees
 
@@ -58,6 +59,15 @@ def main() -> None:
                 problems.append(f"pyproject.toml [{extra}] {name}=={pin} is not on the index for CPython 3.12 "
                                 f"manylinux x86-64 (it has {', '.join(versions[:8]) or 'none'}, ...)")
     gpu = dict(PIN.match(r.replace(" ", "")).groups() for r in extras["gpu"] if PIN.match(r.replace(" ", "")))
+    cpu = dict(PIN.match(r.replace(" ", "")).groups() for r in extras["cpu"] if PIN.match(r.replace(" ", "")))
+    for name in ("torch", "torchrec"):  # CI tests the CPU stack: the GPU image must run the same releases
+        if cpu.get(name) != gpu.get(name):
+            problems.append(f"pyproject.toml: the cpu extra pins {name}=={cpu.get(name)}, the gpu extra "
+                            f"{name}=={gpu.get(name)}; use one release for both")
+    shim = tomllib.loads((ROOT / "tools" / "fbgemm_gpu_shim" / "pyproject.toml").read_text())["project"]
+    if shim["dependencies"] != [f"fbgemm-gpu-cpu=={cpu.get('fbgemm-gpu-cpu')}"]:
+        problems.append(f"tools/fbgemm_gpu_shim depends on {shim['dependencies']}, the cpu extra on "
+                        f"fbgemm-gpu-cpu=={cpu.get('fbgemm-gpu-cpu')}")
     for doc in ("Dockerfile", "README.md"):
         for name, pin in INSTALL_PIN.findall((ROOT / doc).read_text()):
             if name in gpu and not matches(pin, gpu[name]) and not matches(gpu[name].rstrip("*"), pin):

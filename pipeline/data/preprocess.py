@@ -361,7 +361,7 @@ def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
     take free positions or are appended, and with ``preprocess.evict_after`` keys unseen for that many
     days free their positions."""
     cfg = data.preprocess
-    day = int(_folder_meta(cfg.base_vocabulary).get("vocabulary_day", 0)) + 1 if cfg.base_vocabulary else 0
+    day = int(_folder_meta(cfg.base).get("vocabulary_day", 0)) + 1 if cfg.base else 0
     vocab = Vocabulary({}, {}, {}, day)
     for t, name in enumerate(Tables.of_data(data).names):
         if cfg.categorical == "hash":
@@ -371,7 +371,7 @@ def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
             continue
         parts = first.key_counts[t]
         k, n = _merge_counts(parts) if parts else (np.zeros(0, np.uint64), np.zeros(0, np.int64))
-        base = base_vocabulary(cfg.base_vocabulary, name) if cfg.base_vocabulary else None
+        base = base_vocabulary(cfg.base, name) if cfg.base else None
         if base is None:
             keep = n >= cfg.min_count
             order = np.lexsort((k[keep], -n[keep]))

@@ -32,8 +32,15 @@ class PreprocessConfig:
     hash_buckets: int = 1 << 20        # buckets per table with categorical=hash
     bad_rows: str = "error"            # error | skip
     block_size: int = 32 << 20         # bytes of text per parsed block
-    base_vocabulary: Optional[str] = None  # an earlier store / model folder: its ids kept, new values appended
+    # An earlier store / model folder: its ids kept, new values appended. "auto": trainer.init_from's
+    # vocabulary when a run starts from one (resolved by pipeline.config.parse_config), else none; null: none.
+    base_vocabulary: Optional[str] = "auto"
     evict_after: Optional[int] = None      # with a base: drop values unseen for this many days (ids reused)
+
+    @property
+    def base(self) -> Optional[str]:
+        """The base vocabulary's folder, or None (``base_vocabulary`` null, or "auto" left unresolved)."""
+        return None if self.base_vocabulary in (None, "auto") else self.base_vocabulary
 
     def __post_init__(self) -> None:
         if self.evict_after is not None and self.evict_after < 1:

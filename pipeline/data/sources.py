@@ -79,9 +79,9 @@ def _describe(p: Path) -> dict[str, Any]:
 
 def store_dir(data: DataConfig, cache_dir: str | os.PathLike) -> Path:
     declaration = {k: v for k, v in asdict(data).items() if k not in ("name", "path", "synthetic", "preprocess")}
-    base = data.preprocess.base_vocabulary
+    base = data.preprocess.base
     key = {"format": FORMAT_VERSION, "declaration": declaration, "raw": raw_fingerprint(data),
-           "preprocess": asdict(data.preprocess),
+           "preprocess": {**asdict(data.preprocess), "base_vocabulary": base},
            "base_vocabulary": [_describe(p) for p in sorted(Path(base).glob("vocab/*.parquet"))] if base else None}
     return Path(cache_dir) / "stores" / f"{data.name}-{_digest(key)}"
 
