@@ -9,7 +9,14 @@ tier           kernel                where the table lives
 ``uvm_cache``  ``fused_uvm_caching``  host memory, with a GPU cache of its hottest rows
 ``ssd``        ``key_value``          SSD (FBGEMM SSD TBE), with a GPU cache
 ``host``       ``fused`` / ``dense``  CPU training: host memory
+``ssd`` (CPU)  ``fused``              CPU training: files under ``topology.ssd.path``, memory-mapped
+                                     (:mod:`modules.file_backed`; the page cache holds the hot rows)
 =============  ====================  ==============================================================
+
+On CPU, every table stays in host memory while the tables fit the host budget (``ddr_cap_gb`` ×
+nodes × (1 − ``ddr_reserve``), weights + optimizer state); otherwise the largest move to ``ssd``
+until the rest fits (tables forced to a tier in ``table_overrides`` stay where they are forced). The
+``ssd`` budget is ``ssd.cap_gb`` per node, or the free space of ``ssd.path`` when ``cap_gb`` is 0.
 
 Rule (per table, weights + optimizer state): everything goes to GPU memory while it fits the HBM
 budget (``hbm_cap_gb`` per GPU × GPUs × (1 − ``hbm_reserve``), the rest left to dense layers and
@@ -25,6 +32,8 @@ nothing fits, :class:`PlacementError` says what is needed and what the topology 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -41,6 +50,8 @@ KERNELS = {
     "host": EmbeddingComputeKernel.FUSED.value,
 }
 TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
+TIERS = ("hbm", "uvm_cache", "ssd", "host")
+CPU_TIERS = ("host", "ssd")
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }
@@ -75,8 +86,8 @@ PLANNERS = ("auto", "manual")
 
 @dataclass
 class SsdSpec:
-    path: Optional[str] = None     # where FBGEMM's SSD tables keep their files
-    cap_gb: float = 0.0            # per node
+    path: Optional[str] = None     # where ssd-tier tables keep their files (GPU: FBGEMM's SSD TBE; CPU: memory maps)
+    cap_gb: float = 0.0            # per node; on CPU 0 means the free space at path
 
 
 @dataclass
@@ -101,8 +112,8 @@ class TableOverride:
     sharding_type: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if self.tier is not None and self.tier not in ("hbm", "uvm_cache", "ssd"):
-            raise ValueError(f"tier={self.tier!r}: expected one of hbm, uvm_cache, ssd")
+        if self.tier is not None and self.tier not in TIERS:
+            raise ValueError(f"tier={self.tier!r}: expected one of {', '.join(TIERS)}")
         if self.sharding_type is not None and self.sharding_type not in SHARDING_TYPES:
             raise ValueError(f"sharding_type={self.sharding_type!r}: expected one of {list(SHARDING_TYPES)}")
 
@@ -200,9 +211,11 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
     if unknown:
         raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {sorted(t.name for t in tables)}")
     if topology.compute_device != "cuda":
-        kernel = KERNELS["host"] if fusable else EmbeddingComputeKernel.DENSE.value
-        return {t.name: Placement(t.name, "host", (overrides.get(t.name) or TableOverride()).compute_kernel or kernel,
-                                  t.bytes(optimizer), t.rows, t.dim) for t in tables}
+        return _place_on_cpu(tables, topology, optimizer, fusable)
+    hosted = sorted(name for name, o in overrides.items() if o.tier == "host")
+    if hosted:
+        raise PlacementError(f"topology.table_overrides: {hosted} tier=host is a CPU tier; on a GPU topology the "
+                             f"host-memory tier is uvm_cache")
     by_name = {t.name: t for t in tables}
 
     def cache_lf(t: TableInfo) -> float:
@@ -252,6 +265,53 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
             f"Use a larger topology, fewer/smaller tables (data.preprocess.min_count, hashing), "
             f"a smaller model.embedding_dim, or an optimizer with less state.")
     return place
+
+
+def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
+                  fusable: bool) -> dict[str, Placement]:
+    """CPU tiers: host memory, or files (``ssd``) for the largest tables the host budget cannot hold."""
+    kernel = KERNELS["host"] if fusable else EmbeddingComputeKernel.DENSE.value
+    place: dict[str, Placement] = {}
+    for t in tables:
+        o = topology.table_overrides.get(t.name) or TableOverride()
+        if o.tier is not None and o.tier not in CPU_TIERS:
+            raise PlacementError(f"topology.table_overrides.{t.name}.tier={o.tier}: a CPU topology has the tiers "
+                                 f"{' and '.join(CPU_TIERS)}")
+        place[t.name] = Placement(t.name, o.tier or "host", o.compute_kernel or kernel, t.bytes(optimizer), t.rows,
+                                  t.dim, forced=o.tier is not None)
+    budget = topology.budgets()
+    use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
+    while use("host") > budget["host"]:
+        movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)
+        if not movable:
+            break
+        place[movable[0].table] = replace(movable[0], tier="ssd")
+    on_disk = sorted(p.table for p in place.values() if p.tier == "ssd")
+    if on_disk and not fusable:
+        raise PlacementError(f"tables {on_disk} need tier ssd, which runs FBGEMM's fused sgd, adagrad or "
+                             f"rowwise_adagrad; optim.embedding.name={optimizer} keeps every table in memory")
+    if on_disk and not topology.ssd.path:
+        raise PlacementError(f"tables {on_disk} need tier ssd ({_gb(use('ssd'))}): set topology.ssd.path=<a folder "
+                             f"on a local disk> (the host budget is {_gb(budget['host'])}: topology.ddr_cap_gb × "
+                             f"(1 − ddr_reserve))")
+    ssd_budget = budget["ssd"] or (topology.nodes * shutil.disk_usage(_existing(topology.ssd.path)).free
+                                   if on_disk else 0.0)
+    needs = {"host": use("host"), "ssd": use("ssd")}
+    over = [tier for tier in needs if needs[tier] > (budget["host"] if tier == "host" else ssd_budget)]
+    if over:
+        raise PlacementError(f"the embedding tables do not fit topology '{topology.name}': host needs "
+                             f"{_gb(needs['host'])} of {_gb(budget['host'])} (tables forced there), ssd needs "
+                             f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
+                             f"topology.ssd.cap_gb, or use smaller tables")
+    return place
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing parent (the disk it will be on)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return p
 
 
 def zipf_coverage(rows: int, exponent: float, levels: Sequence[float] = (0.5, 0.8, 0.9, 0.95, 0.99)) -> dict[float, int]:

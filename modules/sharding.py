@@ -39,8 +39,9 @@ from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.embedding import field_of
+from modules.file_backed import file_backed_tables, mark_file_backed
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.placement import GB, Placement, TableInfo, TopologySpec, place_tables
+from modules.placement import GB, KERNELS, Placement, TableInfo, TopologySpec, place_tables
 
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
 CPU_UNPLANNED = {ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value}
@@ -167,6 +168,11 @@ class PlanResult:
     placements: dict[str, Placement]
     planner: EmbeddingShardingPlanner | None  # None for a manual plan
 
+    @property
+    def file_backed(self) -> set[str]:
+        """Tables on the CPU ``ssd`` tier (:mod:`modules.file_backed`)."""
+        return {p.table for p in self.placements.values() if p.tier == "ssd" and p.kernel != KERNELS["ssd"]}
+
 
 def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
                coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False,
@@ -180,8 +186,12 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable))
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
-    if topology.planner == "manual" or (topology.compute_device == "cpu" and forced_unplanned):
-        return PlanResult(manual_plan(ebcs, constraints, topology), placements, None)
+    # on CPU the planner would count file-backed tables against host memory: those plans are built here
+    on_disk = {p.table for p in placements.values() if p.tier == "ssd"} if topology.compute_device == "cpu" else set()
+    if topology.planner == "manual" or (topology.compute_device == "cpu" and (forced_unplanned or on_disk)):
+        plan = manual_plan(ebcs, constraints, topology)
+        mark_file_backed(plan, on_disk)
+        return PlanResult(plan, placements, None)
     planner = EmbeddingShardingPlanner(topology=build_topology(topology), constraints=constraints)
     sharders = [cls() for cls in SHARDERS]
     with planner_sees_optimizer(ebcs, embedding_optim.name):
@@ -222,6 +232,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     topology = topology.for_world(world, min(world, topology.ranks_per_node or world))
     result = plan_model(model, embedding_optim, topology, coverage, collective=True, table_of=table_of)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
-    dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[cls() for cls in SHARDERS],
-                                   data_parallel_wrapper=wrapper)
+    with file_backed_tables(result.file_backed, topology.ssd.path or "", dist.get_rank()):
+        dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[cls() for cls in SHARDERS],
+                                       data_parallel_wrapper=wrapper)
     return dmp, result

@@ -49,6 +49,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from pipeline.checkpoint_chunks import MAX_CHUNK_BYTES, row_chunks
 from pipeline.errors import disk_full, ensure_space
 
 log = logging.getLogger(__name__)
@@ -259,8 +260,9 @@ class DCPCheckpointIO(CheckpointIO):
     fills in place on load, and the layout a checkpoint must match.
     """
 
-    def __init__(self, state: TrainingState) -> None:
+    def __init__(self, state: TrainingState, chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
         self.state = state
+        self.chunk_bytes = chunk_bytes
 
     @staticmethod
     def _split(checkpoint: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
@@ -283,7 +285,7 @@ class DCPCheckpointIO(CheckpointIO):
             tmp.mkdir(parents=True, exist_ok=True)
         _barrier()
         try:
-            dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp)))
+            dcp.save(row_chunks(tensors, self.chunk_bytes), storage_writer=FileSystemWriter(str(tmp)))
             (tmp / STATE_FILE.format(rank=_rank())).write_text(json.dumps(skeleton))
             _barrier()
             if _rank() == 0:
@@ -318,7 +320,7 @@ class DCPCheckpointIO(CheckpointIO):
                 tensors[key] = torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
             else:
                 raise CheckpointMismatchError(f"{path}: sharded tensor {key} has no counterpart in this model")
-        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+        dcp.load(row_chunks(tensors, self.chunk_bytes), storage_reader=SafeFileSystemReader(str(path)))
         return join_tensors(skeleton, tensors)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:

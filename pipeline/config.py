@@ -85,10 +85,13 @@ class CheckpointConfig:
     dir: Optional[str] = None
     every_n_steps: Optional[int] = None   # also every N training steps (always at the end of each epoch)
     keep: int = 2                         # newest complete checkpoints kept
+    chunk_mb: float = 64.0                # tables are written and read in row blocks of this size (bounded memory)
 
     def __post_init__(self) -> None:
         if self.keep < 1 or (self.every_n_steps is not None and self.every_n_steps < 1):
             raise ValueError(f"keep={self.keep}, every_n_steps={self.every_n_steps}: expected values >= 1")
+        if self.chunk_mb <= 0:
+            raise ValueError(f"chunk_mb={self.chunk_mb}: expected a size in MB > 0")
 
 
 @dataclass

@@ -163,7 +163,7 @@ def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Call
         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=False, default_root_dir=str(output_dir),
-        plugins=[DCPCheckpointIO(find_callback(callbacks, TrainingState))])
+        plugins=[DCPCheckpointIO(find_callback(callbacks, TrainingState), int(t.checkpoint.chunk_mb * 2**20))])
 
 
 def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTask, trainer: L.Trainer,

@@ -180,9 +180,12 @@ class _Spill:
         self.blocks.append((len(split), block.numeric.shape[1], tuple(len(c) for c in codes),
                             tuple(len(d) for d in distinct), len(lengths)))
 
-    def read(self) -> Iterator[dict[str, Any]]:
+    def close(self) -> None:
         for fh in self.handles.values():
             fh.close()
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        self.close()
         readers = {name: open(self.folder / f"{name}.bin", "rb") for name in self.SPECS}
 
         def take(name: str, count: int) -> np.ndarray:
@@ -272,13 +275,13 @@ def _feature_keys(values: pa.Array, train: np.ndarray | None, codes_out: np.ndar
     return distinct, train_counts(codes_out, distinct, train)
 
 
-def run_pass1(sources: Sources, data: DataConfig, total_rows: int, scratch: Path, pool: ThreadPoolExecutor) -> Pass1:
-    """Parse every file once, in blocks; spill the rows to ``scratch``; gather split sizes and statistics."""
+def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: _Spill, pool: ThreadPoolExecutor) -> Pass1:
+    """Parse every file once, in blocks; spill the rows to ``spill``; gather split sizes and statistics."""
     cfg = data.preprocess
     hashed = cfg.categorical == "hash"
     tables = Tables.of_data(data)
     n_dense = len(data.numeric)
-    out = Pass1(_Spill(scratch), dict.fromkeys(SPLITS, 0), {s: [0] * len(data.sequence) for s in SPLITS},
+    out = Pass1(spill, dict.fromkeys(SPLITS, 0), {s: [0] * len(data.sequence) for s in SPLITS},
                 [[] for _ in tables.names], np.zeros((len(tables.names), cfg.hash_buckets), np.int64) if hashed else None,
                 np.full(n_dense, np.inf), np.full(n_dense, -np.inf), {}, {})
     blocks = _Pass(sources, data, total_rows, "preprocess pass 1/2")
@@ -459,6 +462,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
     total_rows = sum(_count_rows(p, data) for p, _ in sources) if cfg.split.method == "sequential" else -1
     writer: StoreWriter | None = None
     first: Pass1 | None = None
+    spill: _Spill | None = None
     scratch = Path(out_dir).with_name(Path(out_dir).name + f".scratch-{os.getpid()}")
     sparse = sparse_features(data)
     pool = ThreadPoolExecutor(max_workers=max(1, min(len(sparse), os.cpu_count() or 1)))
@@ -466,7 +470,8 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         row_bytes = 1 + 4 * len(data.numeric) + 4 * len(data.categorical)  # label, dense values, ids
         ensure_space(scratch, sum(os.path.getsize(p) for p, _ in sources) // 2)  # spill ≈ the parsed rows
         scratch.mkdir(parents=True, exist_ok=True)
-        first = run_pass1(sources, data, total_rows, scratch, pool)
+        spill = _Spill(scratch)
+        first = run_pass1(sources, data, total_rows, spill, pool)
         vocab = build_vocabulary(first, data)
         seq_bytes = 12 * sum(sum(v) for v in first.split_values.values())  # values + offsets, roughly
         ensure_space(out_dir, first.spill.rows * row_bytes + seq_bytes)
@@ -510,4 +515,6 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
         raise
     finally:
         pool.shutdown()
+        if spill is not None:
+            spill.close()
         shutil.rmtree(scratch, ignore_errors=True)
