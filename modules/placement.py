@@ -280,6 +280,8 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
         place[t.name] = Placement(t.name, o.tier or "host", o.compute_kernel or kernel, t.bytes(optimizer), t.rows,
                                   t.dim, forced=o.tier is not None)
     budget = topology.budgets()
+    if topology.ddr_cap_gb <= 0:  # host memory not described: nothing moves on its own
+        budget["host"] = math.inf
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
     while use("host") > budget["host"]:
         movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)

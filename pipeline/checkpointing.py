@@ -49,6 +49,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from modules.embedding import is_table_parameter
+from pipeline import table_files
 from pipeline.checkpoint_chunks import MAX_CHUNK_BYTES, row_chunks
 from pipeline.errors import disk_full, ensure_space
 
@@ -381,23 +383,38 @@ def read_rank0_state(path: str | os.PathLike) -> dict[str, Any]:
     return _without_tensors(json.loads((Path(path) / STATE_FILE.format(rank=0)).read_text()))
 
 
-def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.") -> dict[str, torch.Tensor]:
+def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
+                     table_dir: Path | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict from a checkpoint as full tensors, in this process, whatever number of
-    processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``."""
+    processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``.
+    With ``table_dir``, embedding tables are read into files there (:mod:`pipeline.table_files`, mapped):
+    DCP reads them chunk by chunk, so no table is whole in memory."""
     path = Path(path)
     skeleton = json.loads((path / STATE_FILE.format(rank=0)).read_text())
-    tensors = {p["__tensor__"]: torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
+
+    def target(key: str, shape: list[int], dtype: str) -> torch.Tensor:
+        if table_dir is not None and is_table_parameter(key) and len(shape) == 2 and dtype == "float32":
+            file = table_dir / f"{key[len(prefix):]}.f32"
+            table_files.create(file, *shape)
+            return table_files.mapped(file, shape, writable=True)
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+
+    tensors = {p["__tensor__"]: target(p["__tensor__"], p["shape"], p["dtype"])
                for p in _placeholders(skeleton) if p["__tensor__"].startswith(prefix)}
     with warnings.catch_warnings():  # DCP says it reads without a process group: that is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
     out = {k[len(prefix):]: v for k, v in tensors.items()}
-    doubled = prefix.removeprefix("state_dict/")  # "model."
-    if prefix.startswith("state_dict/") and out and all(k.startswith(doubled) for k in out):
-        # TorchRec's DistributedModelParallel.state_dict adds its prefix twice when the dense part is not
-        # in DDP (one process, k-step merging): "model.model.<key>" where DDP runs give "model.<key>"
-        out = {k[len(doubled):]: v for k, v in out.items()}
-    return out
+    return without_doubled_prefix(out) if prefix.startswith("state_dict/") else out
+
+
+def without_doubled_prefix(state: dict[str, Any], prefix: str = "model.") -> dict[str, Any]:
+    """The model's keys as ``DistributedModelParallel.load_state_dict`` takes them. TorchRec's DMP
+    ``state_dict(prefix)`` adds the prefix twice when the dense part is not in DDP (one process, k-step
+    merging): "model.<key>" there where DDP runs give "<key>" (the task's own "model." removed)."""
+    if state and all(k.startswith(prefix) for k in state):
+        return {k[len(prefix):]: v for k, v in state.items()}
+    return state
 
 
 def _numpy_rng_state(state: tuple) -> list:

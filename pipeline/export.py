@@ -10,6 +10,7 @@ must be on this machine. The folder is written under a temporary name and rename
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,16 +31,20 @@ class ExportArgs:
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
+    """The model folder of ``checkpoint`` at ``out``; tables pass through files beside ``out`` (never whole
+    in memory)."""
     run = checkpoint_run(checkpoint)
-    return write_bundle(out, full_model_state(run.path), run.model_cfg, run.data, run.store.meta,
-                        run.store.root / "vocab")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-tables-", dir=Path(out).parent) as scratch:
+        return write_bundle(out, full_model_state(run.path, table_dir=Path(scratch)), run.model_cfg, run.data,
+                            run.store.meta, run.store.root / "vocab")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="export")
 def cli(cfg: DictConfig) -> None:
     args = command_args(cfg, ExportArgs)
     out = exit_on_user_error(lambda: export_checkpoint(args.checkpoint, args.out))
-    print(f"Exported {args.checkpoint} to {out} (model.json, weights.pt, vocab/)")
+    print(f"Exported {args.checkpoint} to {out} (model.json, weights.pt, tables/, vocab/)")
 
 
 if __name__ == "__main__":

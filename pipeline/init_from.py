@@ -19,6 +19,7 @@ the schedule are always the new run's own.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +28,22 @@ import torch
 from torch import nn
 
 from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, is_table_parameter, wide_row_offsets
+from pipeline import table_files
 from pipeline.config import ConfigError
-from pipeline.model_bundle import BundleError, checkpoint_run, is_bundle
+from pipeline.model_bundle import BundleError, checkpoint_run, is_bundle, read_weights
 
 
-def source_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
-    """(full state dict, feature spec) of a model folder or checkpoint."""
+def source_weights(path: str | Path, table_dir: Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
+    """(full state dict, feature spec) of a model folder or checkpoint; tables mapped from files (a
+    checkpoint's are read into ``table_dir``)."""
     from pipeline.checkpointing import full_model_state
 
     path = Path(path)
     if is_bundle(path):
         description = json.loads((path / "model.json").read_text())
-        weights = torch.load(path / "weights.pt", weights_only=True, map_location="cpu")
-        return weights, FeatureSpec.from_store_meta(description["store"])
+        return read_weights(path), FeatureSpec.from_store_meta(description["store"])
     run = checkpoint_run(path)
-    return full_model_state(run.path), FeatureSpec.from_store_meta(run.store.meta)
+    return full_model_state(run.path, table_dir=table_dir), FeatureSpec.from_store_meta(run.store.meta)
 
 
 def check_optimizer_source(path: str | None, parts: str) -> None:
@@ -127,12 +129,15 @@ def _copy_rows(target: torch.Tensor, offsets: tuple[int, ...] | list[int], sourc
     """Rows of ``target`` (the block of a table — or of a per-row state vector — at ``offsets``) from
     the rows ``source`` names in the full ``old``; rows named -1 are left as they are."""
     mapped = source[offsets[0]:offsets[0] + target.shape[0]]
-    keep = torch.from_numpy(np.flatnonzero(mapped >= 0))
-    if len(keep):
-        rows = old[torch.from_numpy(mapped[keep.numpy()])]
-        if target.dim() == 2:
-            rows = rows[:, offsets[1]:offsets[1] + target.shape[1]]
-        target[keep] = rows.to(target.dtype)
+    step = max(1, table_files.BLOCK_BYTES // max(1, 4 * (target.shape[1] if target.dim() == 2 else 1)))
+    for start in range(0, len(mapped), step):  # in row blocks: a file-backed table is never whole in memory
+        part = mapped[start:start + step]
+        keep = np.flatnonzero(part >= 0)
+        if len(keep):
+            rows = old[torch.from_numpy(part[keep])]
+            if target.dim() == 2:
+                rows = rows[:, offsets[1]:offsets[1] + target.shape[1]]
+            target[torch.from_numpy(start + keep)] = rows.to(target.dtype)
 
 
 def _copy_table(value: Any, key: str, old: torch.Tensor, source: np.ndarray) -> None:
@@ -152,7 +157,12 @@ def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
                     reused: dict[str, np.ndarray] | None = None) -> None:
     """Copy the weights of ``path`` into the (sharded) ``model`` of a run with ``spec`` (``reused``: see
     :func:`row_sources`). The source's MLflow run is named by :func:`lineage_tags`."""
-    weights, old_spec = source_weights(path)
+    with tempfile.TemporaryDirectory(prefix="ctr-init-from-") as scratch:
+        _initialize(model, path, spec, reused, *source_weights(path, Path(scratch)))
+
+
+def _initialize(model: nn.Module, path: str | Path, spec: FeatureSpec, reused: dict[str, np.ndarray] | None,
+                weights: dict[str, torch.Tensor], old_spec: FeatureSpec) -> None:
     state = model.state_dict()
     missing = sorted(set(state) - set(weights))
     if missing:

@@ -2,7 +2,10 @@
 
     <dir>/model.json          model config, the store's feature description (features, tables, sizes,
                               numeric transforms and ranges, hashing), the dataset declaration (no path)
-    <dir>/weights.pt          the unsharded state dict (tensors only: loaded with ``weights_only``)
+    <dir>/weights.pt          the unsharded state dict but the embedding tables (tensors only: loaded with
+                              ``weights_only``)
+    <dir>/tables/<name>.f32   each embedding table, row-major float32 (:mod:`pipeline.table_files`; shapes in
+                              model.json): written in row blocks, memory-mapped for scoring
     <dir>/vocab/<t>.parquet   each table's vocabulary (key uint64, training count), as in the store
 
 Written to ``<dir>.tmp-<pid>`` and renamed into place. :class:`Scorer` turns raw rows — exactly as the
@@ -29,7 +32,8 @@ import pyarrow.parquet as pq
 import torch
 from omegaconf import OmegaConf
 
-from modules.embedding import FeatureSpec
+from modules.embedding import FeatureSpec, is_table_parameter
+from pipeline import table_files
 from modules.models import ModelConfig, build_model
 from pipeline.data.dataset import DataConfig
 from pipeline.data.features import FeatureBlock, extract
@@ -38,7 +42,7 @@ from pipeline.data.preprocess import encode_ids, transform_dense
 from pipeline.data.store import ColumnarStore, Ragged, SplitArrays
 from pipeline.data.vocab_growth import VocabIndex
 
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # 2: tables in tables/*.f32 (version 1 kept them in weights.pt; still read)
 META_KEYS = ("dataset", "dense", "categorical", "sequence", "features", "transforms", "table_sizes", "dense_range",
              "preprocess", "vocabulary_day")
 
@@ -57,10 +61,14 @@ def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], mo
     try:
         declaration = {k: v for k, v in asdict(data).items() if k not in ("path", "synthetic", "shape_only",
                                                                             "cardinalities", "zipf_exponent")}
+        tables = {k: list(v.shape) for k, v in state_dict.items() if is_table_parameter(k) and v.dim() == 2}
         description = {"version": BUNDLE_VERSION, "mlflow_run_id": mlflow_run_id, "model": asdict(model_cfg), "data": declaration,
-                       "store": {k: store_meta[k] for k in META_KEYS if k in store_meta}}
+                       "store": {k: store_meta[k] for k in META_KEYS if k in store_meta}, "tables": tables}
         (tmp / "model.json").write_text(json.dumps(description, indent=2, sort_keys=True))
-        torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items()}, tmp / "weights.pt")
+        for key in tables:
+            table_files.write(tmp / "tables" / f"{key}.f32", state_dict[key])
+        torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k not in tables},
+                   tmp / "weights.pt")
         if vocab_dir.is_dir():
             shutil.copytree(vocab_dir, tmp / "vocab")
         else:  # hashed tables have no vocabulary
@@ -77,13 +85,32 @@ def is_bundle(path: str | os.PathLike) -> bool:
     return (Path(path) / "model.json").is_file()
 
 
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def read_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A model folder's state dict: ``weights.pt`` and its tables memory-mapped (read-only)."""
+    folder = Path(folder)
+    try:
+        tables = json.loads((folder / "model.json").read_text()).get("tables", {})
+        weights = torch.load(folder / "weights.pt", weights_only=True, map_location="cpu")
+        weights.update({k: table_files.mapped(folder / "tables" / f"{k}.f32", shape) for k, shape in tables.items()})
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise BundleError(f"{folder}: cannot load the weights ({e})") from None
+    return weights
+
+
+def unsharded_state(module: torch.nn.Module, table_dir: Path) -> dict[str, torch.Tensor] | None:
     """The unsharded state dict of a (DMP-wrapped) model on rank 0, None on other ranks (collective:
-    every rank must call it). Sharded tables are gathered with ``ShardedTensor.gather``."""
+    every rank must call it). Embedding tables are written to ``table_dir`` by the ranks holding their
+    shards and mapped (:func:`pipeline.table_files.unshard_to_file`); other sharded tensors are gathered."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if torch.distributed.is_initialized():  # rank 0's folder: the ranks' output folders may differ
+        agreed = [str(table_dir)]
+        torch.distributed.broadcast_object_list(agreed, src=0)
+        table_dir = Path(agreed[0])
     out: dict[str, torch.Tensor] = {}
     for key, value in module.state_dict().items():
-        if hasattr(value, "local_shards"):
+        if is_table_parameter(key) and len(value.size()) == 2:
+            value = table_files.unshard_to_file(value, table_dir / f"{key}.f32")
+        elif hasattr(value, "local_shards"):
             full = torch.empty(tuple(value.size()), dtype=value.dtype) if rank == 0 else None
             value.gather(dst=0, out=full)
             value = full
@@ -220,11 +247,11 @@ class Scorer(RowEncoder):
             raise BundleError(f"{self.folder / 'model.json'}: cannot read the model description ({e})") from None
         super().__init__(description["store"], declaration_from(description["data"]), self.folder / "vocab")
         self.model_cfg = ModelConfig(**description["model"])
-        self.model = build_model(self.model_cfg, self.spec)
-        try:
-            self.model.load_state_dict(torch.load(self.folder / "weights.pt", weights_only=True, map_location="cpu"))
-        except (OSError, RuntimeError, pickle.UnpicklingError) as e:
-            raise BundleError(f"{self.folder / 'weights.pt'}: cannot load the weights ({e})") from None
+        self.model = build_model(self.model_cfg, self.spec, device=torch.device("meta"))
+        try:  # assign: the mapped tables become the parameters (no copy into fresh tables)
+            self.model.load_state_dict(read_weights(self.folder), assign=True)
+        except RuntimeError as e:
+            raise BundleError(f"{self.folder}: the weights do not fit the model ({e})") from None
         self.model.eval()
 
     def score(self, arrays: SplitArrays, batch_size: int = 65536) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Batch-scaling report from MLflow: ``ctr report experiment=batch_scaling`` (``parent=<run id>``: a sweep's).
+"""Batch-scaling report from MLflow: ``ctr report experiment_name=batch_scaling`` (``parent=<run id>``: a sweep's).
 
 Reads the finished training runs of an experiment (latest run per batch size × scaling rule × L2 scope
 × seed; a cell with several seeds gives their mean, the number of seeds and their spread),
@@ -173,7 +173,7 @@ def plot(runs: list[RunSummary], path: Path, title: str) -> None:
 class ReportArgs:
     """``conf/report.yaml``."""
 
-    experiment: str = "batch_scaling"
+    experiment_name: str = "batch_scaling"
     tracking_uri: str = "sqlite:///mlflow.db"
     parent: Optional[str] = None
     out: Optional[str] = None
@@ -186,20 +186,20 @@ def cli(cfg: DictConfig) -> None:
 
     args = command_args(cfg, ReportArgs)
     client = MlflowClient(tracking_uri=args.tracking_uri)
-    runs = collect_runs(client, args.experiment, args.parent)
+    runs = collect_runs(client, args.experiment_name, args.parent)
     if not runs:
-        raise SystemExit(f"no finished training runs in {f'sweep {args.parent}' if args.parent else args.experiment!r}")
-    out = Path(args.out or f"reports/{args.parent or args.experiment}")
+        raise SystemExit(f"no finished training runs in {f'sweep {args.parent}' if args.parent else args.experiment_name!r}")
+    out = Path(args.out or f"reports/{args.parent or args.experiment_name}")
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(runs)
     (out / "report.md").write_text(table)
-    plot(runs, out / "auc_vs_batch.png", f"{args.experiment}: test AUC vs batch size")
+    plot(runs, out / "auc_vs_batch.png", f"{args.experiment_name}: test AUC vs batch size")
     print(table)
     if args.log_to_mlflow:
         if args.parent is not None:  # onto the sweep's own parent run
             target = args.parent
         else:
-            exp = client.get_experiment_by_name(args.experiment)
+            exp = client.get_experiment_by_name(args.experiment_name)
             target = client.create_run(exp.experiment_id, run_name="report", tags={"report": "true"}).info.run_id
         for name in ("report.md", "auc_vs_batch.png"):
             client.log_artifact(target, str(out / name), artifact_path="report" if args.parent else None)

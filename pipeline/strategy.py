@@ -25,6 +25,8 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from pipeline.checkpointing import without_doubled_prefix
+
 
 class TorchRecStrategy(DDPStrategy):
     strategy_name = "torchrec_ddp"
@@ -63,8 +65,8 @@ class TorchRecStrategy(DDPStrategy):
         """Through DMP's own ``load_state_dict``: a parent module's would see DMP's wrapper prefixes."""
         module = self.lightning_module
         state = checkpoint["state_dict"]
-        module.model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")},
-                                     strict=strict)
+        model_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        module.model.load_state_dict(without_doubled_prefix(model_state), strict=strict)
         rest = {k: v for k, v in state.items() if not k.startswith("model.")}
         if rest:
             missing, unexpected = module.load_state_dict(rest, strict=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import tempfile
 import traceback
 import warnings
@@ -42,7 +43,7 @@ from pipeline.errors import TrackingUnavailableError
 from pipeline.init_from import check_optimizer_source, lineage_tags
 from pipeline.launch import global_rank, world_from_env
 from pipeline.mlflow_model import log_pyfunc, register
-from pipeline.model_bundle import full_state_dict, write_bundle
+from pipeline.model_bundle import unsharded_state, write_bundle
 from pipeline.numa import bind_to_gpu_numa_node
 from pipeline.plan import format_plan
 from pipeline.process_exit import exit_now, leave_process_group, stop_worker_pools
@@ -205,12 +206,17 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
                   f"and no MLflow model; score with ctr predict checkpoint=<this run's trainer.checkpoint.dir> "
                   f"(under torchrun: the tables stay sharded)", flush=True)
         return None
-    weights = full_state_dict(task.model)
-    if weights is None:
-        return None
-    store = datamodule.store
-    return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, store.meta, store.root / "vocab",
-                        run_id)
+    scratch = output_dir / ".model-tables"  # every rank writes its shards of each table here (table_files)
+    try:
+        weights = unsharded_state(task.model, scratch)
+        if weights is None:
+            return None
+        store = datamodule.store
+        return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, store.meta,
+                            store.root / "vocab", run_id)
+    finally:
+        if global_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:

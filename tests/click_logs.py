@@ -45,7 +45,7 @@ def click_log(rows: int, seed: int = 0, tag_weight: float = 2.0, first_user: int
 
 
 def oracle_auc(frame: pd.DataFrame, p: np.ndarray) -> float:
-    return float(binary_auroc(torch.from_numpy(p), torch.from_numpy(frame["clicked"].to_numpy())))
+    return float(binary_auroc(torch.from_numpy(p), torch.tensor(frame["clicked"].to_numpy())))
 
 
 DATASET_YAML = """\

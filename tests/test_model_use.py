@@ -58,7 +58,7 @@ def test_predict_on_the_runs_own_test_rows_gives_its_test_auc(trained):
     from torchmetrics.functional.classification import binary_auroc
     import torch
 
-    auc = float(binary_auroc(torch.from_numpy(written["probability"].to_numpy()),
+    auc = float(binary_auroc(torch.tensor(written["probability"].to_numpy()),
                              torch.from_numpy(written["label"].to_numpy().astype(np.int64))))
     assert abs(auc - result.test_auc) <= 1e-6, (auc, result.test_auc)
     assert f"AUC {auc:.6f}" in proc.stdout

@@ -90,7 +90,7 @@ def test_the_wheel_trains_predicts_and_exports_from_any_folder(installed, tmp_pa
 
 
 HELP_SHOWS = {"train": "batch_size: 4096", "plan": "ddr_cap_gb: 16", "predict": "checkpoint: ???",
-              "export": "out: ???", "report": "experiment: batch_scaling", "sync": "source: ???"}
+              "export": "out: ???", "report": "experiment_name: batch_scaling", "sync": "source: ???"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -1,0 +1,88 @@
+"""Embedding tables as raw files: row-major float32, ``rows × dim``, written in row blocks, read mapped.
+
+A model folder keeps each table in ``tables/<parameter name>.f32`` (its shape in ``model.json``)
+instead of inside ``weights.pt``, so writing, exporting and scoring never hold a whole table in
+anonymous memory: writers copy row blocks of at most ``BLOCK_BYTES``; readers map the file
+(``torch.from_file``, private mapping: pages come from the page cache as rows are looked up).
+
+A sharded table at the end of training is written by every rank at once: rank 0 sizes the file,
+each rank writes the blocks of its own shards at their offsets (``numpy.memmap``), rank 0 maps the
+result. That needs the ranks to share the output folder's file system (one node, or a shared disk).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+BLOCK_BYTES = 64 << 20
+
+
+def _rows_per_block(cols: int) -> int:
+    return max(1, BLOCK_BYTES // max(1, 4 * cols))
+
+
+def create(path: Path, rows: int, cols: int) -> None:
+    """A sparse file of ``rows × cols`` zeros (float32)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(rows * cols * 4)
+
+
+def write_block(path: Path, shape: tuple[int, int], offsets: tuple[int, int], block: torch.Tensor) -> None:
+    """Write ``block`` (a 2-D tensor, or rows of it) at ``offsets`` of the table file, in row blocks."""
+    rows, cols = block.shape
+    target = np.memmap(path, dtype=np.float32, mode="r+", shape=shape)
+    step = _rows_per_block(cols)
+    r0, c0 = offsets
+    for start in range(0, rows, step):
+        part = block[start:start + step].detach().to(torch.float32).numpy()
+        target[r0 + start:r0 + start + len(part), c0:c0 + cols] = part
+    target.flush()
+    del target
+
+
+def write(path: Path, table: torch.Tensor) -> None:
+    """``table`` (2-D) as a new file, block by block."""
+    create(path, *table.shape)
+    write_block(path, tuple(table.shape), (0, 0), table)
+
+
+def mapped(path: Path, shape: tuple[int, int] | list[int], writable: bool = False) -> torch.Tensor:
+    """The table file as a ``rows × cols`` tensor; private (copy-on-write) unless ``writable``."""
+    rows, cols = shape
+    expected = rows * cols * 4
+    size = os.path.getsize(path)
+    if size != expected:
+        raise ValueError(f"{path}: {size} bytes, expected {expected} for a {rows} × {cols} float32 table")
+    return torch.from_file(str(path), shared=writable, size=rows * cols, dtype=torch.float32).view(rows, cols)
+
+
+def is_sharded(value: Any) -> bool:
+    return hasattr(value, "local_shards")
+
+
+def unshard_to_file(value: Any, path: Path) -> torch.Tensor | None:
+    """A (possibly sharded) 2-D table written to ``path`` by every rank (collective); rank 0 gets the
+    file mapped, other ranks None."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shape = tuple(value.size())
+    if rank == 0:
+        create(path, *shape)
+    if dist.is_initialized():
+        dist.barrier()
+    shards = value.local_shards() if is_sharded(value) else [None] if rank == 0 else []
+    for shard in shards:
+        if shard is None:
+            write_block(path, shape, (0, 0), value)
+        else:
+            offsets = tuple(shard.metadata.shard_offsets)
+            write_block(path, shape, (offsets[0], offsets[1] if len(offsets) > 1 else 0), shard.tensor)
+    if dist.is_initialized():
+        dist.barrier()
+    return mapped(path, shape) if rank == 0 else None
