@@ -47,6 +47,7 @@ L2_SCOPES = ("batch", "all")
 FBGEMM_KINDS = {"EXACT_SGD": "sgd", "EXACT_ADAGRAD": "adagrad", "EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad",
                 "ADAM": "adam"}
 STATES = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}
+FLUSH_ROWS = 1 << 20  # rows brought up to date at once by a flush
 
 
 @dataclass(frozen=True)
@@ -197,12 +198,14 @@ class LazyRowsL2:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Bring every row up to date with the last step run."""
+        """Bring every row up to date with the last step run, in blocks of ``FLUSH_ROWS`` rows (a table in
+        memory-mapped files is never copied whole)."""
         if self.step < 0:
             return
         for kernel in self.kernels:
             for table, last in enumerate(kernel.last):
-                self._catch_up(kernel, table, torch.arange(len(last)), self.step)
+                for start in range(0, len(last), FLUSH_ROWS):
+                    self._catch_up(kernel, table, torch.arange(start, min(len(last), start + FLUSH_ROWS)), self.step)
 
 
 @dataclass

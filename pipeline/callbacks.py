@@ -11,6 +11,7 @@ from typing import Any, Sequence, TypeVar
 
 import lightning as L
 import torch
+from filelock import FileLock, Timeout
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
@@ -18,7 +19,7 @@ from modules.comm_accounting import CommCounter, ddp_counting_hook
 from modules.cowclip import BUCKET_LABELS
 from modules.kstep_merging import KStepMerger, MergeConfig
 from modules.optimizers import replicated_parameters
-from pipeline.checkpointing import complete_checkpoints
+from pipeline.checkpointing import CheckpointMismatchError, complete_checkpoints
 
 C = TypeVar("C", bound=Callback)
 
@@ -225,12 +226,37 @@ def plot_clipping(history: list[tuple[int, list[float | None]]], path: Path) -> 
 
 class ShardedCheckpoint(Callback):
     """Checkpoints every ``every_n_steps`` training steps and at the end of every epoch, keeping the
-    newest ``keep`` (see :mod:`pipeline.checkpointing`). Replicas are merged first (k-step merging)."""
+    newest ``keep`` (see :mod:`pipeline.checkpointing`). Replicas are merged first (k-step merging).
+
+    The folder belongs to one run at a time: global rank 0 holds a lock file in it (``.lock``, released
+    when the process ends, however it ends); a second run naming the same folder is refused."""
 
     def __init__(self, dirpath: str, every_n_steps: int | None = None, keep: int = 2) -> None:
         self.dirpath, self.every_n_steps, self.keep = dirpath, every_n_steps, max(1, keep)
+        self._saved_step: int | None = None
+        self._lock: FileLock | None = None
 
-    def _save(self, trainer: L.Trainer) -> None:
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and trainer.is_global_zero and self._lock is None:
+            Path(self.dirpath).mkdir(parents=True, exist_ok=True)
+            self._lock = FileLock(str(Path(self.dirpath) / ".lock"))
+            try:
+                self._lock.acquire(timeout=0)
+            except Timeout:
+                self._lock = None
+                raise CheckpointMismatchError(f"trainer.checkpoint.dir={self.dirpath} is in use by another running "
+                                              f"job; give this run its own folder") from None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._lock is not None and stage == "fit":
+            self._lock.release()
+            self._lock = None
+
+    def save(self, trainer: L.Trainer) -> None:
+        """A checkpoint of this step, unless one was just written (epoch end after a step's, preemption)."""
+        if self._saved_step == trainer.global_step:
+            return
+        self._saved_step = trainer.global_step
         merging = find_callback(trainer.callbacks, KStepMerging)
         if merging is not None:
             merging.merge_if_dirty()
@@ -243,7 +269,7 @@ class ShardedCheckpoint(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
-            self._save(trainer)
+            self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._save(trainer)
+        self.save(trainer)

@@ -33,6 +33,7 @@ import os
 import pickle
 import random
 import shutil
+import time
 import uuid
 import warnings
 from dataclasses import asdict
@@ -287,6 +288,7 @@ class DCPCheckpointIO(CheckpointIO):
             tmp.mkdir(parents=True, exist_ok=True)
         _barrier()
         try:
+            t0 = time.perf_counter()
             dcp.save(row_chunks(tensors, self.chunk_bytes), storage_writer=FileSystemWriter(str(tmp)))
             (tmp / STATE_FILE.format(rank=_rank())).write_text(json.dumps(skeleton))
             _barrier()
@@ -295,6 +297,8 @@ class DCPCheckpointIO(CheckpointIO):
                 if final.exists():
                     shutil.rmtree(final)
                 os.rename(tmp, final)
+                print(f"Checkpoint {final} written in {time.perf_counter() - t0:.2f} s ({needed / 1e6:,.1f} MB on rank 0)",
+                      flush=True)
         except BaseException as e:  # DCP reports write failures in its own exception types
             shutil.rmtree(tmp, ignore_errors=True)
             full = disk_full(e, tmp, needed)
@@ -322,7 +326,10 @@ class DCPCheckpointIO(CheckpointIO):
                 tensors[key] = torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
             else:
                 raise CheckpointMismatchError(f"{path}: sharded tensor {key} has no counterpart in this model")
+        t0 = time.perf_counter()
         dcp.load(row_chunks(tensors, self.chunk_bytes), storage_reader=SafeFileSystemReader(str(path)))
+        if _rank() == 0:
+            print(f"Checkpoint {path} read in {time.perf_counter() - t0:.2f} s", flush=True)
         return join_tensors(skeleton, tensors)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 from modules.cowclip import CowClipConfig
 from modules.embedding_l2 import L2_SCOPES
 from modules.optimizers import is_fusable
+from pipeline.preemption import PreemptionConfig
 from modules.kstep_merging import MergeConfig
 from modules.models import ModelConfig
 from modules.optimizers import OptimizerSpec
@@ -112,6 +113,7 @@ class TrainerConfig:
     plateau_patience: int = 1
     merging: MergeConfig = field(default_factory=MergeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # signals: pipeline/preemption.py
     resume: Optional[str] = None
     init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
     init_from_optimizer: str = "none"   # also carry a checkpoint's optimizer state: none | embedding | dense | all

@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
 from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 
@@ -39,6 +40,17 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_R
 
 def is_remote(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
+
+
+def create_local_store(uri: str) -> None:
+    """Create a ``sqlite:///`` store's schema under a file lock beside it: runs started together on a
+    fresh store would otherwise each create the tables, and all but one fail ("duplicate column")."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri[len("sqlite:///"):])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        MlflowClient(uri).search_experiments(max_results=1)
 
 
 def probe(uri: str, timeout_s: float) -> str | None:
@@ -173,6 +185,8 @@ class TrackedMLflowLogger(MLFlowLogger):
         """Remember the status (set when the run is closed): no synchronous call to the server here."""
         if status == "failed":
             self._status = "FAILED"
+        elif status == "killed":
+            self._status = "KILLED"
 
     def close(self, timeout_s: float, folder: Path) -> list[str]:
         """Set the final status, deliver what the queue holds within ``timeout_s``, keep the rest locally.

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import traceback
 import warnings
@@ -46,12 +47,14 @@ from pipeline.mlflow_model import log_pyfunc, register
 from pipeline.model_bundle import unsharded_state, write_bundle
 from pipeline.numa import bind_to_gpu_numa_node
 from pipeline.plan import format_plan
+from pipeline.preemption import Preempted, SignalGuard, StopOnSignal
 from pipeline.process_exit import exit_now, leave_process_group, stop_worker_pools
 from pipeline.result import RunResult
 from pipeline.strategy import TorchRecStrategy
 from pipeline.sweep_tracking import parent_tags, record_failure
 from pipeline.task import CTRTask
-from pipeline.tracking import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger, bound_http_requests, probe
+from pipeline.tracking import (ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger, bound_http_requests,
+                               create_local_store, probe)
 
 log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=".*overridden `transfer_batch_to_device`.*")
@@ -97,6 +100,7 @@ def tracking_uri(cfg: LoggerConfig, output_dir: Path) -> tuple[str, dict[str, st
     bound_http_requests()
     problem = probe(cfg.tracking_uri, cfg.connect_timeout_s)
     if problem is None:
+        create_local_store(cfg.tracking_uri)
         return cfg.tracking_uri, {}
     if cfg.on_unavailable == "fail":
         raise TrackingUnavailableError(f"logger.tracking_uri={cfg.tracking_uri}: no MLflow tracking server answered: "
@@ -137,9 +141,10 @@ def resume_checkpoint(cfg: TrainerConfig) -> tuple[str | None, str | None]:
     return str(path), (state.get("pipeline") or {}).get("mlflow_run_id")
 
 
-def build_callbacks(cfg: RunConfig, topology: TopologySpec, extra: list[L.Callback]) -> list[L.Callback]:
+def build_callbacks(cfg: RunConfig, topology: TopologySpec, guard: SignalGuard,
+                    extra: list[L.Callback]) -> list[L.Callback]:
     """The run's callbacks, in the order they must run after each training step: merge the replicas,
-    count the step's bytes, checkpoint; then the user's ``trainer.callbacks``."""
+    count the step's bytes, checkpoint, stop on a preemption signal; then the user's ``trainer.callbacks``."""
     t = cfg.trainer
     callbacks: list[L.Callback] = []
     if t.merging.enabled:
@@ -147,8 +152,10 @@ def build_callbacks(cfg: RunConfig, topology: TopologySpec, extra: list[L.Callba
     callbacks += [CommAccounting(), TrainThroughput(), CowClipLogging(), TrainingState(),
                   BestValidation("val/auc", t.plateau_lr_factor, t.plateau_patience, t.early_stopping_patience,
                                  restore_best=t.early_stopping_patience is not None)]
-    if t.checkpoint.dir:
-        callbacks.append(ShardedCheckpoint(t.checkpoint.dir, t.checkpoint.every_n_steps, t.checkpoint.keep))
+    checkpoint = ShardedCheckpoint(t.checkpoint.dir, t.checkpoint.every_n_steps, t.checkpoint.keep) \
+        if t.checkpoint.dir else None
+    callbacks += [checkpoint] if checkpoint else []
+    callbacks.append(StopOnSignal(guard, checkpoint.save if checkpoint else None))
     return callbacks + extra
 
 
@@ -247,29 +254,38 @@ def run(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
         logger.start()
     datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed)
     task = CTRTask(run_cfg, topology)
-    callbacks = build_callbacks(run_cfg, topology, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])
+    guard = SignalGuard(t.preemption)
+    callbacks = build_callbacks(run_cfg, topology, guard, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])
     trainer = build_trainer(run_cfg, topology, callbacks, logger, output_dir)
     bundle: Path | None = None
     undelivered: list[str] = []
-    try:
-        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
-        test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
-        bundle = write_model(run_cfg, task, datamodule, output_dir, logger.run_id if logger else None) \
-            if run_cfg.logger.log_model else None
-        if logger:
-            log_summary(logger, params, task, trainer, datamodule, output_dir)
-            if bundle is not None:
-                log_pyfunc(logger.experiment, logger.run_id, bundle,
-                           example_rows(run_cfg.data, run_cfg.paths.cache_dir), output_dir / "mlflow_model")
-    except BaseException:
-        if logger:
-            logger.finalize("failed")
-        raise
-    finally:
-        if logger:
-            undelivered = logger.close(run_cfg.logger.flush_timeout_s, output_dir)
-            for line in undelivered:
-                print(line, flush=True)
+    with guard:
+        try:
+            trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
+            if guard.signum is None:
+                test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
+                bundle = write_model(run_cfg, task, datamodule, output_dir, logger.run_id if logger else None) \
+                    if run_cfg.logger.log_model else None
+                if logger:
+                    log_summary(logger, params, task, trainer, datamodule, output_dir)
+                    if bundle is not None:
+                        log_pyfunc(logger.experiment, logger.run_id, bundle,
+                                   example_rows(run_cfg.data, run_cfg.paths.cache_dir), output_dir / "mlflow_model")
+            if guard.signum is not None:
+                raise Preempted(guard, trainer.global_step, t.checkpoint.dir)
+        except Preempted:
+            if logger:
+                logger.finalize("killed")
+            raise
+        except BaseException:
+            if logger:
+                logger.finalize("failed")
+            raise
+        finally:
+            if logger:
+                undelivered = logger.close(run_cfg.logger.flush_timeout_s, output_dir)
+                for line in undelivered:
+                    print(line, flush=True)
     if logger and run_cfg.logger.register_model_as and bundle is not None and not undelivered:
         version = register(uri, logger.run_id, run_cfg.logger.register_model_as)
         print(f"Registered the model as {run_cfg.logger.register_model_as!r} version {version}", flush=True)
@@ -321,9 +337,16 @@ def main(cfg: DictConfig) -> float:
 
 def cli() -> None:
     """``ctr train`` / ``python -m pipeline.train``."""
-    main()
+    status = 0
+    try:
+        main()
+    except Preempted as stopped:
+        status = stopped.code
+        if global_rank() == 0:
+            print(f"Exiting with status {status}, {stopped.guard.seconds_since_signal():.1f} s after the signal",
+                  file=sys.stderr, flush=True)
     stop_worker_pools()
-    exit_now(0)  # a finished run: no interpreter teardown (see pipeline.process_exit)
+    exit_now(status)  # no interpreter teardown (see pipeline.process_exit)
 
 
 if __name__ == "__main__":

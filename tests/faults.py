@@ -27,6 +27,19 @@ class KillRank(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SignalDuringStep(Callback):
+    """Global rank ``rank`` sends itself ``signum`` (default SIGTERM) as training step ``step`` starts (as a
+    scheduler's signal would arrive mid-step), in a run that did not resume from a checkpoint."""
+
+    def __init__(self, rank: int, step: int, signum: int = signal.SIGTERM) -> None:
+        self.rank, self.step, self.signum = rank, step, signum
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.step - 1 and trainer.global_rank == self.rank and trainer.ckpt_path is None:
+            os.kill(os.getpid(), self.signum)
+
+
 class NaNLabelsAtStep(Callback):
     """The batch of training step ``step`` gets NaN labels: its loss is NaN, the forward pass is not
     touched (no NaN reaches batch-norm statistics)."""

@@ -115,6 +115,7 @@ def test_pyfunc_model_and_mlflow_models_serve_match_predict(trained):
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+        server.stderr.close()
     np.testing.assert_allclose([p["probability"] for p in served], want, atol=1e-6)
 
 

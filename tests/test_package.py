@@ -44,7 +44,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     subprocess.run([PYTHON, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps", "-q",
                     str(wheel)], check=True, capture_output=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WORLD_SIZE", "RANK", "LOCAL_RANK",
-                                                             "LOCAL_WORLD_SIZE", "CTR_CACHE_DIR")}
+                                                             "LOCAL_WORLD_SIZE", "CTR_CACHE_DIR", "MLFLOW_TRACKING_URI")}
     return venv / "bin", {**env, "OMP_NUM_THREADS": "1"}
 
 

@@ -1,4 +1,5 @@
-"""Where a dataset's raw files come from, and the cached store built from them.
+"""Where a dataset's raw files come from, and the cached store built from them (built once: a file lock
+beside the store and beside a generated file lets concurrent runs wait for the first one's result).
 
 A store lives at ``<cache_dir>/stores/<name>-<fingerprint>``; the fingerprint hashes what
 determines its content (the dataset's declaration, the generator config or the raw files'
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import pandas as pd
+from filelock import FileLock
 
 from pipeline.data.dataset import DataConfig
 from pipeline.data.preprocess import preprocess
@@ -93,8 +95,10 @@ def raw_files(data: DataConfig, cache_dir: str | os.PathLike) -> tuple[list[Path
     cfg = data.synthetic
     path = Path(cache_dir) / "raw" / f"synthetic-{_digest(asdict(cfg))}.tsv"
     summary_path = Path(str(path) + ".json")
-    if not (path.is_file() and summary_path.is_file()):
-        generate(cfg, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):  # concurrent runs generate it once
+        if not (path.is_file() and summary_path.is_file()):
+            generate(cfg, path)
     summary = json.loads(summary_path.read_text())
     return [path], {"synthetic_file": str(path), **{k: v for k, v in summary.items() if k != "config"}}
 
@@ -104,8 +108,12 @@ def prepare_store(data: DataConfig, cache_dir: str | os.PathLike) -> ColumnarSto
     target = store_dir(data, cache_dir)
     if (target / "meta.json").is_file():
         return ColumnarStore(target)
-    files, provenance = raw_files(data, cache_dir)
-    return preprocess(files, data, target, provenance={"dataset": data.name, **provenance})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # a run started beside this one waits, then reuses its store
+        if (target / "meta.json").is_file():
+            return ColumnarStore(target)
+        files, provenance = raw_files(data, cache_dir)
+        return preprocess(files, data, target, provenance={"dataset": data.name, **provenance})
 
 
 def example_rows(data: DataConfig, cache_dir: str | os.PathLike, n: int = 5) -> pd.DataFrame:

@@ -1,0 +1,216 @@
+"""How the pipeline grows with rows and with table size, on one CPU machine.
+
+    python benchmarks/scale.py data --rows 5000000 20000000 45000000
+    python benchmarks/scale.py tables --limit-gb 3 --fractions 0.25 1 2 --rows 2000000
+
+``data``: generated Criteo-format logs (Criteo Kaggle's per-field cardinalities, Zipf ids; the
+synthetic generator) of each size, DeepFM dim 16, 1 epoch. Per size: preprocessing seconds, rows/s and
+peak memory (a process of its own); training samples/s and peak memory; checkpoint write and read
+seconds (a resume reads it); export seconds and peak memory; test AUC. The first size is the
+baseline: each cost is also shown per row relative to it (1.00 = linear in rows).
+
+``tables``: one model (the same log, every table hashed to ``H`` rows, so the tables total a chosen
+size) at ``fractions`` × the memory the run may use. Each run is put in a memory cgroup (cgroup v1,
+``memory.limit_in_bytes`` = ``--limit-gb``, which also caps the page cache) with every table on the
+``ssd`` tier; the baseline is the same model in host memory with no limit. Reported: samples/s and
+the ratio to the in-memory run, the run's user / system / wall seconds (where a step's time goes:
+page faults and reads show up as system and waiting time), major page faults per embedding lookup
+(1 − that ≈ the share served from the page cache), and the disk's 4 KiB random-read rate measured
+here with O_DIRECT — a lower bound of samples/s if every lookup missed: IOPS / lookups per sample.
+
+Peak memory: ``VmHWM`` (resident, file pages included) and the peak of ``RssAnon`` (anonymous memory
+only: what the process itself holds), sampled every 20 ms from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOKUPS_PER_SAMPLE = 52  # 26 fields × (their table + the first-order table)
+BYTES_PER_HASH_ROW = 26 * (4 * (16 + 1) + 4 * (4 + 1))  # all tables, dim 16 + wide 4, row-wise Adagrad state
+
+
+def measured(cmd: list[str], cgroup: Path | None = None, env: dict | None = None) -> dict:
+    """Run ``cmd`` (in ``cgroup`` if given); wall/user/sys seconds, major faults, peak VmHWM and RssAnon."""
+    prefix = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"] if cgroup else []
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([*prefix, *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    peak = {"anon": 0, "hwm": 0, "majflt": 0, "utime": 0, "stime": 0}
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def sample() -> None:
+        while proc.poll() is None:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                peak["anon"] = max(peak["anon"], int(re.search(r"RssAnon:\s+(\d+)", status).group(1)))
+                peak["hwm"] = max(peak["hwm"], int(re.search(r"VmHWM:\s+(\d+)", status).group(1)))
+                peak["majflt"], peak["utime"], peak["stime"] = int(stat[9]), int(stat[11]) / tick, int(stat[12]) / tick
+            except (OSError, AttributeError, IndexError):
+                pass
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    out, _ = proc.communicate()
+    watcher.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}")
+    return {"wall": time.perf_counter() - t0, "out": out, "anon_mb": peak["anon"] / 1024, "hwm_mb": peak["hwm"] / 1024,
+            "majflt": peak["majflt"], "user": peak["utime"], "sys": peak["stime"]}
+
+
+def train(args: list[str], run_dir: Path, cgroup: Path | None = None) -> dict:
+    m = measured([sys.executable, "-m", "pipeline.train", *args, f"hydra.run.dir={run_dir}",
+                  "trainer.enable_progress_bar=false"], cgroup)
+    m["result"] = json.loads((run_dir / "result.json").read_text())
+    saved = re.findall(r"Checkpoint \S+ written in ([\d.]+) s", m["out"])
+    read = re.findall(r"Checkpoint \S+ read in ([\d.]+) s", m["out"])
+    m["save_s"] = float(saved[-1]) if saved else None
+    m["load_s"] = float(read[-1]) if read else None
+    return m
+
+
+PREPARE = """
+import sys, time
+from hydra import compose, initialize_config_module
+from pipeline.config import parse_config
+from pipeline.data.sources import prepare_store, raw_files
+with initialize_config_module("ctr_conf", version_base="1.3"):
+    cfg = parse_config(compose("config", overrides=sys.argv[1:]))
+raw_files(cfg.data, cfg.paths.cache_dir)  # generated first: not part of the preprocessing time
+t0 = time.perf_counter()
+store = prepare_store(cfg.data, cfg.paths.cache_dir)
+print("PREPROCESS", time.perf_counter() - t0, sum(store.meta["splits"].values()))
+"""
+
+
+def prepare(overrides: list[str]) -> dict:
+    m = measured([sys.executable, "-c", PREPARE, *overrides])
+    seconds, rows = re.search(r"PREPROCESS ([\d.]+) (\d+)", m["out"]).groups()
+    return {**m, "seconds": float(seconds), "rows": int(rows)}
+
+
+def data_scale(args: argparse.Namespace) -> None:
+    work = Path(args.work)
+    rows_out = []
+    for rows in args.rows:
+        common = [f"paths.cache_dir={work / 'cache'}", f"data.synthetic.rows={rows}"]
+        pre = prepare(common)
+        run = work / f"data-{rows}"
+        train_args = [*common, "trainer.max_epochs=1", f"trainer.checkpoint.dir={run / 'ckpt'}", "logger.log_model=false",
+                      f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}", f"trainer.batch_size={args.batch_size}"]
+        fit = train(train_args, run / "train")
+        again = train([*train_args, "trainer.resume=auto"], run / "resume")  # reads the checkpoint, nothing to train
+        export = measured([sys.executable, "-m", "pipeline.export", f"checkpoint={run / 'ckpt'}", f"out={run / 'model'}"])
+        rows_out.append({"rows": rows, "pre_s": pre["seconds"], "pre_rows_s": pre["rows"] / pre["seconds"],
+                         "pre_mb": pre["hwm_mb"], "train_sps": fit["result"]["samples_per_s"],
+                         "train_mb": fit["hwm_mb"], "train_anon_mb": fit["anon_mb"], "save_s": fit["save_s"],
+                         "load_s": again["load_s"], "export_s": export["wall"], "export_anon_mb": export["anon_mb"],
+                         "auc": fit["result"]["test_auc"]})
+        print(json.dumps(rows_out[-1]), flush=True)
+    base = rows_out[0]
+    print("\n| rows | preprocess s | rows/s | peak MB | train samples/s | peak MB (anon) | ckpt write s | ckpt read s "
+          "| export s (anon MB) | test AUC | cost per row vs first: preprocess / train / export |")
+    print("|" + "---:|" * 11)
+    for r in rows_out:
+        scale = r["rows"] / base["rows"]
+        per_row = (r["pre_s"] / base["pre_s"] / scale, base["train_sps"] / r["train_sps"],
+                   r["export_s"] / base["export_s"])
+        print(f"| {r['rows']:,} | {r['pre_s']:.1f} | {r['pre_rows_s']:,.0f} | {r['pre_mb']:,.0f} | "
+              f"{r['train_sps']:,.0f} | {r['train_mb']:,.0f} ({r['train_anon_mb']:,.0f}) | {r['save_s'] or 0:.1f} | "
+              f"{r['load_s'] or 0:.1f} | {r['export_s']:.1f} ({r['export_anon_mb']:,.0f}) | {r['auc']:.4f} | "
+              f"{per_row[0]:.2f} / {per_row[1]:.2f} / {per_row[2]:.2f} |")
+
+
+def memory_cgroup(limit_gb: float) -> Path:
+    """A child memory cgroup (v1) of this process's one, limited to ``limit_gb`` (page cache included)."""
+    own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+               if line.split(":")[1] == "memory")
+    group = Path("/sys/fs/cgroup/memory") / own.lstrip("/") / f"ctr-scale-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    (group / "memory.limit_in_bytes").write_text(str(int(limit_gb * 2**30)))
+    return group
+
+
+def random_read_iops(path: Path, seconds: float = 10.0) -> float:
+    """4 KiB random reads per second from ``path`` with O_DIRECT (no page cache), one at a time."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 4096)
+    blocks = os.fstat(fd).st_size // 4096
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        os.preadv(fd, [buf], random.randrange(blocks) * 4096)
+        n += 1
+    os.close(fd)
+    return n / (time.perf_counter() - t0)
+
+
+def table_scale(args: argparse.Namespace) -> None:
+    work = Path(args.work)
+    group = memory_cgroup(args.limit_gb)
+    lines = []
+    try:
+        for fraction in args.fractions:
+            buckets = int(fraction * args.limit_gb * 2**30 / BYTES_PER_HASH_ROW)
+            common = [f"paths.cache_dir={work / 'cache'}", f"data.synthetic.rows={args.rows}",
+                      "data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={buckets}",
+                      "trainer.max_epochs=1", "logger.log_model=false", f"trainer.batch_size={args.batch_size}",
+                      f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}"]
+            prepare(common[:4])
+            host = train(common, work / f"tables-{fraction}-host")
+            ssd_dir = work / f"tables-{fraction}-ssd"
+            ssd = train([*common, f"topology.ssd.path={ssd_dir / 'files'}", "topology.ddr_cap_gb=1e-12"],
+                        ssd_dir / "run", group)
+            samples = ssd["result"]["samples_per_s"]
+            lookups = args.rows * 0.85 * LOOKUPS_PER_SAMPLE  # the training split
+            lines.append((fraction, buckets * BYTES_PER_HASH_ROW / 2**30, host, ssd, ssd["majflt"] / lookups))
+            print(f"fraction {fraction}: host {host['result']['samples_per_s']:,.0f}/s, ssd {samples:,.0f}/s",
+                  flush=True)
+        table_file = max((work / f"tables-{args.fractions[-1]}-ssd" / "files").rglob("*.weights.f32"),
+                         key=lambda p: p.stat().st_size)
+        iops = random_read_iops(table_file)
+    finally:
+        group.rmdir()
+    print(f"\nMemory limit {args.limit_gb} GiB (cgroup, page cache included); disk: {iops:,.0f} random 4 KiB reads/s "
+          f"(O_DIRECT) → {iops / LOOKUPS_PER_SAMPLE:,.0f} samples/s if every lookup missed the page cache\n")
+    print("| tables / limit | tables GiB | in memory samples/s | ssd samples/s | ssd / memory | user s | sys s | wall s "
+          "| major faults per lookup | peak anon MB |")
+    print("|" + "---:|" * 10)
+    for fraction, gib, host, ssd, faults in lines:
+        h, s = host["result"]["samples_per_s"], ssd["result"]["samples_per_s"]
+        print(f"| {fraction:g}× | {gib:.2f} | {h:,.0f} | {s:,.0f} | {s / h:.2f} | {ssd['user']:.0f} | {ssd['sys']:.0f} "
+              f"| {ssd['wall']:.0f} | {faults:.4f} | {ssd['anon_mb']:,.0f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    d = sub.add_parser("data")
+    d.add_argument("--rows", type=int, nargs="+", default=[5_000_000, 20_000_000, 45_000_000])
+    t = sub.add_parser("tables")
+    t.add_argument("--limit-gb", type=float, default=3.0)
+    t.add_argument("--fractions", type=float, nargs="+", default=[0.25, 1.0, 2.0])
+    t.add_argument("--rows", type=int, default=2_000_000)
+    for q in (d, t):
+        q.add_argument("--work", default=str(ROOT / ".cache" / "scale"))
+        q.add_argument("--batch-size", type=int, default=8192)
+    args = p.parse_args()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    (data_scale if args.what == "data" else table_scale)(args)
+
+
+if __name__ == "__main__":
+    main()
