@@ -89,6 +89,23 @@ def test_sigkill_of_one_process_restarts_and_resumes(ckpt_overrides, straight_ru
     assert result.test_auc == straight_run[0].test_auc
 
 
+def test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_and_resumes_exactly(ckpt_overrides, straight_run,
+                                                                                        tmp_path):
+    """SIGTERM reaches rank 1 during step 27: both ranks agree to stop after it, checkpoint step 27 (beside
+    step 20 of every_n_steps=10), and exit non-zero; resume=auto ends as the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    args = [*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}"]
+    stopped, result = _run([*args, "trainer.callbacks=[{_target_:tests.faults.SignalDuringStep,rank:1,step:27}]"],
+                           tmp_path, check=False)
+    assert stopped.returncode != 0 and result is None, stopped.stderr[-3000:]
+    assert "Stopped by SIGTERM after step 27" in stopped.stderr
+    assert [p.name for p in complete_checkpoints(ckpt)][-2:] == ["step-000000020", "step-000000027"]
+    _, resumed = _run([*args, "trainer.resume=auto"], tmp_path)
+    straight, straight_tensors, _ = straight_run
+    assert (resumed.test_auc, resumed.test_logloss) == (straight.test_auc, straight.test_logloss)
+    _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_tensors, ("state_dict/", "fused_optimizer/"))
+
+
 def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_overrides, tmp_path):
     """Every table in memory-mapped files (modules/file_backed.py), checkpoints in 50 KB row chunks: killed at
     step 33, resumed from step 30, it ends with the uninterrupted host-memory run's tensors and metrics, and its
