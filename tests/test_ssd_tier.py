@@ -51,8 +51,10 @@ def _tables_of(model_folder: Path) -> dict[str, torch.Tensor]:
     return read_weights(model_folder)
 
 
-def test_ssd_tier_trains_and_scores_exactly_like_host_memory(small_overrides, tmp_path):
-    base = [*small_overrides, "trainer.max_epochs=1", "logger.log_model=true",
+def test_ssd_tier_trains_with_cowclip_and_l2_on_every_row_exactly_like_host_memory(small_overrides, tmp_path):
+    """``scaling=cowclip``: CowClip's hooks and the lazy every-row L2 (flushed in row blocks) act on the
+    file-backed tables as on tables in memory; ``trainer.init_from`` fills file-backed tables row for row."""
+    base = [*small_overrides, "trainer.max_epochs=1", "logger.log_model=true", "scaling=cowclip",
             f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
     _, host = train_cli(base, tmp_path / "host")
     _, ssd = train_cli([*base, f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD], tmp_path / "on_ssd")
@@ -69,6 +71,13 @@ def test_ssd_tier_trains_and_scores_exactly_like_host_memory(small_overrides, tm
     weights = next(f for f in files if f.name.endswith(".weights.f32"))
     assert weights.stat().st_size == 4 * sum(v.numel() for k, v in b.items() if k.endswith(".weight") and
                                              v.dim() == 2 and ("embedding_bags" in k or "embeddings" in k))
+    # init_from a host-memory model into file-backed tables; learning rates 0: the tables stay the source's
+    train_cli([*small_overrides, "trainer.max_steps=2", "logger.log_model=true", f"trainer.init_from={tmp_path}/host/model",
+               "optim.embedding.lr=0", f"topology.ssd.path={tmp_path}/ssd2", ALL_ON_SSD,
+               f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path / "init")
+    c = _tables_of(tmp_path / "init" / "model")
+    tables = [k for k in a if a[k].dim() == 2 and ("embedding_bags" in k or "embeddings" in k)]
+    assert tables and all(torch.equal(a[k], c[k]) for k in tables)
 
 
 # ---- a model of a few GB: memory ----
