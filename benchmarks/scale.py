@@ -9,10 +9,17 @@ peak memory (a process of its own); training samples/s and peak memory; checkpoi
 seconds (a resume reads it); export seconds and peak memory; test AUC. The first size is the
 baseline: each cost is also shown per row relative to it (1.00 = linear in rows).
 
-``tables``: one model (the same log, every table hashed to ``H`` rows, so the tables total a chosen
-size) at ``fractions`` × the memory the run may use. Each run is put in a memory cgroup (cgroup v1,
-``memory.limit_in_bytes`` = ``--limit-gb``, which also caps the page cache) with every table on the
-``ssd`` tier; the baseline is the same model in host memory with no limit. Reported: samples/s and
+``tables``: one model at ``fractions`` × the memory the run may use. Each run is put in a memory
+cgroup (cgroup v1, ``memory.limit_in_bytes``, which also caps the page cache) with every table on the
+``ssd`` tier; the baseline is the same model in host memory with no limit. Two ways to size it:
+
+* ``--limit-gb L`` (hashed): every table hashed to ``H`` rows so the tables total fraction × L, limit L.
+  Hashing scatters the hot ids over the whole table: each hot 64-byte row keeps its 4 KiB page in
+  the page cache — the worst case for a memory-mapped table.
+* ``--vocab-rows N``: the log of N rows with its frequency-sorted vocabulary (ids by descending count,
+  ``data.preprocess.categorical=vocab``, the default): hot rows are packed at the start of each
+  table; the limit is the tables' size / fraction. ``--max-steps`` bounds each run.
+ Reported: samples/s and
 the ratio to the in-memory run, the run's user / system / wall seconds (where a step's time goes:
 page faults and reads show up as system and waiting time), major page faults per embedding lookup
 (1 − that ≈ the share served from the page cache), and the disk's 4 KiB random-read rate measured
@@ -84,7 +91,7 @@ def train(args: list[str], run_dir: Path, cgroup: Path | None = None) -> dict:
 
 
 PREPARE = """
-import sys, time
+import json, sys, time
 from hydra import compose, initialize_config_module
 from pipeline.config import parse_config
 from pipeline.data.sources import prepare_store, raw_files
@@ -94,13 +101,15 @@ raw_files(cfg.data, cfg.paths.cache_dir)  # generated first: not part of the pre
 t0 = time.perf_counter()
 store = prepare_store(cfg.data, cfg.paths.cache_dir)
 print("PREPROCESS", time.perf_counter() - t0, sum(store.meta["splits"].values()))
+print("TABLES", json.dumps(store.meta["table_sizes"]))
 """
 
 
 def prepare(overrides: list[str]) -> dict:
     m = measured([sys.executable, "-c", PREPARE, *overrides])
     seconds, rows = re.search(r"PREPROCESS ([\d.]+) (\d+)", m["out"]).groups()
-    return {**m, "seconds": float(seconds), "rows": int(rows)}
+    sizes = json.loads(re.search(r"TABLES (.*)", m["out"]).group(1))
+    return {**m, "seconds": float(seconds), "rows": int(rows), "table_sizes": sizes}
 
 
 def data_scale(args: argparse.Namespace) -> None:
@@ -160,39 +169,51 @@ def random_read_iops(path: Path, seconds: float = 10.0) -> float:
 
 def table_scale(args: argparse.Namespace) -> None:
     work = Path(args.work)
-    group = memory_cgroup(args.limit_gb)
-    lines = []
+    group = memory_cgroup(64)
+    lines, host = [], None
     try:
         for fraction in args.fractions:
-            buckets = int(fraction * args.limit_gb * 2**30 / BYTES_PER_HASH_ROW)
-            common = [f"paths.cache_dir={work / 'cache'}", f"data.synthetic.rows={args.rows}",
-                      "data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={buckets}",
-                      "trainer.max_epochs=1", "logger.log_model=false", f"trainer.batch_size={args.batch_size}",
-                      f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}"]
-            prepare(common[:4])
-            host = train(common, work / f"tables-{fraction}-host")
+            common = [f"paths.cache_dir={work / 'cache'}", "logger.log_model=false", f"trainer.batch_size={args.batch_size}",
+                      f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}", "trainer.max_epochs=1"]
+            if args.vocab_rows:
+                data = [f"data.synthetic.rows={args.vocab_rows}"]
+                sizes = prepare(data)["table_sizes"]
+                gib = sum(n * 4 * (16 + 1) for n in sizes.values()) / 2**30 + \
+                    sum(sizes.values()) * 4 * (4 + 1) / 2**30  # tables + the first-order table, row-wise state
+                limit = gib / fraction
+                common += [*data, f"trainer.max_steps={args.max_steps}"]
+                samples_run = args.max_steps * args.batch_size
+            else:
+                buckets = int(fraction * args.limit_gb * 2**30 / BYTES_PER_HASH_ROW)
+                data = [f"data.synthetic.rows={args.rows}", "data.preprocess.categorical=hash",
+                        f"data.preprocess.hash_buckets={buckets}"]
+                prepare(data)
+                gib, limit = buckets * BYTES_PER_HASH_ROW / 2**30, args.limit_gb
+                common += data
+                samples_run = args.rows * 0.85  # the training split
+            (group / "memory.limit_in_bytes").write_text(str(int(limit * 2**30)))
+            if host is None or not args.vocab_rows:  # the vocab model is the same at every fraction
+                host = train(common, work / f"tables-{fraction}-host")
             ssd_dir = work / f"tables-{fraction}-ssd"
             ssd = train([*common, f"topology.ssd.path={ssd_dir / 'files'}", "topology.ddr_cap_gb=1e-12"],
                         ssd_dir / "run", group)
-            samples = ssd["result"]["samples_per_s"]
-            lookups = args.rows * 0.85 * LOOKUPS_PER_SAMPLE  # the training split
-            lines.append((fraction, buckets * BYTES_PER_HASH_ROW / 2**30, host, ssd, ssd["majflt"] / lookups))
-            print(f"fraction {fraction}: host {host['result']['samples_per_s']:,.0f}/s, ssd {samples:,.0f}/s",
-                  flush=True)
+            lines.append((fraction, gib, limit, host, ssd, ssd["majflt"] / (samples_run * LOOKUPS_PER_SAMPLE)))
+            print(f"fraction {fraction}: tables {gib:.2f} GiB, limit {limit:.2f} GiB: host "
+                  f"{host['result']['samples_per_s']:,.0f}/s, ssd {ssd['result']['samples_per_s']:,.0f}/s", flush=True)
         table_file = max((work / f"tables-{args.fractions[-1]}-ssd" / "files").rglob("*.weights.f32"),
                          key=lambda p: p.stat().st_size)
         iops = random_read_iops(table_file)
     finally:
         group.rmdir()
-    print(f"\nMemory limit {args.limit_gb} GiB (cgroup, page cache included); disk: {iops:,.0f} random 4 KiB reads/s "
+    print(f"\nMemory limit per run: cgroup, page cache included; disk: {iops:,.0f} random 4 KiB reads/s "
           f"(O_DIRECT) → {iops / LOOKUPS_PER_SAMPLE:,.0f} samples/s if every lookup missed the page cache\n")
-    print("| tables / limit | tables GiB | in memory samples/s | ssd samples/s | ssd / memory | user s | sys s | wall s "
-          "| major faults per lookup | peak anon MB |")
-    print("|" + "---:|" * 10)
-    for fraction, gib, host, ssd, faults in lines:
+    print("| tables / limit | tables GiB | limit GiB | in memory samples/s | ssd samples/s | ssd / memory | user s "
+          "| sys s | wall s | major faults per lookup | peak anon MB |")
+    print("|" + "---:|" * 11)
+    for fraction, gib, limit, host, ssd, faults in lines:
         h, s = host["result"]["samples_per_s"], ssd["result"]["samples_per_s"]
-        print(f"| {fraction:g}× | {gib:.2f} | {h:,.0f} | {s:,.0f} | {s / h:.2f} | {ssd['user']:.0f} | {ssd['sys']:.0f} "
-              f"| {ssd['wall']:.0f} | {faults:.4f} | {ssd['anon_mb']:,.0f} |")
+        print(f"| {fraction:g}× | {gib:.2f} | {limit:.2f} | {h:,.0f} | {s:,.0f} | {s / h:.2f} | {ssd['user']:.0f} "
+              f"| {ssd['sys']:.0f} | {ssd['wall']:.0f} | {faults:.4f} | {ssd['anon_mb']:,.0f} |")
 
 
 def main() -> None:
@@ -204,6 +225,8 @@ def main() -> None:
     t.add_argument("--limit-gb", type=float, default=3.0)
     t.add_argument("--fractions", type=float, nargs="+", default=[0.25, 1.0, 2.0])
     t.add_argument("--rows", type=int, default=2_000_000)
+    t.add_argument("--vocab-rows", type=int, default=None, help="size by this log's vocabulary instead of hashing")
+    t.add_argument("--max-steps", type=int, default=1000)
     for q in (d, t):
         q.add_argument("--work", default=str(ROOT / ".cache" / "scale"))
         q.add_argument("--batch-size", type=int, default=8192)

@@ -247,7 +247,7 @@ def check_runnable(run: RunConfig) -> None:
         raise ConfigError(f"data.features is empty: declare the features of data={run.data.name} "
                           f"(see docs/datasets.md)")
     if run.data.shape_only:
-        raise ConfigError(f"data={run.data.name} describes a shape for planning only (python -m pipeline.plan); "
+        raise ConfigError(f"data={run.data.name} describes a shape for planning only (ctr plan); "
                           f"train on a dataset with files")
     try:
         raw_fingerprint(run.data)

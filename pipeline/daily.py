@@ -1,7 +1,7 @@
 """Keeping a model fresh day after day: train day N from day N−1's model, scoring day N with that model
 before training on it (the "next-day AUC" production teams track).
 
-    python -m pipeline.train +experiment=daily 'data.path=[day_0.csv,day_1.csv,day_2.csv]'
+    ctr train +experiment=daily 'data.path=[day_0.csv,day_1.csv,day_2.csv]'
 
 Day N is one ordinary run (its own MLflow run, named ``day N``; its folder ``<output>/day_N``) with
 ``data.path=<day N>``, ``trainer.init_from`` and ``data.preprocess.base_vocabulary`` set to day N−1's

@@ -5,7 +5,8 @@
     torchrun --nproc_per_node=2 -m pipeline.predict checkpoint=<checkpoint dir> ...
 
 ``checkpoint`` is a model folder (a run's ``<output>/model``, or :mod:`pipeline.export`'s), a sharded
-checkpoint directory, or a folder of checkpoints (a run's ``trainer.checkpoint.dir``: its newest intact one). The layout, vocabularies (unseen values → OOV, missing → the missing id),
+checkpoint directory, or a folder of checkpoints (a run's ``trainer.checkpoint.dir``: its newest intact
+one). The layout, vocabularies (unseen values → OOV, missing → the missing id),
 numeric transforms and model come from it; the input rows are exactly like the training files, with
 or without the label column. The input is read block by block (bounded memory, a progress bar);
 the output has the column ``probability`` (and ``label`` when the input has one) and is written
@@ -159,6 +160,7 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
     from modules.optimizers import OptimizerSpec
     from modules.placement import TopologySpec
     from modules.sharding import shard_model
+    from pipeline.checkpoint_chunks import row_chunks
     from pipeline.checkpointing import SafeFileSystemReader
 
     run = checkpoint_run(checkpoint)
@@ -169,7 +171,7 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
     dmp, _ = shard_model(net, OptimizerSpec("sgd", 0.0), TopologySpec(compute_device="cpu"), torch.device("cpu"),
                          table_of={f: spec.table_of(f) for f in spec.sparse})
     live = {f"state_dict/model.{k}": v for k, v in dmp.state_dict().items()}
-    dcp.load(live, storage_reader=SafeFileSystemReader(str(run.path)))
+    dcp.load(row_chunks(live), storage_reader=SafeFileSystemReader(str(run.path)))  # chunk by chunk
     dmp.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
 

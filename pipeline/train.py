@@ -1,4 +1,4 @@
-"""Train and test a CTR model: ``python -m pipeline.train [group=option] [key=value] ...``.
+"""Train and test a CTR model: ``ctr train [group=option] [key=value] ...`` (or ``python -m pipeline.train``).
 
 Composes ``conf/`` with Hydra, parses it into typed configs (:mod:`pipeline.config`), prepares the
 data (cached), trains with Lightning on TorchRec sharded embeddings (1 process, or as many as
