@@ -1,6 +1,6 @@
 """Soak: runs sharing one data cache and one MLflow store, hit by random SIGTERMs, restarted with resume=auto.
 
-    python benchmarks/soak.py --minutes 8 --jobs 3          # job 3 (every third) under torchrun with 2 ranks
+    python benchmarks/soak.py --minutes 7 --jobs 3          # job 3 (every third) under torchrun with 2 ranks
 
 For a bounded time, ``--jobs`` training runs (the synthetic log, one shared cache folder and one fresh
 ``sqlite:///`` store; a checkpoint every 25 steps) run at once. At random moments (each running job, every
@@ -95,9 +95,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=8.0)
     p.add_argument("--jobs", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--kill-rate", type=float, default=0.03, help="chance per second that a running job gets SIGTERM")
-    p.add_argument("--min-age", type=float, default=20.0, help="seconds a job runs before it may be signalled")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--kill-rate", type=float, default=0.08, help="chance per second that a running job gets SIGTERM")
+    p.add_argument("--min-age", type=float, default=15.0, help="seconds a job runs before it may be signalled")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=str(ROOT / ".cache" / "soak"))
     args = p.parse_args()

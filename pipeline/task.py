@@ -29,6 +29,7 @@ from modules.sharding import PlanResult, shard_model
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.init_from import carry_optimizer_state, initialize_from, reused_positions
+from pipeline import heap
 from pipeline.metrics import CTRMetrics
 from pipeline.nonfinite import NonFiniteGuard
 
@@ -124,16 +125,18 @@ class CTRTask(L.LightningModule):
         else:
             optimizer.step()
 
-    def _eval_step(self, batch: CTRBatch, metrics: CTRMetrics) -> None:
+    def _eval_step(self, batch: CTRBatch, batch_idx: int, metrics: CTRMetrics) -> None:
         n = batch.valid_rows  # may be 0 on some ranks for the padded last batch: update anyway, so
         logits = self(batch)   # every rank's metric state is defined when torchmetrics syncs it
         metrics.update(logits[:n], batch.labels[:n])
+        if batch_idx % heap.EVERY == heap.EVERY - 1:
+            heap.trim()  # freed evaluation blocks back to the system (pipeline/heap.py)
 
     def validation_step(self, batch: CTRBatch, batch_idx: int) -> None:
-        self._eval_step(batch, self.val_metrics)
+        self._eval_step(batch, batch_idx, self.val_metrics)
 
     def test_step(self, batch: CTRBatch, batch_idx: int) -> None:
-        self._eval_step(batch, self.test_metrics)
+        self._eval_step(batch, batch_idx, self.test_metrics)
 
     def _log_eval(self, prefix: str, metrics: CTRMetrics) -> None:
         for k, v in metrics.compute().items():
