@@ -21,6 +21,8 @@ re-created by each run (a resumed run loads the checkpoint into them).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import os
 from pathlib import Path
@@ -32,6 +34,17 @@ from torchrec.distributed.types import CacheParams, DataType, ShardingPlan
 
 MARK = CacheParams(precision=DataType.FP32)
 FILE_NAME_MAX = 200
+MADV_RANDOM = 1  # <sys/mman.h>
+
+
+def _libc_madvise():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+
+
+_MADVISE = _libc_madvise()
 
 
 def mark_file_backed(plan: ShardingPlan, tables: set[str]) -> None:
@@ -57,11 +70,17 @@ def state_sizes(specs: list[tuple[int, int, Any, Any]], optimizer: OptimType) ->
 
 
 def mapped_file(path: Path, elements: int) -> torch.Tensor:
-    """A float32 tensor of ``elements`` zeros backed by ``path`` (created sparse; shared mapping)."""
+    """A float32 tensor of ``elements`` zeros backed by ``path`` (created sparse; shared mapping), advised
+    ``MADV_RANDOM``: a row that misses the page cache reads its page, not a read-ahead window of pages
+    around it (rows are looked up at random; measured: 2.9× the samples/s with tables as large as the
+    memory limit, docs/scale.md)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:  # a fresh, sparse file of the right size
         f.truncate(elements * 4)
-    return torch.from_file(str(path), shared=True, size=elements, dtype=torch.float32)
+    table = torch.from_file(str(path), shared=True, size=elements, dtype=torch.float32)
+    if elements and _MADVISE is not None:
+        _MADVISE(ctypes.c_void_p(table.data_ptr()), ctypes.c_size_t(elements * 4), MADV_RANDOM)
+    return table
 
 
 def _group_file_stem(names: list[str]) -> str:
