@@ -132,8 +132,8 @@ def main() -> None:
             job.proc.kill()
             job.proc.wait()
     missing, unclosed, corrupt = check(work, jobs, args.epochs)
-    print(f"\n| jobs (2-rank) | runs started | finished | SIGTERMs | restarts | metrics missing | MLflow runs not "
-          f"closed | corrupt files | longest signal → exit |")
+    print("\n| jobs (2-rank) | runs started | finished | SIGTERMs | restarts | metrics missing | MLflow runs not "
+          "closed | corrupt files | longest signal → exit |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {len(jobs)} ({sum(j.ranks > 1 for j in jobs)}) | {sum(j.attempts for j in jobs)} "
           f"| {sum(j.done for j in jobs)} | {signals} | {sum(j.attempts - 1 for j in jobs)} | {missing} | {unclosed} "
