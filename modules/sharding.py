@@ -170,8 +170,12 @@ class PlanResult:
 
     @property
     def file_backed(self) -> set[str]:
-        """Tables on the CPU ``ssd`` tier (:mod:`modules.file_backed`)."""
-        return {p.table for p in self.placements.values() if p.tier == "ssd" and p.kernel != KERNELS["ssd"]}
+        return file_backed_names(self.placements)
+
+
+def file_backed_names(placements: Mapping[str, Placement]) -> set[str]:
+    """Tables on the CPU ``ssd`` tier (:mod:`modules.file_backed`): ``ssd`` with a CPU kernel, not ``key_value``."""
+    return {p.table for p in placements.values() if p.tier == "ssd" and p.kernel != KERNELS["ssd"]}
 
 
 def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
@@ -187,7 +191,7 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
     # on CPU the planner would count file-backed tables against host memory: those plans are built here
-    on_disk = {p.table for p in placements.values() if p.tier == "ssd"} if topology.compute_device == "cpu" else set()
+    on_disk = file_backed_names(placements)
     if topology.planner == "manual" or (topology.compute_device == "cpu" and (forced_unplanned or on_disk)):
         plan = manual_plan(ebcs, constraints, topology)
         mark_file_backed(plan, on_disk)

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from modules.embedding import is_table_parameter
-from pipeline import table_files
+from modules.file_backed import mapped_file
 from pipeline.checkpoint_chunks import MAX_CHUNK_BYTES, row_chunks
 from pipeline.errors import disk_full, ensure_space
 
@@ -351,10 +351,10 @@ def complete_checkpoints(folder: str | os.PathLike) -> list[Path]:
     return sorted(found, key=step)
 
 
-def newest_intact_checkpoint(folder: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in ``folder`` that matches its manifest; damaged newer ones are
-    skipped with a warning naming them."""
-    for path in reversed(complete_checkpoints(folder)):
+def newest_intact_checkpoint(folder: str | os.PathLike, candidates: list[Path] | None = None) -> Path | None:
+    """The newest complete checkpoint in ``folder`` (or of its ``candidates``, already listed) that matches
+    its manifest; damaged newer ones are skipped with a warning naming them."""
+    for path in reversed(complete_checkpoints(folder) if candidates is None else candidates):
         problems = verify_checkpoint(path)
         if not problems:
             return path
@@ -367,8 +367,9 @@ def checked_checkpoint(path: str | os.PathLike) -> Path:
     ``trainer.checkpoint.dir``) means its newest intact one. A damaged one: :class:`CorruptCheckpointError`."""
     path = Path(path)
     if not (path / STATE_FILE.format(rank=0)).is_file():
-        if complete_checkpoints(path):
-            newest = newest_intact_checkpoint(path)
+        candidates = complete_checkpoints(path)
+        if candidates:
+            newest = newest_intact_checkpoint(path, candidates)
             if newest is None:
                 raise CorruptCheckpointError(f"{path}: every checkpoint in this folder is damaged")
             return newest
@@ -394,16 +395,14 @@ def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
                      table_dir: Path | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict from a checkpoint as full tensors, in this process, whatever number of
     processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``.
-    With ``table_dir``, embedding tables are read into files there (:mod:`pipeline.table_files`, mapped):
+    With ``table_dir``, embedding tables are read into files there (:func:`modules.file_backed.mapped_file`):
     DCP reads them chunk by chunk, so no table is whole in memory."""
     path = Path(path)
     skeleton = json.loads((path / STATE_FILE.format(rank=0)).read_text())
 
     def target(key: str, shape: list[int], dtype: str) -> torch.Tensor:
         if table_dir is not None and is_table_parameter(key) and len(shape) == 2 and dtype == "float32":
-            file = table_dir / f"{key[len(prefix):]}.f32"
-            table_files.create(file, *shape)
-            return table_files.mapped(file, shape, writable=True)
+            return mapped_file(table_dir / f"{key[len(prefix):]}.f32", shape[0] * shape[1]).view(*shape)
         return torch.empty(shape, dtype=getattr(torch, dtype))
 
     tensors = {p["__tensor__"]: target(p["__tensor__"], p["shape"], p["dtype"])

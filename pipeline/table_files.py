@@ -53,14 +53,14 @@ def write(path: Path, table: torch.Tensor) -> None:
     write_block(path, tuple(table.shape), (0, 0), table)
 
 
-def mapped(path: Path, shape: tuple[int, int] | list[int], writable: bool = False) -> torch.Tensor:
-    """The table file as a ``rows × cols`` tensor; private (copy-on-write) unless ``writable``."""
+def mapped(path: Path, shape: tuple[int, int] | list[int]) -> torch.Tensor:
+    """The table file as a ``rows × cols`` tensor, private (copy-on-write: the file is never changed)."""
     rows, cols = shape
     expected = rows * cols * 4
     size = os.path.getsize(path)
     if size != expected:
         raise ValueError(f"{path}: {size} bytes, expected {expected} for a {rows} × {cols} float32 table")
-    return torch.from_file(str(path), shared=writable, size=rows * cols, dtype=torch.float32).view(rows, cols)
+    return torch.from_file(str(path), shared=False, size=rows * cols, dtype=torch.float32).view(rows, cols)
 
 
 def is_sharded(value: Any) -> bool:
