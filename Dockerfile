@@ -3,7 +3,7 @@
 #   docker build -t ctr-pipeline .
 #   docker run --gpus all --rm ctr-pipeline                                   # ctr train topology=1gpu
 #   docker run --gpus all --rm -v $PWD/runs:/work ctr-pipeline ctr train topology=1gpu trainer.batch_size=65536
-#   docker run --gpus all --rm ctr-pipeline torchrun --nproc_per_node=8 -m pipeline.train topology=8gpu_node
+#   docker run --gpus all --rm ctr-pipeline torchrun --nproc_per_node=8 -m pipeline.commands.train topology=8gpu_node
 FROM nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04 AS base
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/*

@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml tools/fbgemm_gpu_shim/pyproject.toml
 install: $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m pipeline.train $(ARGS)
+	$(PY) -m pipeline.commands.train $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(ARGS)

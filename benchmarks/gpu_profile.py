@@ -123,7 +123,7 @@ def main() -> None:
     from modules.sharding import shard_model
     from pipeline.config import parse_config
     from pipeline.data.store import FIRST_VOCAB_ID
-    from pipeline.plan import spec_and_coverage
+    from pipeline.commands.plan import spec_and_coverage
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.launch import free_port  # noqa: E402
-from pipeline.result import RunResult, read_result  # noqa: E402
+from pipeline.runtime.launch import free_port  # noqa: E402
+from pipeline.training.result import RunResult, read_result  # noqa: E402
 
 
 def run_two_nodes(k: int, overrides: list[str], tracking_uri: str, nproc: int, out: Path) -> RunResult:
@@ -33,7 +33,7 @@ def run_two_nodes(k: int, overrides: list[str], tracking_uri: str, nproc: int, o
     def cmd(node: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=kstep-{k}-{port}",
-                "-m", "pipeline.train", f"trainer.merging.k={k}", "trainer.num_threads=1",
+                "-m", "pipeline.commands.train", f"trainer.merging.k={k}", "trainer.num_threads=1",
                 "trainer.enable_progress_bar=false", f"logger.tracking_uri={tracking_uri}",
                 "logger.experiment_name=kstep_merging", f"logger.run_name=k{k}", *overrides,
                 f"hydra.run.dir={out}/node{node}"]

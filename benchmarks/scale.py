@@ -80,7 +80,7 @@ def measured(cmd: list[str], cgroup: Path | None = None, env: dict | None = None
 
 
 def train(args: list[str], run_dir: Path, cgroup: Path | None = None) -> dict:
-    m = measured([sys.executable, "-m", "pipeline.train", *args, f"hydra.run.dir={run_dir}",
+    m = measured([sys.executable, "-m", "pipeline.commands.train", *args, f"hydra.run.dir={run_dir}",
                   "trainer.enable_progress_bar=false"], cgroup)
     m["result"] = json.loads((run_dir / "result.json").read_text())
     saved = re.findall(r"Checkpoint \S+ written in ([\d.]+) s", m["out"])
@@ -124,7 +124,7 @@ def data_scale(args: argparse.Namespace) -> None:
                       f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}", f"trainer.batch_size={args.batch_size}"]
         fit = train(train_args, run / "train")
         again = train([*train_args, "trainer.resume=auto"], run / "resume")  # reads the checkpoint, nothing to train
-        export = measured([sys.executable, "-m", "pipeline.export", f"checkpoint={run / 'ckpt'}", f"out={run / 'model'}"])
+        export = measured([sys.executable, "-m", "pipeline.commands.export", f"checkpoint={run / 'ckpt'}", f"out={run / 'model'}"])
         rows_out.append({"rows": rows, "pre_s": pre["seconds"], "pre_rows_s": pre["rows"] / pre["seconds"],
                          "pre_mb": pre["hwm_mb"], "train_sps": fit["result"]["samples_per_s"],
                          "train_mb": fit["hwm_mb"], "train_anon_mb": fit["anon_mb"], "save_s": fit["save_s"],

@@ -55,7 +55,7 @@ def start(job: Job, work: Path, epochs: int) -> None:
             "trainer.checkpoint.every_n_steps=25", "trainer.resume=auto",
             f"hydra.run.dir={work / job.name / f'attempt{job.attempts}'}"]
     log = open(work / job.name / f"attempt{job.attempts}.log", "w")
-    job.proc = subprocess.Popen([*launcher, "-m", "pipeline.train", *args], cwd=ROOT, stdout=log,
+    job.proc = subprocess.Popen([*launcher, "-m", "pipeline.commands.train", *args], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     log.close()
     job.started, job.signalled_at = time.monotonic(), None
@@ -66,7 +66,7 @@ def check(work: Path, jobs: list[Job], epochs: int) -> tuple[int, int, int]:
     """(metrics missing from MLflow, runs left neither FINISHED nor KILLED, corrupt checkpoints or stores)."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.checkpointing import complete_checkpoints, verify_checkpoint
+    from pipeline.checkpoint.checkpointing import complete_checkpoints, verify_checkpoint
     from pipeline.data.store import ColumnarStore
 
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")

@@ -4,7 +4,7 @@
 
 Both train DeepFM (embedding dim 16, MLP 400-400-400, Adam for the dense part) on the same
 preprocessed synthetic Criteo-format data, each in its own subprocess with the same number of
-threads; the project through ``python -m pipeline.train`` (TorchRec, Lightning, its data path,
+threads; the project through ``python -m pipeline.commands.train`` (TorchRec, Lightning, its data path,
 FBGEMM's fused row-wise Adagrad for the tables), the reference by ``benchmarks/reference_deepfm.py``
 (``nn.Embedding(sparse=True)`` + SparseAdam). Prints samples/s (training only), peak RSS, test AUC
 and the ratio project / reference. With ``--repeats N`` the two runs alternate N times (the
@@ -64,7 +64,7 @@ def main() -> None:
 
     from pipeline.config import parse_config
     from pipeline.data.sources import prepare_store
-    from pipeline.result import read_result
+    from pipeline.training.result import read_result
 
     data_overrides = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -72,7 +72,7 @@ def main() -> None:
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
-    project_cmd = [sys.executable, "-m", "pipeline.train", *data_overrides, f"trainer.batch_size={args.batch}",
+    project_cmd = [sys.executable, "-m", "pipeline.commands.train", *data_overrides, f"trainer.batch_size={args.batch}",
                    f"trainer.max_epochs={args.epochs}", f"trainer.precision={args.precision}",
                    f"trainer.num_threads={args.threads}", "model.embedding_dim=16", "trainer.enable_progress_bar=false",
                    f"topology={'1gpu' if args.device == 'cuda' else 'cpu'}", f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db",

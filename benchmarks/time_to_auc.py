@@ -5,7 +5,7 @@
     python benchmarks/time_to_auc.py ... --device cuda        # the same measurement on one GPU
 
 The number the CowClip paper sells (12 hours → 10 minutes) is wall time to a given AUC, not AUC at a
-given batch. Each recipe ``batch:rule[:l2_scope[:epochs]]`` is one ``python -m pipeline.train`` in its own
+given batch. Each recipe ``batch:rule[:l2_scope[:epochs]]`` is one ``python -m pipeline.commands.train`` in its own
 process with the batch-scaling experiment's settings (``+experiment=batch_scaling``: the reference's
 base hyperparameters at batch 1,024, DeepFM, the same synthetic data), validating
 ``--val-per-epoch`` times per epoch. A callback (:class:`AUCTimeline`, given to the run through
@@ -71,7 +71,7 @@ def run_recipe(recipe: str, args: argparse.Namespace, out: Path) -> list[dict]:
     scope = parts[2] if len(parts) > 2 else "batch"
     epochs = parts[3] if len(parts) > 3 else args.epochs
     timeline = out / f"{recipe.replace(':', '_')}.json"
-    cmd = [sys.executable, "-m", "pipeline.train", "+experiment=batch_scaling", "hydra.mode=RUN",
+    cmd = [sys.executable, "-m", "pipeline.commands.train", "+experiment=batch_scaling", "hydra.mode=RUN",
            f"hydra.run.dir={out / recipe.replace(':', '_')}", f"data.synthetic.rows={args.rows}",
            f"paths.cache_dir={args.cache_dir}", f"trainer.batch_size={batch}", f"scaling={rule}",
            f"optim.embedding_l2_scope={scope}", f"trainer.max_epochs={epochs}",

@@ -147,7 +147,7 @@ def planner_sees_optimizer(ebcs: Mapping[str, Collection], optimizer: str) -> It
     """Let the planner's storage estimates include the embedding optimizer's state, while planning only.
 
     The estimator reads the optimizer class from the tensor attribute ``apply_optimizer_in_backward``
-    sets; without it (``python -m pipeline.plan``, data-parallel Adam on CPU) it counts weights only.
+    sets; without it (``python -m pipeline.commands.plan``, data-parallel Adam on CPU) it counts weights only.
 
     Tables that already carry an in-backward optimizer (:func:`shard_model`) are left as they are.
     """

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 from modules.cowclip import CowClipConfig
 from modules.embedding_l2 import L2_SCOPES
 from modules.optimizers import is_fusable
-from pipeline.preemption import PreemptionConfig
+from pipeline.training.preemption import PreemptionConfig
 from modules.kstep_merging import MergeConfig
 from modules.models import ModelConfig
 from modules.optimizers import OptimizerSpec
@@ -35,11 +35,11 @@ from modules.placement import TopologySpec
 from modules.scaling_rules import RULES
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import raw_fingerprint
-from pipeline.launch import world_from_env
+from pipeline.runtime.launch import world_from_env
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 NONFINITE_POLICIES = ("stop", "skip")
-INIT_OPTIMIZER_PARTS = ("none", "embedding", "dense", "all")  # trainer.init_from_optimizer (pipeline/init_from.py)
+INIT_OPTIMIZER_PARTS = ("none", "embedding", "dense", "all")  # trainer.init_from_optimizer (pipeline/training/init_from.py)
 
 
 class ConfigError(ValueError):
@@ -81,7 +81,7 @@ class ScalingConfig:
 
 @dataclass
 class CheckpointConfig:
-    """``trainer.checkpoint``: sharded checkpoints (:mod:`pipeline.checkpointing`); ``dir`` None: none."""
+    """``trainer.checkpoint``: sharded checkpoints (:mod:`pipeline.checkpoint.checkpointing`); ``dir`` None: none."""
 
     dir: Optional[str] = None
     every_n_steps: Optional[int] = None   # also every N training steps (always at the end of each epoch)
@@ -113,11 +113,11 @@ class TrainerConfig:
     plateau_patience: int = 1
     merging: MergeConfig = field(default_factory=MergeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # signals: pipeline/preemption.py
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # signals: pipeline/training/preemption.py
     resume: Optional[str] = None
     init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
     init_from_optimizer: str = "none"   # also carry a checkpoint's optimizer state: none | embedding | dense | all
-    daily: bool = False                 # data.path is a list of days: train them in turn (pipeline/daily.py)
+    daily: bool = False                 # data.path is a list of days: train them in turn (pipeline/training/daily.py)
     nonfinite: str = "stop"
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
 
@@ -142,7 +142,7 @@ class TrainerConfig:
 @dataclass
 class LoggerConfig:
     """``logger``: the MLflow tracking store and names, and what an unreachable server does
-    (:mod:`pipeline.tracking`)."""
+    (:mod:`pipeline.tracking.logger`)."""
 
     tracking_uri: str = "sqlite:///mlflow.db"
     experiment_name: str = "ctr"
@@ -216,7 +216,7 @@ def _source_vocabulary(init_from: Optional[str]) -> Optional[str]:
     """The folder holding the vocabularies of a model folder or checkpoint to continue from."""
     if not init_from:
         return None
-    from pipeline.model_bundle import BundleError, checkpoint_run, is_bundle  # model_bundle reads this module
+    from pipeline.serving.model_folder import BundleError, checkpoint_run, is_bundle  # model_bundle reads this module
 
     if is_bundle(init_from):
         return str(init_from)

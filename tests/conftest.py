@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import pipeline.config  # noqa: F401  (registers the config schema that conf/config.yaml starts from)
-from pipeline.launch import free_port  # noqa: F401  (re-exported for the tests)
-from pipeline.result import RunResult, read_result
+from pipeline.runtime.launch import free_port  # noqa: F401  (re-exported for the tests)
+from pipeline.training.result import RunResult, read_result
 
 ROOT = Path(__file__).resolve().parents[1]
 # Real CTR samples live beside the checkout (../shared/data); CTR_SHARED_DATA overrides.
@@ -38,9 +38,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 def train_cli(args: list[str], run_dir: Path, launcher: list[str] | None = None, timeout: int = 600,
               check: bool = True) -> tuple[subprocess.CompletedProcess, RunResult | None]:
-    """``python -m pipeline.train *args`` (under ``launcher``, e.g. torchrun's arguments) with its output
+    """``python -m pipeline.commands.train *args`` (under ``launcher``, e.g. torchrun's arguments) with its output
     folder at ``run_dir``; returns the process and the run's ``result.json`` (None if it wrote none)."""
-    cmd = [PYTHON, *(launcher or []), "-m", "pipeline.train", *args, f"hydra.run.dir={run_dir}"]
+    cmd = [PYTHON, *(launcher or []), "-m", "pipeline.commands.train", *args, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.launch import free_port
-from pipeline.process_exit import exit_now, leave_process_group
+from pipeline.runtime.launch import free_port
+from pipeline.runtime.process_exit import exit_now, leave_process_group
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
@@ -26,7 +26,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         raise
     finally:
         leave_process_group()
-    exit_now(0)  # every check passed; no interpreter teardown (see pipeline.process_exit)
+    exit_now(0)  # every check passed; no interpreter teardown (see pipeline.runtime.process_exit)
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> None:

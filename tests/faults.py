@@ -1,6 +1,6 @@
 """Fault injection for the tests, as Lightning callbacks a test adds to a CLI run:
 
-    python -m pipeline.train ... 'trainer.callbacks=[{_target_: tests.faults.KillRank, rank: 0, step: 33}]'
+    python -m pipeline.commands.train ... 'trainer.callbacks=[{_target_: tests.faults.KillRank, rank: 0, step: 33}]'
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpointing import (SafeFileSystemReader, complete_checkpoints, join_tensors, read_rank0_state,
+from pipeline.checkpoint.checkpointing import (SafeFileSystemReader, complete_checkpoints, join_tensors, read_rank0_state,
                                     split_tensors, verify_checkpoint)
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
@@ -27,7 +27,7 @@ def ckpt_overrides(small_overrides):
 
 
 def _run(args: list[str], tmp: Path, nproc: int = 2, extra: list[str] | None = None, check: bool = True):
-    """torchrun of pipeline.train; (process, its result.json or None)."""
+    """torchrun of pipeline.commands.train; (process, its result.json or None)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or [])]
     return train_cli([*args, f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db"], tmp / "run", launcher, check=check)
 
@@ -111,8 +111,8 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
     step 33, resumed from step 30, it ends with the uninterrupted host-memory run's tensors and metrics, and its
     export equals that run's. (Plans with file-backed tables are built without TorchRec's planner, which would
     count them against host memory: the host run uses the same manual plan, so tables sit on the same ranks.)"""
-    from pipeline.export import export_checkpoint
-    from pipeline.model_bundle import read_weights
+    from pipeline.commands.export import export_checkpoint
+    from pipeline.serving.model_folder import read_weights
 
     ckpt = tmp_path / "ckpt"
     ssd = [*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", f"topology.ssd.path={tmp_path}/ssd",
@@ -135,7 +135,7 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
 KILL_DURING_SAVE = r'''
 import os, signal, sys, torch, torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from pipeline.checkpointing import DCPCheckpointIO, TrainingState
+from pipeline.checkpoint.checkpointing import DCPCheckpointIO, TrainingState
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=0, world_size=1)
 io = DCPCheckpointIO(TrainingState())

@@ -82,7 +82,7 @@ def test_batch_size_must_divide_over_ranks(monkeypatch):
 ])
 def test_cli_stops_before_any_work(tmp_path, overrides, env, message):
     cache = tmp_path / "cache"
-    proc = subprocess.run([PYTHON, "-m", "pipeline.train", f"paths.cache_dir={cache}", *overrides],
+    proc = subprocess.run([PYTHON, "-m", "pipeline.commands.train", f"paths.cache_dir={cache}", *overrides],
                           cwd=tmp_path, env=subprocess_env(**env), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]

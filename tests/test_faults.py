@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.launch import free_port
-from pipeline.tracking import FALLBACK_DB, ORIGINAL_RUN_TAG
+from pipeline.runtime.launch import free_port
+from pipeline.tracking.logger import FALLBACK_DB, ORIGINAL_RUN_TAG
 from tests.conftest import PYTHON, ROOT, MlflowServer, subprocess_env, train_cli
 
 FAIL_FAST_S = 15
@@ -74,7 +74,7 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(small_over
 
     server = MlflowServer(tmp_path / "srv").start()
     run_dir = tmp_path / "run"
-    cmd = [PYTHON, "-m", "pipeline.train", *args, "trainer.enable_progress_bar=false",
+    cmd = [PYTHON, "-m", "pipeline.commands.train", *args, "trainer.enable_progress_bar=false",
            f"logger.tracking_uri={server.uri}", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -99,7 +99,7 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(small_over
         run_id = __import__("json").loads(result)["mlflow_run_id"]
         fallback = run_dir / FALLBACK_DB
         if fallback.exists():  # what the server missed within flush_timeout_s: replayed now
-            sync = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", f"source=sqlite:///{fallback}",
+            sync = subprocess.run([PYTHON, "-m", "pipeline.commands.sync", f"source=sqlite:///{fallback}",
                                    f"target={server.uri}"], cwd=ROOT, env=subprocess_env(), capture_output=True,
                                   text=True, timeout=120)
             assert sync.returncode == 0, sync.stderr[-3000:]
@@ -126,7 +126,7 @@ STORE_FULL = textwrap.dedent(r'''
     from pipeline.data.dataset import builtin_layout
     from pipeline.data.preprocess import preprocess
     from pipeline.data.preprocess_config import PreprocessConfig
-    from pipeline.errors import DiskFullError
+    from pipeline.runtime.errors import DiskFullError
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # writes past the limit fail with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
     try:
@@ -158,8 +158,8 @@ def test_full_disk_while_writing_the_store_names_path_and_bytes_and_leaves_nothi
 
 CHECKPOINT_FULL = textwrap.dedent(r'''
     import os, sys, torch, torch.distributed as dist
-    from pipeline.checkpointing import DCPCheckpointIO, TrainingState
-    from pipeline.errors import DiskFullError
+    from pipeline.checkpoint.checkpointing import DCPCheckpointIO, TrainingState
+    from pipeline.runtime.errors import DiskFullError
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     dist.init_process_group("gloo", rank=0, world_size=1)
     io = DCPCheckpointIO(TrainingState())
@@ -186,7 +186,7 @@ def small_disk(tmp_path):
 
 
 def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(small_disk):
-    from pipeline.checkpointing import complete_checkpoints, verify_checkpoint
+    from pipeline.checkpoint.checkpointing import complete_checkpoints, verify_checkpoint
 
     proc = subprocess.run([PYTHON, "-c", CHECKPOINT_FULL, str(small_disk), str(free_port())], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
@@ -217,7 +217,7 @@ def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message.format(avazu=avazu) in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    full = subprocess.run([PYTHON, "-m", "pipeline.train", f"paths.cache_dir={tmp_path}/cache", *args,
+    full = subprocess.run([PYTHON, "-m", "pipeline.commands.train", f"paths.cache_dir={tmp_path}/cache", *args,
                            f"hydra.run.dir={tmp_path}/run2"], cwd=ROOT, env=subprocess_env(HYDRA_FULL_ERROR="1"),
                           capture_output=True, text=True, timeout=300)
     assert full.returncode != 0 and "Traceback" in full.stderr  # HYDRA_FULL_ERROR=1 shows everything
@@ -232,8 +232,8 @@ def test_unexpected_errors_keep_their_traceback(small_overrides, tmp_path):
 
 def test_undelivered_logging_is_kept_locally_and_replays_to_the_server(tmp_path):
     """The server dies for good after the run starts: the queued calls land in the fallback store;
-    once a server is back, pipeline.mlflow_sync puts every value into the original run."""
-    from pipeline.tracking import QueuedClient, TrackedMLflowLogger, bound_http_requests
+    once a server is back, pipeline.commands.sync puts every value into the original run."""
+    from pipeline.tracking.logger import QueuedClient, TrackedMLflowLogger, bound_http_requests
 
     bound_http_requests()
     server = MlflowServer(tmp_path / "srv").start()
@@ -253,7 +253,7 @@ def test_undelivered_logging_is_kept_locally_and_replays_to_the_server(tmp_path)
         kept = MlflowClient(local).search_runs([e.experiment_id for e in MlflowClient(local).search_experiments()])
         assert len(kept) == 1 and kept[0].data.tags[ORIGINAL_RUN_TAG] == run_id
         server.start()
-        sync = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", f"source={local}"], cwd=ROOT, env=subprocess_env(),
+        sync = subprocess.run([PYTHON, "-m", "pipeline.commands.sync", f"source={local}"], cwd=ROOT, env=subprocess_env(),
                               capture_output=True, text=True, timeout=120)
         assert sync.returncode == 0 and f"{server.uri} run {run_id}: 5 metric values" in sync.stdout, sync.stderr
         client = MlflowClient(server.uri)
@@ -261,7 +261,7 @@ def test_undelivered_logging_is_kept_locally_and_replays_to_the_server(tmp_path)
         assert history == [(s, 1.0 / (s + 1)) for s in range(5)]
         assert client.get_run(run_id).data.params["model/name"] == "deepfm"
         assert client.get_run(run_id).info.status == "FINISHED"
-        again = subprocess.run([PYTHON, "-m", "pipeline.mlflow_sync", f"source={local}"], cwd=ROOT,
+        again = subprocess.run([PYTHON, "-m", "pipeline.commands.sync", f"source={local}"], cwd=ROOT,
                                env=subprocess_env(), capture_output=True, text=True, timeout=120)
         assert again.returncode == 0 and again.stdout == ""  # synced runs are not copied twice
     finally:

@@ -28,7 +28,7 @@ def days(tmp_path_factory):
 
 
 def _day3_auc(model, folder) -> float:
-    from pipeline.predict import PredictArgs, run
+    from pipeline.commands.predict import PredictArgs, run
 
     result = run(PredictArgs(checkpoint=str(model), input=str(folder / "day3.csv"),
                              output=str(model.parent / "d3.parquet")))
@@ -76,9 +76,9 @@ def test_init_from_optimizer_carries_the_state_rows_mapped(days, day1):
     Adagrad's accumulator adds (mapped rows: carried − fresh = day 1's row; new rows: equal), Adam's moments
     decay once (carried − fresh = β·day 1's) and its step count continues."""
     from modules.embedding import FeatureSpec
-    from pipeline.checkpointing import full_model_state, newest_intact_checkpoint
-    from pipeline.init_from import row_sources
-    from pipeline.model_bundle import checkpoint_run
+    from pipeline.checkpoint.checkpointing import full_model_state, newest_intact_checkpoint
+    from pipeline.training.init_from import row_sources
+    from pipeline.serving.model_folder import checkpoint_run
 
     folder, args = days
     source = newest_intact_checkpoint(folder / "A1ck")
@@ -127,7 +127,7 @@ def test_init_from_optimizer_needs_a_checkpoint(days, day1):
 def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
     """row_sources: a grown table keeps its old rows in place; a first-order table moves each table's segment."""
     from modules.embedding import FeatureSpec
-    from pipeline.init_from import row_sources
+    from pipeline.training.init_from import row_sources
 
     old = FeatureSpec((), ("a", "b"), {"a": 4, "b": 3})
     new = FeatureSpec((), ("a", "b"), {"a": 6, "b": 5})

@@ -17,7 +17,7 @@ def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _metrics_worker(rank: int, world_size: int) -> None:
-    from pipeline.metrics import CTRMetrics
+    from pipeline.training.metrics import CTRMetrics
 
     sizes = [700, 0]  # rank 1 sees only padding (no real rows), as in a small last eval batch
     parts = [_data(n, seed=r) for r, n in enumerate(sizes)]

@@ -30,8 +30,8 @@ def command(module: str, *args: str, launcher: list[str] | None = None, check: b
 
 
 def predict_here(checkpoint: Path, input: Path, output: Path) -> np.ndarray:
-    """``pipeline.predict`` in this process (one process: no process group)."""
-    from pipeline.predict import PredictArgs, run
+    """``pipeline.commands.predict`` in this process (one process: no process group)."""
+    from pipeline.commands.predict import PredictArgs, run
 
     run(PredictArgs(checkpoint=str(checkpoint), input=str(input), output=str(output)))
     return pd.read_parquet(output)["probability"].to_numpy() if output.suffix == ".parquet" else \
@@ -51,7 +51,7 @@ def trained(own_data_run):
 def test_predict_on_the_runs_own_test_rows_gives_its_test_auc(trained):
     folder, _, _, result, test_rows = trained
     out = folder / "pred.parquet"
-    proc = command("pipeline.predict", f"checkpoint={folder / 'run' / 'model'}", f"input={folder / 'test.csv'}",
+    proc = command("pipeline.commands.predict", f"checkpoint={folder / 'run' / 'model'}", f"input={folder / 'test.csv'}",
                    f"output={out}")
     written = pd.read_parquet(out)
     assert len(written) == len(test_rows) and (written["label"].to_numpy() == test_rows["clicked"].to_numpy()).all()
@@ -125,14 +125,14 @@ def test_two_process_checkpoint_exports_and_predicts_in_one_process(trained, tmp
     train_cli([*args, f"trainer.checkpoint.dir={ckpt}", "trainer.max_epochs=1"], tmp_path / "run2",
               launcher=["-m", "torch.distributed.run", "--nproc_per_node=2"])
     (last,) = sorted(p for p in ckpt.iterdir() if p.name.startswith("step-"))[-1:]
-    command("pipeline.export", f"checkpoint={ckpt}", f"out={tmp_path / 'export'}")  # the folder: its newest
+    command("pipeline.commands.export", f"checkpoint={ckpt}", f"out={tmp_path / 'export'}")  # the folder: its newest
     test_csv = folder / "test.csv"
     outputs = {"run_model": predict_here(tmp_path / "run2" / "model", test_csv, tmp_path / "run_model.parquet"),
                "checkpoint": predict_here(last, test_csv, tmp_path / "checkpoint.parquet")}
     for name, source, launcher in (("export", tmp_path / "export", None),  # a fresh process
                                    ("sharded", ckpt, ["-m", "torch.distributed.run", "--nproc_per_node=2"])):
         out = tmp_path / f"{name}.parquet"
-        command("pipeline.predict", f"checkpoint={source}", f"input={test_csv}", f"output={out}", launcher=launcher)
+        command("pipeline.commands.predict", f"checkpoint={source}", f"input={test_csv}", f"output={out}", launcher=launcher)
         outputs[name] = pd.read_parquet(out)["probability"].to_numpy()
     # the export, the run's own model folder and the checkpoint read in one process: the same bits
     assert (outputs["export"] == outputs["run_model"]).all() and (outputs["export"] == outputs["checkpoint"]).all()
@@ -144,14 +144,14 @@ def test_errors_name_the_cause_and_write_nothing(trained, tmp_path):
     folder, _, _, _, test_rows = trained
     test_rows.drop(columns=["tags"]).to_csv(tmp_path / "no_tags.csv", index=False)
     out = tmp_path / "out.parquet"
-    proc = command("pipeline.predict", f"checkpoint={folder / 'run' / 'model'}", f"input={tmp_path / 'no_tags.csv'}",
+    proc = command("pipeline.commands.predict", f"checkpoint={folder / 'run' / 'model'}", f"input={tmp_path / 'no_tags.csv'}",
                    f"output={out}", check=False)
     assert proc.returncode == 2 and "the header lacks column 'tags' (declared in data=mylog)" in proc.stderr
     assert not out.exists() and not list(tmp_path.glob("out.parquet.tmp-*"))
     damaged = tmp_path / "model"
     import shutil
 
-    from pipeline.model_bundle import BundleError
+    from pipeline.serving.model_folder import BundleError
     from pipeline.data.reader import BadInputError
 
     shutil.copytree(folder / "run" / "model", damaged)

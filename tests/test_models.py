@@ -129,7 +129,7 @@ def _restore_worker(rank: int, world_size: int) -> None:
     from modules.optimizers import OptimizerSpec, replicated_parameters
     from modules.placement import TopologySpec
     from modules.sharding import shard_model
-    from pipeline.best_validation import BestValidation
+    from pipeline.training.best_validation import BestValidation
 
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))
     dmp, _ = shard_model(net, OptimizerSpec("adagrad", 0.5), TopologySpec(compute_device="cpu"), torch.device("cpu"))

@@ -1,5 +1,5 @@
-"""The non-finite policy (pipeline/nonfinite.py) and the best-validation bookkeeping
-(pipeline/best_validation.py), on their own; end to end in test_checkpointing.py."""
+"""The non-finite policy (pipeline/training/nonfinite.py) and the best-validation bookkeeping
+(pipeline/training/best_validation.py), on their own; end to end in test_checkpointing.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from pipeline.best_validation import BestValidation
-from pipeline.nonfinite import NonFiniteGuard
+from pipeline.training.best_validation import BestValidation
+from pipeline.training.nonfinite import NonFiniteGuard
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])

@@ -34,7 +34,7 @@ def log(own_data_run):
 
 
 def test_yaml_dataset_outside_the_repo_trains_and_its_multi_hot_column_matters(own_data_run):
-    # the run: `python -m pipeline.train --config-dir <folder outside the repo> data=mylog data.path=<csv>`
+    # the run: `python -m pipeline.commands.train --config-dir <folder outside the repo> data=mylog data.path=<csv>`
     folder, _, args, result, frame, p = own_data_run
     oracle = oracle_auc(frame, p)
     # without the multi-hot column the label's main signal is gone

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.ctr import COMMANDS
+from pipeline.commands.ctr import COMMANDS
 from tests.conftest import PYTHON, ROOT
 
 

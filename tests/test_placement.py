@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from modules.placement import GB, PlacementError, SsdSpec, TableInfo, TopologySpec, place_tables, zipf_coverage
-from pipeline.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
-from pipeline.plan import plan_for_config
+from pipeline.runtime.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
+from pipeline.commands.plan import plan_for_config
 from tests.conftest import PYTHON, ROOT, compose_config, subprocess_env
 
 MB = 2**20
@@ -105,7 +105,7 @@ def test_cpu_topology_keeps_tables_in_host_memory():
 
 
 def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
-    proc = subprocess.run([PYTHON, "-m", "pipeline.plan", "topology=8gpu_node", "data=criteo_kaggle_shape"],
+    proc = subprocess.run([PYTHON, "-m", "pipeline.commands.plan", "topology=8gpu_node", "data=criteo_kaggle_shape"],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

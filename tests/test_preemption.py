@@ -1,4 +1,4 @@
-"""Preemption and concurrency (pipeline/preemption.py): a signal stops a run after the current step with a
+"""Preemption and concurrency (pipeline/training/preemption.py): a signal stops a run after the current step with a
 checkpoint, the MLflow run KILLED and status 128 + signal, and ``trainer.resume=auto`` then ends exactly as
 an uninterrupted run; runs started together share a fresh MLflow store and an empty data cache."""
 
@@ -9,7 +9,7 @@ import subprocess
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
 
-from pipeline.checkpointing import complete_checkpoints
+from pipeline.checkpoint.checkpointing import complete_checkpoints
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 
@@ -43,7 +43,7 @@ def test_runs_started_together_on_a_fresh_store_and_an_empty_cache_both_finish(t
     args = [f"paths.cache_dir={tmp_path}/cache", "data.synthetic.rows=30000", "trainer.batch_size=1024",
             "trainer.max_epochs=1", "model.mlp=[16]", "trainer.enable_progress_bar=false", "logger.log_model=false",
             f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
-    procs = [subprocess.Popen([PYTHON, "-m", "pipeline.train", *args, f"hydra.run.dir={tmp_path}/run{i}"], cwd=ROOT,
+    procs = [subprocess.Popen([PYTHON, "-m", "pipeline.commands.train", *args, f"hydra.run.dir={tmp_path}/run{i}"], cwd=ROOT,
                               env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outputs = [p.communicate(timeout=600) for p in procs]

@@ -10,7 +10,7 @@ from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
 SCRIPT = textwrap.dedent("""
     import logging, logging.handlers, sys
     import torch, torch.distributed as dist
-    from pipeline.process_exit import exit_now, leave_process_group
+    from pipeline.runtime.process_exit import exit_now, leave_process_group
 
     # Buffered until logging.shutdown(): lost if exit_now skipped it.
     target = logging.FileHandler(sys.argv[2])

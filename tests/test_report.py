@@ -41,7 +41,7 @@ def test_report_table_plot_and_mlflow_artifacts(tmp_path):
     uri = f"sqlite:///{tmp_path}/m.db"
     _log_runs(uri)
     out = tmp_path / "report"
-    proc = subprocess.run([PYTHON, "-m", "pipeline.report", "experiment_name=scaling_test", f"tracking_uri={uri}",
+    proc = subprocess.run([PYTHON, "-m", "pipeline.commands.report", "experiment_name=scaling_test", f"tracking_uri={uri}",
                            f"out={out}"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -46,7 +46,7 @@ def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_h
 
 
 def _tables_of(model_folder: Path) -> dict[str, torch.Tensor]:
-    from pipeline.model_bundle import read_weights
+    from pipeline.serving.model_folder import read_weights
 
     return read_weights(model_folder)
 
@@ -152,13 +152,13 @@ def test_a_table_of_a_few_gb_on_the_ssd_tier_is_never_loaded_into_memory(tmp_pat
     try:
         for name, extra in (("train", ["trainer.max_steps=3"]),
                             ("resume", ["trainer.max_steps=4", "trainer.resume=auto"])):
-            proc, peaks[name] = _peak_anon_mib([PYTHON, "-m", "pipeline.train", *args, *extra,
+            proc, peaks[name] = _peak_anon_mib([PYTHON, "-m", "pipeline.commands.train", *args, *extra,
                                                 f"hydra.run.dir={tmp_path / name}"], ROOT, group)
             assert proc.returncode == 0, proc.stderr[-3000:]
-        proc, peaks["export"] = _peak_anon_mib([PYTHON, "-m", "pipeline.export", f"checkpoint={tmp_path / 'ckpt'}",
+        proc, peaks["export"] = _peak_anon_mib([PYTHON, "-m", "pipeline.commands.export", f"checkpoint={tmp_path / 'ckpt'}",
                                                 f"out={tmp_path / 'model'}"], ROOT, group)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        proc, peaks["predict"] = _peak_anon_mib([PYTHON, "-m", "pipeline.predict", f"checkpoint={tmp_path / 'model'}",
+        proc, peaks["predict"] = _peak_anon_mib([PYTHON, "-m", "pipeline.commands.predict", f"checkpoint={tmp_path / 'model'}",
                                                  f"input={tmp_path / 'log.csv'}", f"output={tmp_path / 'p.parquet'}"],
                                                 ROOT, group)
         assert proc.returncode == 0 and f"Wrote {n} predictions" in proc.stdout, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ TINY = ["data.synthetic.rows=20000", "model.mlp=[16]", "trainer.batch_size=4096"
 
 
 def _multirun(args: list[str], tmp: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [PYTHON, "-m", "pipeline.train", "-m", *TINY, f"paths.cache_dir={tmp}/cache",
+    cmd = [PYTHON, "-m", "pipeline.commands.train", "-m", *TINY, f"paths.cache_dir={tmp}/cache",
            f"logger.tracking_uri=sqlite:///{tmp}/m.db", f"hydra.sweep.dir={tmp}/sweep", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
@@ -54,7 +54,7 @@ def test_slurm_launcher_takes_nodes_tasks_and_gpus_from_the_topology(tmp_path, m
     from omegaconf import OmegaConf
     from submitit.slurm.slurm import _make_sbatch_string
 
-    from pipeline.launch import world_from_env
+    from pipeline.runtime.launch import world_from_env
 
     cfg = compose_config(["hydra/launcher=slurm", "topology=2x8gpu", "hydra.launcher.partition=gpu"],
                          return_hydra_config=True)
@@ -67,7 +67,7 @@ def test_slurm_launcher_takes_nodes_tasks_and_gpus_from_the_topology(tmp_path, m
     base = set(OmegaConf.structured(BaseQueueConf).keys())
     executor.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in launcher.items()
                                   if k not in ("_target_", "submitit_folder", "max_num_timeout")})
-    sbatch = _make_sbatch_string("python -m pipeline.train", tmp_path, **executor._executor.parameters)
+    sbatch = _make_sbatch_string("python -m pipeline.commands.train", tmp_path, **executor._executor.parameters)
     for flag in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --time=240"):
         assert flag in sbatch, sbatch

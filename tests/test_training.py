@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline.result import RunResult, read_result
+from pipeline.training.result import RunResult, read_result
 from tests.conftest import PYTHON, ROOT, MlflowServer, free_port, subprocess_env, train_cli
 
 MIN_AUC = 0.72  # small data (100k rows, 2 epochs, oracle AUC ≈ 0.90); a model that learns nothing gives 0.5
@@ -58,7 +58,7 @@ def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, t
     port = free_port()
     def cmd(node: int) -> list[str]:
         return [PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
-                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "-m", "pipeline.train", *small_overrides,
+                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes", "-m", "pipeline.commands.train", *small_overrides,
                 "trainer.max_epochs=1", "trainer.merging.k=4", "trainer.merging.k_intra=2",
                 f"logger.tracking_uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/node{node}"]
 
@@ -78,7 +78,7 @@ def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, t
 
 def test_resumed_run_id_missing_from_the_store_starts_a_new_run(tmp_path):
     from pipeline.config import LoggerConfig
-    from pipeline.train import make_logger
+    from pipeline.commands.train import make_logger
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = LoggerConfig(tracking_uri=uri, experiment_name="resume")

@@ -104,11 +104,11 @@ class DataConfig:
     columns: Optional[List[str]] = None  # csv/tsv without a header: the column names, in order
     separator: Optional[str] = None    # csv/tsv field separator (default ',' / tab)
     quote_char: Optional[str] = None   # csv/tsv quoting (default '"' for csv, none for tsv; '' = none)
-    label: str = "label"               # '' only for rows to score (pipeline.predict): no label column
+    label: str = "label"               # '' only for rows to score (pipeline.commands.predict): no label column
     features: List[FeatureDecl] = field(default_factory=list)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # name 'synthetic': the generator
-    shape_only: bool = False           # planning only (python -m pipeline.plan): no file, tables from
+    shape_only: bool = False           # planning only (python -m pipeline.commands.plan): no file, tables from
     cardinalities: Optional[List[int]] = None  # these distinct-value counts and
     zipf_exponent: float = 1.1         # this id-frequency model
 

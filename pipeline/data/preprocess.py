@@ -52,7 +52,7 @@ from pipeline.data.preprocess_config import SplitConfig
 from pipeline.data.reader import BadInputError, RawReader, open_lines
 from pipeline.data.vocab_growth import FREE, TableVocabulary, VocabIndex, fresh, grow
 from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID, SPLITS, ColumnarStore, StoreWriter
-from pipeline.errors import DiskFullError, disk_full, ensure_space
+from pipeline.runtime.errors import DiskFullError, disk_full, ensure_space
 
 SPLIT_CODES = {name: i for i, name in enumerate(SPLITS)}
 Sources = Sequence[tuple[Path, str | None]]  # (file, fixed split or None)

@@ -8,7 +8,7 @@ with each key's ``last_seen`` day, and this day's training keys and counts:
   becomes free and its id OOV;
 * today's keys new to the base with count >= ``min_count``, most frequent first (ties by key), take the
   free positions first (lowest first), then positions after the end; ``since = day`` marks where a
-  key took a position this day (a reused position's row must start afresh: :mod:`pipeline.init_from`).
+  key took a position this day (a reused position's row must start afresh: :mod:`pipeline.training.init_from`).
 
 So a table grows only by the values that are new while others are still live: over a stream whose id
 set drifts, its size stays bounded by the values live within ``evict_after`` days.

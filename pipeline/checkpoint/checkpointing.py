@@ -19,7 +19,7 @@ Writing goes to ``<name>.tmp-<id>``; once every rank is done, rank 0 writes ``ma
 file's size and SHA-256) and renames the directory to ``<name>``: a checkpoint directory without the
 ``.tmp-`` suffix is always complete, and :func:`verify_checkpoint` tells whether it is still intact
 (``trainer.resume=auto`` skips a damaged newest checkpoint for the one before). Running out of space
-while writing removes the partial directory and raises :class:`pipeline.errors.DiskFullError`. Loading reads tensors with
+while writing removes the partial directory and raises :class:`pipeline.runtime.errors.DiskFullError`. Loading reads tensors with
 ``weights_only`` and DCP's metadata file through an unpickler that accepts only DCP's own metadata
 classes and plain containers — no arbitrary objects.
 """
@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from modules.embedding import is_table_parameter
 from modules.file_backed import mapped_file
-from pipeline.checkpoint_chunks import MAX_CHUNK_BYTES, row_chunks
-from pipeline.errors import disk_full, ensure_space
+from pipeline.checkpoint.chunks import MAX_CHUNK_BYTES, row_chunks
+from pipeline.runtime.errors import disk_full, ensure_space
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.rank{rank}.json"

@@ -4,9 +4,9 @@ Hyperparameters come from ``optim`` (tuned for ``scaling.base_batch_size``) resc
 global batch by ``scaling.rule`` (:mod:`modules.scaling_rules`); CowClip and the per-id embedding L2
 term are attached to the sharded model (:mod:`modules.cowclip_hooks`); the dense learning rate warms
 up linearly over ``scaling.warmup_epochs``; every learning rate is multiplied by ``lr_factor``, which
-:class:`pipeline.best_validation.BestValidation` lowers on a plateau. Everything else a run does —
+:class:`pipeline.training.best_validation.BestValidation` lowers on a plateau. Everything else a run does —
 checkpoint state, k-step merging, communication accounting, throughput, best-epoch tracking — is a
-callback (:mod:`pipeline.callbacks`, :mod:`pipeline.checkpointing`, :mod:`pipeline.best_validation`).
+callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.checkpointing`, :mod:`pipeline.training.best_validation`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
-from pipeline.init_from import carry_optimizer_state, initialize_from, reused_positions
-from pipeline import heap
-from pipeline.metrics import CTRMetrics
-from pipeline.nonfinite import NonFiniteGuard
+from pipeline.training.init_from import carry_optimizer_state, initialize_from, reused_positions
+from pipeline.runtime import heap
+from pipeline.training.metrics import CTRMetrics
+from pipeline.training.nonfinite import NonFiniteGuard
 
 
 class CTRTask(L.LightningModule):
@@ -51,7 +51,7 @@ class CTRTask(L.LightningModule):
         self.warmup_epochs = cfg.scaling.warmup_epochs
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
         self.lr_factor = 1.0
-        self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.init_from)
+        self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
         self.model: torch.nn.Module | None = None
         self.plan: PlanResult | None = None
@@ -130,7 +130,7 @@ class CTRTask(L.LightningModule):
         logits = self(batch)   # every rank's metric state is defined when torchmetrics syncs it
         metrics.update(logits[:n], batch.labels[:n])
         if batch_idx % heap.EVERY == heap.EVERY - 1:
-            heap.trim()  # freed evaluation blocks back to the system (pipeline/heap.py)
+            heap.trim()  # freed evaluation blocks back to the system (pipeline/runtime/heap.py)
 
     def validation_step(self, batch: CTRBatch, batch_idx: int) -> None:
         self._eval_step(batch, batch_idx, self.val_metrics)

@@ -4,7 +4,7 @@
                               numeric transforms and ranges, hashing), the dataset declaration (no path)
     <dir>/weights.pt          the unsharded state dict but the embedding tables (tensors only: loaded with
                               ``weights_only``)
-    <dir>/tables/<name>.f32   each embedding table, row-major float32 (:mod:`pipeline.table_files`; shapes in
+    <dir>/tables/<name>.f32   each embedding table, row-major float32 (:mod:`pipeline.serving.table_files`; shapes in
                               model.json): written in row blocks, memory-mapped for scoring
     <dir>/vocab/<t>.parquet   each table's vocabulary (key uint64, training count), as in the store
 
@@ -12,7 +12,7 @@ Written to ``<dir>.tmp-<pid>`` and renamed into place. :class:`Scorer` turns raw
 training files hold them — into probabilities: the same readers, feature extraction, vocabulary
 lookup (unseen → OOV, missing → missing id) and numeric transforms as preprocessing, then the model
 on the CPU. Every training run writes one (``<output>/model``; logged to MLflow as a pyfunc model,
-:mod:`pipeline.mlflow_model`); :mod:`pipeline.export` writes one from a sharded checkpoint.
+:mod:`pipeline.tracking.pyfunc`); :mod:`pipeline.commands.export` writes one from a sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from omegaconf import OmegaConf
 
 from modules.embedding import FeatureSpec, is_table_parameter
-from pipeline import table_files
+from pipeline.serving import table_files
 from modules.models import ModelConfig, build_model
 from pipeline.data.dataset import DataConfig
 from pipeline.data.features import FeatureBlock, extract
@@ -100,7 +100,7 @@ def read_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 def unsharded_state(module: torch.nn.Module, table_dir: Path) -> dict[str, torch.Tensor] | None:
     """The unsharded state dict of a (DMP-wrapped) model on rank 0, None on other ranks (collective:
     every rank must call it). Embedding tables are written to ``table_dir`` by the ranks holding their
-    shards and mapped (:func:`pipeline.table_files.unshard_to_file`); other sharded tensors are gathered."""
+    shards and mapped (:func:`pipeline.serving.table_files.unshard_to_file`); other sharded tensors are gathered."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if torch.distributed.is_initialized():  # rank 0's folder: the ranks' output folders may differ
         agreed = [str(table_dir)]
@@ -137,7 +137,7 @@ class CheckpointRun:
 def checkpoint_run(checkpoint: str | os.PathLike) -> CheckpointRun:
     """The checkpoint's run description (checked against its manifest first); the store it trained on
     must be on this machine (its vocabularies)."""
-    from pipeline.checkpointing import checked_checkpoint, read_rank0_state  # not needed to serve a model folder
+    from pipeline.checkpoint.checkpointing import checked_checkpoint, read_rank0_state  # not needed to serve a model folder
 
     path = checked_checkpoint(checkpoint)
     run = read_rank0_state(path)["pipeline"].get("run")

@@ -1,4 +1,4 @@
-"""The MLflow model of a run: a pyfunc model over the run's model folder (:mod:`pipeline.model_bundle`).
+"""The MLflow model of a run: a pyfunc model over the run's model folder (:mod:`pipeline.serving.model_folder`).
 
     mlflow.pyfunc.load_model("runs:/<id>/model").predict(pandas_df_of_raw_columns)  → DataFrame ``probability``
     mlflow models serve -m runs:/<id>/model --env-manager local                      → POST /invocations
@@ -20,7 +20,7 @@ from typing import Any
 import mlflow
 import pandas as pd
 
-from pipeline.model_bundle import Scorer
+from pipeline.serving.model_folder import Scorer
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]

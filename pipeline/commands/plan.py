@@ -18,7 +18,7 @@ from modules.embedding import FeatureSpec
 from modules.models import build_model
 from modules.placement import GB, zipf_coverage
 from modules.sharding import PlanResult, plan_model
-from pipeline.cli import exit_on_user_error
+from pipeline.commands.args import exit_on_user_error
 from pipeline.config import ConfigError, parse_config
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.dataset import DataConfig
@@ -99,7 +99,7 @@ def plan_for_config(cfg: DictConfig) -> str:
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
 def cli(cfg: DictConfig) -> None:
-    """``ctr plan`` / ``python -m pipeline.plan``."""
+    """``ctr plan`` / ``python -m pipeline.commands.plan``."""
     print(exit_on_user_error(lambda: plan_for_config(cfg)))
 
 

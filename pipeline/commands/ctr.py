@@ -11,12 +11,12 @@ import importlib
 import sys
 
 COMMANDS = {  # command → (module with cli(), what it does)
-    "train": ("pipeline.train", "train and test a model (groups: data, model, optim, scaling, topology, trainer, ...)"),
-    "predict": ("pipeline.predict", "score raw rows with a model folder or checkpoint"),
-    "export": ("pipeline.export", "write a checkpoint as an unsharded model folder"),
-    "plan": ("pipeline.plan", "show where the embedding tables go on a topology"),
-    "report": ("pipeline.report", "batch-scaling table and plot from MLflow runs"),
-    "sync": ("pipeline.mlflow_sync", "replay a local fallback MLflow store to its tracking server"),
+    "train": ("pipeline.commands.train", "train and test a model (groups: data, model, optim, scaling, topology, trainer, ...)"),
+    "predict": ("pipeline.commands.predict", "score raw rows with a model folder or checkpoint"),
+    "export": ("pipeline.commands.export", "write a checkpoint as an unsharded model folder"),
+    "plan": ("pipeline.commands.plan", "show where the embedding tables go on a topology"),
+    "report": ("pipeline.commands.report", "batch-scaling table and plot from MLflow runs"),
+    "sync": ("pipeline.commands.sync", "replay a local fallback MLflow store to its tracking server"),
 }
 
 

@@ -5,10 +5,10 @@ before training on it (the "next-day AUC" production teams track).
 
 Day N is one ordinary run (its own MLflow run, named ``day N``; its folder ``<output>/day_N``) with
 ``data.path=<day N>``, ``trainer.init_from`` and ``data.preprocess.base_vocabulary`` set to day N−1's
-model folder: known values keep their ids and rows, new ones are appended (:mod:`pipeline.init_from`);
+model folder: known values keep their ids and rows, new ones are appended (:mod:`pipeline.training.init_from`);
 with ``trainer.init_from_optimizer`` each day also writes checkpoints, and the next day starts from the
 newest one, carrying its optimizer state.
-Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.predict`); that AUC is
+Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.commands.predict`); that AUC is
 logged to day N−1's run as ``next_day/auc`` (and ``next_day/logloss``). At the end a plot of next-day
 AUC over the days (``next_day_auc.png``) and its table go to the output folder and to the last day's
 run. One process (each day's run may not be under ``torchrun`` here; start a day from the previous
@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from pipeline.config import ConfigError, parse_config  # noqa: E402
-from pipeline.result import RunResult  # noqa: E402
+from pipeline.training.result import RunResult  # noqa: E402
 
 
 @dataclass
@@ -69,7 +69,7 @@ def _day_config(cfg: DictConfig, file: str, index: int, folder: Path, start: Pat
 
 def _next_start(cfg: DictConfig, folder: Path) -> Path:
     """What the day after the one trained in ``folder`` starts from."""
-    from pipeline.checkpointing import newest_intact_checkpoint
+    from pipeline.checkpoint.checkpointing import newest_intact_checkpoint
 
     if cfg.trainer.init_from_optimizer == "none":
         return folder / "model"
@@ -81,7 +81,7 @@ def _next_start(cfg: DictConfig, folder: Path) -> Path:
 
 
 def _score(model: Path, file: str, out: Path) -> tuple[float | None, float | None]:
-    from pipeline.predict import PredictArgs, run as predict
+    from pipeline.commands.predict import PredictArgs, run as predict
 
     result = predict(PredictArgs(checkpoint=str(model), input=file, output=str(out)))
     return result.auc, result.logloss
@@ -103,7 +103,7 @@ def plot(days: list[Day], out: Path) -> Path:
 
 def run_daily(cfg: DictConfig, output_dir: Path) -> list[Day]:
     """Train the days in order (module docstring); returns each day's result and next-day scores."""
-    from pipeline.train import run
+    from pipeline.commands.train import run
 
     files = days_of(cfg)
     parse_config(cfg)  # every other key checked once, before the first day

@@ -14,11 +14,11 @@ from typing import Callable, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from modules.placement import PlacementError
-from pipeline.checkpointing import CheckpointMismatchError, CorruptCheckpointError
+from pipeline.checkpoint.checkpointing import CheckpointMismatchError, CorruptCheckpointError
 from pipeline.config import ConfigError, to_typed
 from pipeline.data.reader import BadInputError
-from pipeline.errors import DiskFullError, TrackingUnavailableError
-from pipeline.model_bundle import BundleError
+from pipeline.runtime.errors import DiskFullError, TrackingUnavailableError
+from pipeline.serving.model_folder import BundleError
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2

@@ -1,6 +1,6 @@
 """Lightning callbacks of the pipeline: throughput, communication accounting, k-step merging,
 CowClip statistics and sharded checkpoints. Order matters where a step's work feeds the next one:
-:func:`pipeline.train.build_callbacks` lists them in the order they must run after each training step (merge, then
+:func:`pipeline.commands.train.build_callbacks` lists them in the order they must run after each training step (merge, then
 count the bytes, then checkpoint)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from modules.comm_accounting import CommCounter, ddp_counting_hook
 from modules.cowclip import BUCKET_LABELS
 from modules.kstep_merging import KStepMerger, MergeConfig
 from modules.optimizers import replicated_parameters
-from pipeline.checkpointing import CheckpointMismatchError, complete_checkpoints
+from pipeline.checkpoint.checkpointing import CheckpointMismatchError, complete_checkpoints
 
 C = TypeVar("C", bound=Callback)
 
@@ -226,7 +226,7 @@ def plot_clipping(history: list[tuple[int, list[float | None]]], path: Path) -> 
 
 class ShardedCheckpoint(Callback):
     """Checkpoints every ``every_n_steps`` training steps and at the end of every epoch, keeping the
-    newest ``keep`` (see :mod:`pipeline.checkpointing`). Replicas are merged first (k-step merging).
+    newest ``keep`` (see :mod:`pipeline.checkpoint.checkpointing`). Replicas are merged first (k-step merging).
 
     The folder belongs to one run at a time: global rank 0 holds a lock file in it (``.lock``, released
     when the process ends, however it ends); a second run naming the same folder is refused."""

@@ -2,7 +2,7 @@
 
 * **At the start** (:func:`probe`): an ``http(s)`` tracking URI must answer ``GET /health`` within
   ``logger.connect_timeout_s`` (default 5 s), before any data work; otherwise the run stops with
-  :class:`pipeline.errors.TrackingUnavailableError` naming ``logger.tracking_uri`` — or, with
+  :class:`pipeline.runtime.errors.TrackingUnavailableError` naming ``logger.tracking_uri`` — or, with
   ``logger.on_unavailable=local``, logs to a local store in the run's output folder and says so.
 * **During the run** (:class:`QueuedClient`): once the run exists, every logging call (metrics,
   parameters, artifacts, the final status) goes into a queue that a background thread delivers in

@@ -1,6 +1,6 @@
 """Starting a run from an earlier model's weights (``trainer.init_from``), with tables that may have grown.
 
-The source is a model folder (a run's ``<output>/model``, :mod:`pipeline.export`'s) or a checkpoint
+The source is a model folder (a run's ``<output>/model``, :mod:`pipeline.commands.export`'s) or a checkpoint
 directory, written by any number of processes; the new run may have any world size (each rank fills
 the rows of its own shards). Every dense parameter and buffer is copied as it is. An embedding table
 whose vocabulary grew (``data.preprocess.base_vocabulary``: the earlier ids are kept) keeps the rows
@@ -28,15 +28,15 @@ import torch
 from torch import nn
 
 from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, is_table_parameter, wide_row_offsets
-from pipeline import table_files
+from pipeline.serving import table_files
 from pipeline.config import ConfigError
-from pipeline.model_bundle import BundleError, checkpoint_run, is_bundle, read_weights
+from pipeline.serving.model_folder import BundleError, checkpoint_run, is_bundle, read_weights
 
 
 def source_weights(path: str | Path, table_dir: Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
     """(full state dict, feature spec) of a model folder or checkpoint; tables mapped from files (a
     checkpoint's are read into ``table_dir``)."""
-    from pipeline.checkpointing import full_model_state
+    from pipeline.checkpoint.checkpointing import full_model_state
 
     path = Path(path)
     if is_bundle(path):
@@ -56,7 +56,7 @@ def check_optimizer_source(path: str | None, parts: str) -> None:
 def source_optimizer_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], FeatureSpec]:
     """(fused embedding-optimizer state ``{"<parameter>/<state>": full tensor}``, rank 0's optimizer
     state ``{"[<member>/]state/<i>/<name>": tensor}``, feature spec) of a checkpoint."""
-    from pipeline.checkpointing import full_model_state
+    from pipeline.checkpoint.checkpointing import full_model_state
 
     run = checkpoint_run(path)
     return (full_model_state(run.path, "fused_optimizer/"), full_model_state(run.path, "rank0/optimizer_states/0/"),
@@ -72,7 +72,7 @@ def lineage_tags(path: str | None) -> dict[str, str]:
         if is_bundle(path):
             run_id = json.loads((Path(path) / "model.json").read_text()).get("mlflow_run_id")
         else:
-            from pipeline.checkpointing import checked_checkpoint, read_rank0_state
+            from pipeline.checkpoint.checkpointing import checked_checkpoint, read_rank0_state
 
             run_id = read_rank0_state(checked_checkpoint(path))["pipeline"].get("mlflow_run_id")
     except (OSError, ValueError, KeyError):

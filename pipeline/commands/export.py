@@ -1,4 +1,4 @@
-"""Export a checkpoint as a model folder (:mod:`pipeline.model_bundle`): unsharded weights, vocabularies,
+"""Export a checkpoint as a model folder (:mod:`pipeline.serving.model_folder`): unsharded weights, vocabularies,
 the model and dataset description.
 
     ctr export checkpoint=<checkpoint dir, or a run's trainer.checkpoint.dir> out=<dir>
@@ -17,9 +17,9 @@ from pathlib import Path
 import hydra
 from omegaconf import MISSING, DictConfig
 
-from pipeline.checkpointing import full_model_state
-from pipeline.cli import command_args, exit_on_user_error
-from pipeline.model_bundle import checkpoint_run, write_bundle
+from pipeline.checkpoint.checkpointing import full_model_state
+from pipeline.commands.args import command_args, exit_on_user_error
+from pipeline.serving.model_folder import checkpoint_run, write_bundle
 
 
 @dataclass

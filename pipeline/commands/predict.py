@@ -2,9 +2,9 @@
 
     ctr predict checkpoint=<model folder | checkpoint dir> input=<file, list, dir or glob> \
         output=<file.parquet | file.csv> [batch_size=65536]
-    torchrun --nproc_per_node=2 -m pipeline.predict checkpoint=<checkpoint dir> ...
+    torchrun --nproc_per_node=2 -m pipeline.commands.predict checkpoint=<checkpoint dir> ...
 
-``checkpoint`` is a model folder (a run's ``<output>/model``, or :mod:`pipeline.export`'s), a sharded
+``checkpoint`` is a model folder (a run's ``<output>/model``, or :mod:`pipeline.commands.export`'s), a sharded
 checkpoint directory, or a folder of checkpoints (a run's ``trainer.checkpoint.dir``: its newest intact
 one). The layout, vocabularies (unseen values → OOV, missing → the missing id),
 numeric transforms and model come from it; the input rows are exactly like the training files, with
@@ -42,8 +42,8 @@ from pipeline.data.features import extract
 from pipeline.data.other_readers import open_reader
 from pipeline.data.reader import open_lines
 from pipeline.data.store import SplitArrays
-from pipeline.launch import world_from_env
-from pipeline.model_bundle import BundleError, RowEncoder, Scorer, checkpoint_run, is_bundle, score_batches
+from pipeline.runtime.launch import world_from_env
+from pipeline.serving.model_folder import BundleError, RowEncoder, Scorer, checkpoint_run, is_bundle, score_batches
 
 OUTPUT_FORMATS = (".parquet", ".csv")
 
@@ -160,8 +160,8 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
     from modules.optimizers import OptimizerSpec
     from modules.placement import TopologySpec
     from modules.sharding import shard_model
-    from pipeline.checkpoint_chunks import row_chunks
-    from pipeline.checkpointing import SafeFileSystemReader
+    from pipeline.checkpoint.chunks import row_chunks
+    from pipeline.checkpoint.checkpointing import SafeFileSystemReader
 
     run = checkpoint_run(checkpoint)
     encoder = RowEncoder(run.store.meta, run.data, run.store.root / "vocab")
@@ -212,7 +212,7 @@ def run(args: PredictArgs) -> Prediction | None:
     if is_bundle(checkpoint):
         scorer = Scorer(checkpoint)
         return score_with(scorer, lambda a: scorer.score(a, batch_size))
-    from pipeline.export import export_checkpoint
+    from pipeline.commands.export import export_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="ctr-predict-") as tmp:  # the checkpoint read in this process
         scorer = Scorer(export_checkpoint(checkpoint, Path(tmp) / "model"))
@@ -221,8 +221,8 @@ def run(args: PredictArgs) -> Prediction | None:
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="predict")
 def cli(cfg: DictConfig) -> None:
-    from pipeline.cli import command_args, exit_on_user_error
-    from pipeline.process_exit import leave_process_group
+    from pipeline.commands.args import command_args, exit_on_user_error
+    from pipeline.runtime.process_exit import leave_process_group
 
     args = command_args(cfg, PredictArgs)
     try:

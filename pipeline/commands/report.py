@@ -182,7 +182,7 @@ class ReportArgs:
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="report")
 def cli(cfg: DictConfig) -> None:
-    from pipeline.cli import command_args
+    from pipeline.commands.args import command_args
 
     args = command_args(cfg, ReportArgs)
     client = MlflowClient(tracking_uri=args.tracking_uri)

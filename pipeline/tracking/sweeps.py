@@ -7,7 +7,7 @@ Registered as a Hydra callback (``hydra.callbacks.mlflow_sweep`` in ``conf/confi
   and puts its id into the environment (``CTR_MLFLOW_PARENT_RUN``) that the jobs inherit — in this
   process (basic launcher) or in the worker processes started after it (joblib, submitit);
 * each job's run is created with the tag ``mlflow.parentRunId`` (:func:`parent_tags`);
-* a job that fails does not stop the sweep: :func:`pipeline.train.main` records the error on the
+* a job that fails does not stop the sweep: :func:`pipeline.commands.train.main` records the error on the
   parent as ``failed.<job number>`` = overrides and error (:func:`record_failure`) and returns NaN,
   which the Optuna sweeper counts as a failed trial; ``on_job_end`` records jobs that Hydra itself
   saw fail;

@@ -1,8 +1,8 @@
 """Replay runs kept in a local fallback store to a tracking server:
-``ctr sync source=sqlite:///<output>/mlflow.db target=http://host:5000`` (``python -m pipeline.mlflow_sync ...``).
+``ctr sync source=sqlite:///<output>/mlflow.db target=http://host:5000`` (``python -m pipeline.commands.sync ...``).
 
 Each run of the local store that carries the tag ``ctr.original_run_id`` (written by
-:mod:`pipeline.tracking` when logging calls could not reach the server in time) is copied into that
+:mod:`pipeline.tracking.logger` when logging calls could not reach the server in time) is copied into that
 original run on the target — or into a new run of the same experiment if the target does not have
 it: parameters, every metric's full history (values, steps, timestamps), tags, artifacts and the
 final status. A synced local run is tagged ``ctr.synced_to`` and skipped the next time.
@@ -22,7 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import MISSING, DictConfig
 
-from pipeline.tracking import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
+from pipeline.tracking.logger import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
 
 SYNCED_TAG = "ctr.synced_to"
 BATCH = 1000  # MLflow's log_batch limit on metrics per call
@@ -73,7 +73,7 @@ class SyncArgs:
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="sync")
 def cli(cfg: DictConfig) -> None:
-    from pipeline.cli import command_args
+    from pipeline.commands.args import command_args
 
     args = command_args(cfg, SyncArgs)
     target = args.target

@@ -1,9 +1,9 @@
-"""Train and test a CTR model: ``ctr train [group=option] [key=value] ...`` (or ``python -m pipeline.train``).
+"""Train and test a CTR model: ``ctr train [group=option] [key=value] ...`` (or ``python -m pipeline.commands.train``).
 
 Composes ``conf/`` with Hydra, parses it into typed configs (:mod:`pipeline.config`), prepares the
 data (cached), trains with Lightning on TorchRec sharded embeddings (1 process, or as many as
 ``torchrun`` starts), evaluates on the test split, logs everything to MLflow, writes ``result.json``
-into the run's output folder (:mod:`pipeline.result`) and ends with one line::
+into the run's output folder (:mod:`pipeline.training.result`) and ends with one line::
 
     RESULT test_auc=<float> test_logloss=<float> samples_per_s=<float> comm_bytes_per_step=<float> mlflow_run_id=<id>
 """
@@ -31,29 +31,29 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from modules.placement import TopologySpec
-from pipeline.best_validation import BestValidation
-from pipeline.callbacks import (CommAccounting, CowClipLogging, KStepMerging, ShardedCheckpoint, TrainThroughput,
+from pipeline.training.best_validation import BestValidation
+from pipeline.training.callbacks import (CommAccounting, CowClipLogging, KStepMerging, ShardedCheckpoint, TrainThroughput,
                                 find_callback)
-from pipeline.checkpointing import (DCPCheckpointIO, TrainingState, checked_checkpoint, newest_intact_checkpoint,
+from pipeline.checkpoint.checkpointing import (DCPCheckpointIO, TrainingState, checked_checkpoint, newest_intact_checkpoint,
                                     read_rank0_state)
-from pipeline.cli import exit_on_user_error
+from pipeline.commands.args import exit_on_user_error
 from pipeline.config import LoggerConfig, RunConfig, TrainerConfig, check_runnable, parse_config
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import example_rows
-from pipeline.errors import TrackingUnavailableError
-from pipeline.init_from import check_optimizer_source, lineage_tags
-from pipeline.launch import global_rank, world_from_env
-from pipeline.mlflow_model import log_pyfunc, register
-from pipeline.model_bundle import unsharded_state, write_bundle
-from pipeline.numa import bind_to_gpu_numa_node
-from pipeline.plan import format_plan
-from pipeline.preemption import Preempted, SignalGuard, StopOnSignal
-from pipeline.process_exit import exit_now, leave_process_group, stop_worker_pools
-from pipeline.result import RunResult
-from pipeline.strategy import TorchRecStrategy
-from pipeline.sweep_tracking import parent_tags, record_failure
-from pipeline.task import CTRTask
-from pipeline.tracking import (ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger, bound_http_requests,
+from pipeline.runtime.errors import TrackingUnavailableError
+from pipeline.training.init_from import check_optimizer_source, lineage_tags
+from pipeline.runtime.launch import global_rank, world_from_env
+from pipeline.tracking.pyfunc import log_pyfunc, register
+from pipeline.serving.model_folder import unsharded_state, write_bundle
+from pipeline.runtime.numa import bind_to_gpu_numa_node
+from pipeline.commands.plan import format_plan
+from pipeline.training.preemption import Preempted, SignalGuard, StopOnSignal
+from pipeline.runtime.process_exit import exit_now, leave_process_group, stop_worker_pools
+from pipeline.training.result import RunResult
+from pipeline.training.strategy import TorchRecStrategy
+from pipeline.tracking.sweeps import parent_tags, record_failure
+from pipeline.training.task import CTRTask
+from pipeline.tracking.logger import (ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger, bound_http_requests,
                                create_local_store, probe)
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
 
 def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, output_dir: Path,
                 run_id: str | None) -> Path | None:
-    """``<output>/model`` (:mod:`pipeline.model_bundle`) from the trained weights, on global rank 0 (every
+    """``<output>/model`` (:mod:`pipeline.serving.model_folder`) from the trained weights, on global rank 0 (every
     rank takes part in gathering the sharded tables); None where tables exceed ``logger.model_max_gb``."""
     spec = datamodule.feature_spec
     gb = sum(n * (task.model_cfg.embedding_dim + 4) * 4 for n in spec.table_sizes.values()) / 1e9
@@ -314,7 +314,7 @@ def run_sweep_job(cfg: DictConfig) -> RunResult | None:
 def main(cfg: DictConfig) -> float:
     """Returns the best validation AUC (what a sweeper maximises); NaN for a failed sweep job."""
     if cfg.trainer.daily:
-        from pipeline.daily import run_daily
+        from pipeline.training.daily import run_daily
 
         days = exit_on_user_error(lambda: run_daily(cfg, _output_dir()))
         print(f"Trained {len(days)} days; next-day AUC: "
@@ -336,7 +336,7 @@ def main(cfg: DictConfig) -> float:
 
 
 def cli() -> None:
-    """``ctr train`` / ``python -m pipeline.train``."""
+    """``ctr train`` / ``python -m pipeline.commands.train``."""
     status = 0
     try:
         main()
@@ -346,7 +346,7 @@ def cli() -> None:
             print(f"Exiting with status {status}, {stopped.guard.seconds_since_signal():.1f} s after the signal",
                   file=sys.stderr, flush=True)
     stop_worker_pools()
-    exit_now(status)  # no interpreter teardown (see pipeline.process_exit)
+    exit_now(status)  # no interpreter teardown (see pipeline.runtime.process_exit)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Errors of the machine a run is on: a full disk, an unreachable tracking server. Like the other user
 errors (``ConfigError``, ``BadInputError``, ``CheckpointMismatchError``, ...) the command line reports
-them as one clean line and exit status 2 (:mod:`pipeline.cli`)."""
+them as one clean line and exit status 2 (:mod:`pipeline.commands.args`)."""
 
 from __future__ import annotations
 
