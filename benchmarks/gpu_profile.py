@@ -114,16 +114,16 @@ def main() -> None:
     p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps here")
     args = p.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
     from dataclasses import replace
+
+    from hydra import compose, initialize_config_dir
 
     from modules.models import build_model
     from modules.optimizers import replicated_parameters
     from modules.sharding import shard_model
+    from pipeline.commands.plan import spec_and_coverage
     from pipeline.config import parse_config
     from pipeline.data.store import FIRST_VOCAB_ID
-    from pipeline.commands.plan import spec_and_coverage
 
     device = torch.device(args.device)
     if device.type == "cuda":

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile

@@ -66,7 +66,8 @@ def check(work: Path, jobs: list[Job], epochs: int) -> tuple[int, int, int]:
     """(metrics missing from MLflow, runs left neither FINISHED nor KILLED, corrupt checkpoints or stores)."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.checkpoint.checkpointing import complete_checkpoints, verify_checkpoint
+    from pipeline.checkpoint.discovery import complete_checkpoints
+    from pipeline.checkpoint.manifest import verify_checkpoint
     from pipeline.data.store import ColumnarStore
 
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")

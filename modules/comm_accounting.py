@@ -87,16 +87,25 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Wrap the collectives once per process (idempotent)."""
+    """Wrap ``torch.distributed``'s collectives so that started counters see their bytes (idempotent;
+    :func:`uninstall` undoes it)."""
     for name in WRAPPED:
         if name not in _originals and hasattr(dist, name):
             _originals[name] = getattr(dist, name)
             setattr(dist, name, _wrap(name, _originals[name]))
 
 
+def uninstall() -> None:
+    """Put back the collectives :func:`install` wrapped."""
+    while _originals:
+        name, fn = _originals.popitem()
+        setattr(dist, name, fn)
+
+
 class CommCounter:
+    """Bytes per category of the collectives issued while started (the collectives :func:`install`-ed)."""
+
     def __init__(self) -> None:
-        install()
         self.bytes: dict[str, int] = defaultdict(int)
 
     def add(self, category: str, n: int) -> None:

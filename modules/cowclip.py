@@ -66,6 +66,14 @@ class CowClipConfig:
     def floor_value(self, dim: int) -> float:
         return self.zeta if self.floor == "zeta" else self.r * math.sqrt(dim) * self.zeta
 
+    def clip_factor(self, g: torch.Tensor, w: torch.Tensor, cnt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(factor, clipped?) per id, for per-id gradients ``g`` [n, d] of rows ``w`` [n, d] seen ``cnt`` [n]
+        times: clip_t = cnt · max(r‖w‖, floor), factor = min(1, clip_t / ‖g‖)."""
+        threshold = cnt * torch.clamp(self.r * w.norm(dim=1), min=self.floor_value(w.shape[1]))
+        norm = g.norm(dim=1)
+        over = norm > threshold
+        return torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm)), over
+
 
 BUCKET_EDGES = (10, 100, 1_000, 10_000)  # training-data occurrences of an id
 BUCKET_LABELS = ("unknown", "lt10", "10-99", "100-999", "1k-9999", "ge10k")  # unknown: OOV/missing rows, hashed ids
@@ -162,10 +170,7 @@ def per_id_gradient(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, c
     if l2:
         g = g + (2.0 * l2 * l2_share) * w
     if clip is not None and clip.enabled:
-        threshold = cntf * torch.clamp(clip.r * w.norm(dim=1), min=clip.floor_value(d))
-        norm = g.norm(dim=1)
-        over = norm > threshold
-        factor = torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))
+        factor, over = clip.clip_factor(g, w, cntf)
         if stats is not None:
             stats.add(over, bucket_of(uniq) if bucket_of is not None else None)
     else:

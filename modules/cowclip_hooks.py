@@ -34,30 +34,32 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch.utils.hooks import RemovableHandle
-from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec import KeyedJaggedTensor
-from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
-from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
-from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
 from modules.cowclip import Block, CowClipConfig, CowClipStats, RowBuckets, apply_cowclip, one_hot_ids
-from modules.embedding_l2 import DecayRule, DenseRowsL2, LazyRowsL2
-from modules.embedding import (EMB_PREFIX, WIDE_COLUMNS, WIDE_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, SparseArch,
-                               lookup_field, lookup_name)
+from modules.embedding import (
+    EMB_PREFIX,
+    WIDE_COLUMNS,
+    WIDE_PREFIX,
+    WIDE_SEQ_TABLE,
+    WIDE_TABLE,
+    SparseArch,
+    lookup_field,
+    lookup_name,
+)
+from modules.embedding_l2 import DecayRule
+from modules.every_row_l2 import EveryRowL2, attach_every_row_l2
+from modules.sharded_kernels import EXACT_SHARDINGS, kernel_layout, kernels, shard_tables
 
 log = logging.getLogger(__name__)
-EXACT_SHARDINGS = (TwPooledEmbeddingSharding, RwPooledEmbeddingSharding, TwSequenceEmbeddingSharding,
-                   RwSequenceEmbeddingSharding)
 TABLE_BITS = 40  # group key of an occurrence: table index << 40 | id
 
 
@@ -76,47 +78,13 @@ def lookup_rules(lookups: Iterable[str], cfg: CowClipConfig, l2: float) -> dict[
 @dataclass
 class CowClipHooks:
     """What :func:`attach_cowclip` attached: lookups per scope, the statistics the backward fills, handles,
-    and with ``embedding_l2_scope=all`` the every-row L2 term (:mod:`modules.embedding_l2`), which the
-    training loop drives: ``begin_step`` before each step's forward, ``after_backward`` before the
-    optimizer steps, ``flush`` before anything reads the tables."""
+    and with ``embedding_l2_scope=all`` the every-row L2 term (:mod:`modules.every_row_l2`)."""
 
     global_lookups: set[str] = field(default_factory=set)
     local_lookups: set[str] = field(default_factory=set)
     stats: CowClipStats = field(default_factory=CowClipStats)
     handles: list[RemovableHandle] = field(default_factory=list)
-    dense_l2: DenseRowsL2 | None = None
-    lazy_l2: LazyRowsL2 | None = None
-
-    def begin_step(self, step: int, embedding_lr: float) -> None:
-        if self.lazy_l2 is not None:
-            self.lazy_l2.begin_step(step, embedding_lr)
-
-    def after_backward(self) -> None:
-        if self.dense_l2 is not None:
-            self.dense_l2.apply()
-
-    def flush(self) -> None:
-        if self.lazy_l2 is not None:
-            self.lazy_l2.flush()
-
-
-def _kernel_layout(kernel: nn.Module) -> list[tuple[str, int, int]]:
-    """(lookup, first column, end column) of each input key position of a kernel's pooled output."""
-    layout, col = [], 0
-    for table in kernel.config.embedding_tables:
-        for feature in table.feature_names:
-            layout.append((lookup_name(table.name, feature), col, col + table.local_cols))
-            col += table.local_cols
-    return layout
-
-
-def _shard_tables(kernel: nn.Module) -> list[tuple[str, int]]:
-    """(table, first row of this shard) of each table of a kernel (the ids it receives are shard rows)."""
-    out = []
-    for table in kernel.config.embedding_tables:
-        meta = getattr(table, "local_metadata", None)
-        out.append((table.name, int(meta.shard_offsets[0]) if meta is not None else 0))
-    return out
+    every_row_l2: EveryRowL2 | None = None  # with embedding_l2_scope=all (the training loop drives it)
 
 
 def _lookup(buckets: RowBuckets | None, parts: list[tuple[str, int]]):
@@ -125,8 +93,8 @@ def _lookup(buckets: RowBuckets | None, parts: list[tuple[str, int]]):
 
 def _global_hook(kernel: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats,
                  buckets: RowBuckets | None):
-    layout = _kernel_layout(kernel)
-    shards = [part for part, table in zip(_shard_tables(kernel), kernel.config.embedding_tables)
+    layout = kernel_layout(kernel)
+    shards = [part for part, table in zip(shard_tables(kernel), kernel.config.embedding_tables)
               for _ in table.feature_names]
     bucket_of = [_lookup(buckets, [part]) for part in shards]
 
@@ -211,7 +179,7 @@ def _sequence_kernel_hook(kernel: nn.Module, rules: dict[str, bool], cfg: CowCli
     for the whole global batch; its output has one row per id."""
     table_of = {f: (i, t.name) for i, t in enumerate(kernel.config.embedding_tables) for f in t.feature_names}
     width = kernel.config.embedding_tables[0].local_cols
-    bucket_of = _lookup(buckets, _shard_tables(kernel))
+    bucket_of = _lookup(buckets, shard_tables(kernel))
 
     def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         features: KeyedJaggedTensor = inputs[0]
@@ -224,29 +192,14 @@ def _sequence_kernel_hook(kernel: nn.Module, rules: dict[str, bool], cfg: CowCli
     return hook
 
 
-def _kernels(model: nn.Module) -> Iterator[tuple[nn.Module, object, nn.Module]]:
-    """(sharded collection, its sharding, kernel) for every FBGEMM kernel module of a DMP model."""
-    for module in model.modules():
-        if isinstance(module, ShardedEmbeddingBagCollection):
-            shardings = module._embedding_shardings
-        elif isinstance(module, ShardedEmbeddingCollection):
-            shardings = list(module._sharding_type_to_sharding.values())
-        else:
-            continue
-        for sharding, lookup in zip(shardings, module._lookups):
-            lookup = getattr(lookup, "module", lookup)  # data-parallel lookups are DDP-wrapped
-            for kernel in lookup._emb_modules:
-                yield module, sharding, kernel
-
-
 def _attach_global(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float,
                    hooks: CowClipHooks, buckets: RowBuckets | None) -> set[str]:
     """Hook every table-wise / row-wise kernel; returns the handled lookups left uncovered."""
     if not get_gradient_division():
         raise RuntimeError("global CowClip expects TorchRec's gradient division (set_gradient_division(True))")
     uncovered: set[str] = set()
-    for module, sharding, kernel in _kernels(model):
-        layout = _kernel_layout(kernel)
+    for module, sharding, kernel in kernels(model):
+        layout = kernel_layout(kernel)
         names = {name for name, _, _ in layout if name in rules}
         if not names:
             continue
@@ -264,30 +217,6 @@ def _attach_global(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig,
     return uncovered
 
 
-def _attach_every_row_l2(model: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, l2: float,
-                         decay: DecayRule, hooks: CowClipHooks, buckets: RowBuckets | None) -> dict[str, bool]:
-    """``embedding_l2_scope=all``: the dense version on data-parallel kernels (which then need no per-id
-    hook: it clips too), the lazy one on fused kernels; returns the rules left to the per-id hooks."""
-    if cfg.fields is not None:
-        raise ValueError("optim.embedding_l2_scope=all applies to every table: scaling.cowclip.fields must be null")
-    hooks.dense_l2 = DenseRowsL2(l2, cfg, hooks.stats)
-    hooks.lazy_l2 = LazyRowsL2(decay)
-    left = dict(rules)
-    for _, _, kernel in _kernels(model):
-        layout = _kernel_layout(kernel)
-        if isinstance(kernel.emb_module, DenseTableBatchedEmbeddingBagsCodegen):
-            hooks.dense_l2.add(kernel, {t.name for t in kernel.config.embedding_tables
-                                        if any(rules.get(lookup_name(t.name, f)) for f in t.feature_names)}, buckets)
-            for name, _, _ in layout:
-                left.pop(name, None)
-        else:
-            hooks.lazy_l2.add(kernel)
-    if hooks.lazy_l2.kernels and cfg.enabled and 2 * l2 > cfg.r:
-        raise ValueError(f"optim.embedding_l2_scope=all: 2λ = {2 * l2:g} > scaling.cowclip.r = {cfg.r:g} (λ after "
-                         f"scaling): an absent row's L2 step could be clipped, which the lazy replay does not do")
-    return left
-
-
 def attach_cowclip(model: nn.Module, cfg: CowClipConfig, l2: float, l2_scope: str = "batch",
                    decay: DecayRule | None = None, buckets: RowBuckets | None = None) -> CowClipHooks:
     """Attach CowClip (``cfg``) and the L2 term (λ = ``l2``) to a DMP-wrapped model: on the ids of each
@@ -299,7 +228,7 @@ def attach_cowclip(model: nn.Module, cfg: CowClipConfig, l2: float, l2_scope: st
     if l2_scope == "all" and l2 > 0:
         if decay is None:
             raise ValueError("embedding_l2_scope=all needs the embedding optimizer's decay rule")
-        rules = _attach_every_row_l2(model, rules, cfg, l2, decay, hooks, buckets)
+        hooks.every_row_l2, rules = attach_every_row_l2(model, rules, cfg, l2, decay, hooks.stats, buckets)
     if not rules:
         return hooks
     local = set(rules)

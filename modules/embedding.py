@@ -39,8 +39,15 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
-                      KeyedJaggedTensor, KeyedTensor, PoolingType)
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    PoolingType,
+)
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"

@@ -257,11 +257,8 @@ class DenseRowsL2:
                 g += (2.0 * self.l2) * w
                 if kernel.clip[table] and self.clip.enabled:
                     cnt = counts[table]
-                    threshold = cnt.clamp(min=1).to(w.device, w.dtype) * torch.clamp(
-                        self.clip.r * w.norm(dim=1), min=self.clip.floor_value(w.shape[1]))
-                    norm = g.norm(dim=1)
-                    over = norm > threshold
-                    g *= torch.where(over, threshold / norm.clamp_min(1e-30), torch.ones_like(norm))[:, None]
+                    factor, over = self.clip.clip_factor(g, w, cnt.clamp(min=1).to(w.device, w.dtype))
+                    g *= factor[:, None]
                     present = (cnt > 0).nonzero().squeeze(1)
                     bucket_of = kernel.buckets[table]
                     self.stats.add(over[present.to(over.device)], bucket_of(present) if bucket_of is not None else None)

@@ -35,14 +35,12 @@ import math
 import os
 import shutil
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import ShardingType
 
-from modules.zipf import bounded_zipf_inverse_cdf
+from modules.topology import GB, TableOverride, TopologySpec
 
-GB = 1024**3
 KERNELS = {
     "hbm": EmbeddingComputeKernel.FUSED.value,
     "uvm_cache": EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
@@ -50,7 +48,6 @@ KERNELS = {
     "host": EmbeddingComputeKernel.FUSED.value,
 }
 TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
-TIERS = ("hbm", "uvm_cache", "ssd", "host")
 CPU_TIERS = ("host", "ssd")
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
@@ -59,6 +56,8 @@ OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the
 
 class PlacementError(ValueError):
     """The embedding tables cannot be placed on the topology; the message gives the numbers."""
+
+    hint = "see the plan with ctr plan"
 
 
 @dataclass(frozen=True)
@@ -78,107 +77,6 @@ class TableInfo:
         levels = sorted(self.coverage_rows)
         q = next((x for x in levels if x >= share), levels[-1])
         return min(self.rows, int(self.coverage_rows[q]))
-
-
-SHARDING_TYPES = tuple(t.value for t in ShardingType)
-PLANNERS = ("auto", "manual")
-
-
-@dataclass
-class SsdSpec:
-    path: Optional[str] = None     # where ssd-tier tables keep their files (GPU: FBGEMM's SSD TBE; CPU: memory maps)
-    cap_gb: float = 0.0            # per node; on CPU 0 means the free space at path
-
-
-@dataclass
-class Bandwidths:
-    """GB/s; None: TorchRec's planner default."""
-
-    hbm: Optional[float] = None
-    host_memory: Optional[float] = None
-    host_link: Optional[float] = None   # GPU ↔ host (PCIe / C2C)
-    intra_node: Optional[float] = None
-    inter_node: Optional[float] = None
-    ssd: Optional[float] = None
-
-
-@dataclass
-class TableOverride:
-    """``topology.table_overrides.<table>``: force a tier / kernel, cache size or sharding type."""
-
-    tier: Optional[str] = None
-    compute_kernel: Optional[str] = None
-    cache_load_factor: Optional[float] = None
-    sharding_type: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if self.tier is not None and self.tier not in TIERS:
-            raise ValueError(f"tier={self.tier!r}: expected one of {', '.join(TIERS)}")
-        if self.sharding_type is not None and self.sharding_type not in SHARDING_TYPES:
-            raise ValueError(f"sharding_type={self.sharding_type!r}: expected one of {list(SHARDING_TYPES)}")
-
-
-@dataclass
-class TopologySpec:
-    """``topology``: the hardware the tables are placed on (``conf/topology/*.yaml``)."""
-
-    compute_device: str = "cpu"
-    name: str = "unnamed"
-    nodes: int = 1
-    ranks_per_node: Optional[int] = None   # None: as many as torchrun starts per node (LOCAL_WORLD_SIZE)
-    hbm_cap_gb: float = 0.0        # per GPU
-    ddr_cap_gb: float = 0.0        # host memory per node
-    ssd: SsdSpec = field(default_factory=SsdSpec)
-    hbm_reserve: float = 0.25
-    ddr_reserve: float = 0.25
-    cache_coverage: float = 0.9
-    min_cache_load_factor: float = 0.01
-    bandwidth_gbps: Bandwidths = field(default_factory=Bandwidths)
-    numa: Optional[List[int]] = None       # NUMA node of each GPU (None: read from /sys)
-    sharding_types: List[str] = field(default_factory=lambda: [ShardingType.TABLE_WISE.value])
-    # table → TableOverride; untyped in the schema so that `+topology.table_overrides.<t>.tier=...` adds one
-    table_overrides: Dict[str, Any] = field(default_factory=dict)
-    planner: str = "auto"                  # auto: TorchRec's planner | manual: first allowed type per table
-
-    def __post_init__(self) -> None:
-        overrides = {}
-        for table, o in self.table_overrides.items():
-            if not isinstance(o, TableOverride):
-                unknown = sorted(set(o) - set(TableOverride.__dataclass_fields__))
-                if unknown:
-                    raise ValueError(f"table_overrides.{table}: unknown keys {unknown}; expected some of "
-                                     f"{sorted(TableOverride.__dataclass_fields__)}")
-                try:
-                    o = TableOverride(**o)
-                except ValueError as e:
-                    raise ValueError(f"table_overrides.{table}.{e}") from None
-            overrides[table] = o
-        self.table_overrides = overrides
-        if self.compute_device not in ("cpu", "cuda"):
-            raise ValueError(f"compute_device={self.compute_device!r}: expected 'cpu' or 'cuda'")
-        bad = [t for t in self.sharding_types if t not in SHARDING_TYPES]
-        if bad:
-            raise ValueError(f"sharding_types: {bad} not among {list(SHARDING_TYPES)}")
-        if self.planner not in PLANNERS:
-            raise ValueError(f"planner={self.planner!r}: expected one of {PLANNERS}")
-        for key in ("hbm_reserve", "ddr_reserve", "cache_coverage", "min_cache_load_factor"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ValueError(f"{key}={getattr(self, key)}: expected a share in [0, 1]")
-
-    def for_world(self, world_size: int, ranks_per_node: int) -> "TopologySpec":
-        """This topology as run: ``world_size`` ranks, ``ranks_per_node`` on each node."""
-        return replace(self, ranks_per_node=ranks_per_node, nodes=max(1, world_size // ranks_per_node))
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * (self.ranks_per_node or 1)
-
-    def budgets(self) -> dict[str, float]:
-        return {
-            "hbm": self.world_size * self.hbm_cap_gb * GB * (1 - self.hbm_reserve),
-            "host": self.nodes * self.ddr_cap_gb * GB * (1 - self.ddr_reserve),
-            "ssd": self.nodes * self.ssd.cap_gb * GB,
-        }
 
 
 @dataclass(frozen=True)
@@ -314,9 +212,3 @@ def _existing(path: str) -> str:
     while not os.path.exists(p):
         p = os.path.dirname(p)
     return p
-
-
-def zipf_coverage(rows: int, exponent: float, levels: Sequence[float] = (0.5, 0.8, 0.9, 0.95, 0.99)) -> dict[float, int]:
-    """Hottest rows carrying each share of the accesses when ids follow a bounded Zipf law
-    (:mod:`modules.zipf`, as in the synthetic generator): ⌈F⁻¹(q) − 1⌉ rows carry a share q."""
-    return {q: min(rows, max(1, math.ceil(float(bounded_zipf_inverse_cdf(q, rows, exponent)) - 1))) for q in levels}

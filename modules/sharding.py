@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
@@ -41,7 +41,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from modules.embedding import field_of
 from modules.file_backed import file_backed_tables, mark_file_backed
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.placement import GB, KERNELS, Placement, TableInfo, TopologySpec, place_tables
+from modules.placement import KERNELS, Placement, TableInfo, place_tables
+from modules.topology import GB, TopologySpec
 
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
 CPU_UNPLANNED = {ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value}

@@ -11,6 +11,9 @@ the draws.
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import numpy as np
 
 
@@ -19,3 +22,9 @@ def bounded_zipf_inverse_cdf(u: np.ndarray | float, n: int, a: float) -> np.ndar
     if abs(a - 1.0) < 1e-9:
         return np.exp(u * np.log(n + 1.0))
     return ((np.power(n + 1.0, 1.0 - a) - 1.0) * u + 1.0) ** (1.0 / (1.0 - a))
+
+
+def zipf_coverage(rows: int, exponent: float, levels: Sequence[float] = (0.5, 0.8, 0.9, 0.95, 0.99)) -> dict[float, int]:
+    """Hottest rows carrying each share of the accesses when ids follow a bounded Zipf law
+    (:mod:`modules.zipf`, as in the synthetic generator): ⌈F⁻¹(q) − 1⌉ rows carry a share q."""
+    return {q: min(rows, max(1, math.ceil(float(bounded_zipf_inverse_cdf(q, rows, exponent)) - 1))) for q in levels}

@@ -1,7 +1,7 @@
 """The run's configuration as typed objects: Hydra structured configs, parsed and checked once.
 
-``conf/config.yaml`` starts its defaults list with the schema :class:`RunConfig` (registered here in
-Hydra's ConfigStore as ``run_schema``), so every group file and command-line override is merged onto
+``conf/config.yaml`` starts its defaults list with the schema :class:`RunConfig` (registered in
+Hydra's ConfigStore as ``run_schema`` by :func:`register_configs`), so every group file and command-line override is merged onto
 typed nodes: a misspelt key or a value of the wrong type stops composition with Hydra's message naming
 the key. :func:`parse_config` then builds the dataclasses, whose ``__post_init__`` checks run once,
 and :func:`check_runnable` checks what training needs of the machine (world size, CUDA, input files). Every error is a
@@ -12,6 +12,8 @@ The dataclasses of the groups live beside the code they configure: ``OptimizerSp
 (:mod:`modules.kstep_merging`), ``TopologySpec`` (:mod:`modules.placement`), ``ModelConfig``
 (:mod:`modules.models`), ``DataConfig`` (:mod:`pipeline.data.dataset`) with ``PreprocessConfig`` and
 ``SyntheticConfig``; this module adds the trainer, logger and scaling settings and the root.
+
+May import: serving, checkpoint, data, runtime, modules
 """
 
 from __future__ import annotations
@@ -26,24 +28,21 @@ from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
 from modules.cowclip import CowClipConfig
 from modules.embedding_l2 import L2_SCOPES
-from modules.optimizers import is_fusable
-from pipeline.training.preemption import PreemptionConfig
 from modules.kstep_merging import MergeConfig
 from modules.models import ModelConfig
-from modules.optimizers import OptimizerSpec
-from modules.placement import TopologySpec
+from modules.optimizers import OptimizerSpec, is_fusable
 from modules.scaling_rules import RULES
+from modules.topology import TopologySpec
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import raw_fingerprint
+from pipeline.runtime.errors import ConfigError
 from pipeline.runtime.launch import world_from_env
+from pipeline.runtime.signals import PreemptionConfig
+from pipeline.serving.source import model_source
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 NONFINITE_POLICIES = ("stop", "skip")
 INIT_OPTIMIZER_PARTS = ("none", "embedding", "dense", "all")  # trainer.init_from_optimizer (pipeline/training/init_from.py)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message starts with the full key."""
 
 
 @dataclass
@@ -117,7 +116,6 @@ class TrainerConfig:
     resume: Optional[str] = None
     init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
     init_from_optimizer: str = "none"   # also carry a checkpoint's optimizer state: none | embedding | dense | all
-    daily: bool = False                 # data.path is a list of days: train them in turn (pipeline/training/daily.py)
     nonfinite: str = "stop"
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
 
@@ -129,7 +127,7 @@ class TrainerConfig:
             raise ValueError(f"precision={self.precision!r}: expected one of {PRECISIONS}")
         if self.init_from_optimizer not in INIT_OPTIMIZER_PARTS:
             raise ValueError(f"init_from_optimizer={self.init_from_optimizer!r}: expected one of {INIT_OPTIMIZER_PARTS}")
-        if self.init_from_optimizer != "none" and not (self.init_from or self.daily):
+        if self.init_from_optimizer != "none" and not self.init_from:
             raise ValueError(f"init_from_optimizer={self.init_from_optimizer!r}: needs trainer.init_from (a checkpoint)")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}: expected one of {NONFINITE_POLICIES}")
@@ -178,11 +176,26 @@ class RunConfig:
     seed: int = 2026
 
 
-ConfigStore.instance().store(name="run_schema", node=RunConfig)
-# for conf/hydra/launcher/slurm.yaml: the first value that is set; GPUs per node on CUDA topologies
-OmegaConf.register_new_resolver("ctr_first", lambda *values: next((v for v in values if v is not None), None),
-                                replace=True)
-OmegaConf.register_new_resolver("ctr_gpus", lambda device, ranks: ranks if device == "cuda" else None, replace=True)
+RESOLVERS = {  # for conf/hydra/launcher/slurm.yaml: the first value that is set; GPUs per node on CUDA topologies
+    "ctr_first": lambda *values: next((v for v in values if v is not None), None),
+    "ctr_gpus": lambda device, ranks: ranks if device == "cuda" else None,
+}
+
+
+def register_configs() -> None:
+    """Make ``conf/`` composable: the schema :class:`RunConfig` as ``run_schema`` in Hydra's ConfigStore
+    (``conf/config.yaml``'s defaults start with it) and the resolvers ``conf/`` uses. Every command that
+    composes ``config`` calls it first; :func:`unregister_configs` undoes it."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    for name, fn in RESOLVERS.items():
+        OmegaConf.register_new_resolver(name, fn, replace=True)
+
+
+def unregister_configs() -> None:
+    ConfigStore.instance().repo.pop("run_schema.yaml", None)
+    for name in RESOLVERS:
+        if OmegaConf.has_resolver(name):
+            OmegaConf.clear_resolver(name)
 
 
 def to_typed(node: DictConfig, key: str = "") -> Any:
@@ -216,13 +229,9 @@ def _source_vocabulary(init_from: Optional[str]) -> Optional[str]:
     """The folder holding the vocabularies of a model folder or checkpoint to continue from."""
     if not init_from:
         return None
-    from pipeline.serving.model_folder import BundleError, checkpoint_run, is_bundle  # model_bundle reads this module
-
-    if is_bundle(init_from):
-        return str(init_from)
     try:
-        return str(checkpoint_run(init_from).store.root)
-    except (BundleError, OSError, ValueError) as e:
+        return str(model_source(init_from).vocab_root)
+    except (OSError, ValueError) as e:
         raise ConfigError(f"trainer.init_from={init_from}: {e}") from None
 
 

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-import pipeline.config  # noqa: F401  (registers the config schema that conf/config.yaml starts from)
+from pipeline.config import register_configs
 from pipeline.runtime.launch import free_port  # noqa: F401  (re-exported for the tests)
 from pipeline.training.result import RunResult, read_result
 
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("CTR_SHARED_DATA", ROOT.parent / "shared" / "data"))
 PYTHON = sys.executable
 SMALL_ROWS = 100_000
+register_configs()  # the schema conf/config.yaml starts from, as every command that composes it does
 
 
 def compose_config(overrides: list[str] | None = None, return_hydra_config: bool = False) -> DictConfig:
@@ -37,10 +38,10 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def train_cli(args: list[str], run_dir: Path, launcher: list[str] | None = None, timeout: int = 600,
-              check: bool = True) -> tuple[subprocess.CompletedProcess, RunResult | None]:
-    """``python -m pipeline.commands.train *args`` (under ``launcher``, e.g. torchrun's arguments) with its output
-    folder at ``run_dir``; returns the process and the run's ``result.json`` (None if it wrote none)."""
-    cmd = [PYTHON, *(launcher or []), "-m", "pipeline.commands.train", *args, f"hydra.run.dir={run_dir}"]
+              check: bool = True, command: str = "train") -> tuple[subprocess.CompletedProcess, RunResult | None]:
+    """``python -m pipeline.commands.<command> *args`` (under ``launcher``, e.g. torchrun's arguments) with its
+    output folder at ``run_dir``; returns the process and the run's ``result.json`` (None if it wrote none)."""
+    cmd = [PYTHON, *(launcher or []), "-m", f"pipeline.commands.{command}", *args, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint.checkpointing import (SafeFileSystemReader, complete_checkpoints, join_tensors, read_rank0_state,
-                                    split_tensors, verify_checkpoint)
+from pipeline.checkpoint.discovery import complete_checkpoints, read_rank0_state
+from pipeline.checkpoint.manifest import verify_checkpoint
+from pipeline.checkpoint.safe_reader import SafeFileSystemReader
+from pipeline.checkpoint.skeleton import join_tensors, split_tensors
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 STEPS_PER_EPOCH = 20  # 100k rows → 85k training rows / batch 4096
@@ -111,8 +113,8 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
     step 33, resumed from step 30, it ends with the uninterrupted host-memory run's tensors and metrics, and its
     export equals that run's. (Plans with file-backed tables are built without TorchRec's planner, which would
     count them against host memory: the host run uses the same manual plan, so tables sit on the same ranks.)"""
-    from pipeline.commands.export import export_checkpoint
-    from pipeline.serving.model_folder import read_weights
+    from pipeline.serving.export import export_checkpoint
+    from pipeline.serving.weights import read_weights
 
     ckpt = tmp_path / "ckpt"
     ssd = [*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", f"topology.ssd.path={tmp_path}/ssd",

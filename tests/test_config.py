@@ -8,7 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from pipeline.config import ConfigError, RunConfig, check_runnable, parse_config
+from pipeline.config import RunConfig, check_runnable, parse_config
+from pipeline.runtime.errors import ConfigError
 from tests.conftest import PYTHON, compose_config, subprocess_env
 
 

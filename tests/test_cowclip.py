@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip import CowClipConfig, per_id_gradient
-from modules.embedding_l2 import DecayRule
 from modules.embedding import FeatureSpec, SparseArch, wide_row_offsets
+from modules.embedding_l2 import DecayRule
 from tests.dist_utils import run_workers
 
 SPEC = FeatureSpec((), ("a", "b", "c"), {"a": 6, "b": 9, "c": 40})
@@ -167,8 +167,8 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_s
            steps: int = STEPS) -> None:
     from modules.cowclip_hooks import attach_cowclip
     from modules.optimizers import OptimizerSpec, build_optimizer, replicated_parameters
-    from modules.placement import TopologySpec
     from modules.sharding import shard_model
+    from modules.topology import TopologySpec
     from pipeline.data.batches import make_batch
     from pipeline.data.store import SplitArrays
 
@@ -185,22 +185,25 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_s
     optimizer = build_optimizer(spec, dense_kernel) if dense_kernel else None
     # tables not hooked on the shards (data-parallel Adam) are clipped per rank: the local reference —
     # except with the every-row L2 term, whose dense version works on the all-reduced gradient
-    exact = hooks.global_lookups or hooks.dense_l2 is not None
+    exact = hooks.global_lookups or hooks.every_row_l2 is not None
     reference = Reference(weights, opt, cfg, world, "global" if exact else "local", l2_scope)
     b = GLOBAL_BATCH // world
     for step, (ids, labels) in enumerate(batches(steps=steps)):
         rows = np.arange(rank * b, (rank + 1) * b)
         batch = make_batch(SplitArrays(labels.astype(np.int8), np.zeros((len(labels), 0), np.float32), ids),
                            rows, list(SPEC.categorical))
-        hooks.begin_step(step, LR[opt])
+        if hooks.every_row_l2 is not None:
+            hooks.every_row_l2.begin_step(step, LR[opt])
         loss = F.binary_cross_entropy_with_logits(dmp(batch.dense_features, batch.sparse_features), batch.labels)
         loss.backward()
-        hooks.after_backward()
+        if hooks.every_row_l2 is not None:
+            hooks.every_row_l2.after_backward()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
         reference.step(ids, labels)
-    hooks.flush()
+    if hooks.every_row_l2 is not None:
+        hooks.every_row_l2.flush()
     assert reference.clipped > 0 and reference.unclipped > 0, (reference.clipped, reference.unclipped)
     if world == 1:  # the statistics count exactly the reference's clipped ids
         assert (stats.clipped, stats.ids) == (reference.clipped, reference.clipped + reference.unclipped)
@@ -295,8 +298,8 @@ def test_row_buckets_follow_the_vocabulary_counts(tmp_path):
 def _refusals(rank: int, world: int) -> None:
     from modules.cowclip_hooks import attach_cowclip
     from modules.optimizers import OptimizerSpec
-    from modules.placement import TopologySpec
     from modules.sharding import shard_model
+    from modules.topology import TopologySpec
 
     dmp, _ = shard_model(ClipModel(device=torch.device("meta")), OptimizerSpec("rowwise_adagrad", 0.1),
                          TopologySpec(compute_device="cpu", sharding_types=["table_wise"]), torch.device("cpu"))

@@ -131,8 +131,8 @@ def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_types: 
 def _check(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: str, scope: str) -> None:
     from modules.cowclip_hooks import attach_cowclip
     from modules.optimizers import OptimizerSpec
-    from modules.placement import TopologySpec
     from modules.sharding import shard_model
+    from modules.topology import TopologySpec
     from pipeline.data.batches import make_batch
 
     for opt in optimizers:

@@ -186,7 +186,8 @@ def small_disk(tmp_path):
 
 
 def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(small_disk):
-    from pipeline.checkpoint.checkpointing import complete_checkpoints, verify_checkpoint
+    from pipeline.checkpoint.discovery import complete_checkpoints
+    from pipeline.checkpoint.manifest import verify_checkpoint
 
     proc = subprocess.run([PYTHON, "-c", CHECKPOINT_FULL, str(small_disk), str(free_port())], cwd=ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
@@ -233,7 +234,8 @@ def test_unexpected_errors_keep_their_traceback(small_overrides, tmp_path):
 def test_undelivered_logging_is_kept_locally_and_replays_to_the_server(tmp_path):
     """The server dies for good after the run starts: the queued calls land in the fallback store;
     once a server is back, pipeline.commands.sync puts every value into the original run."""
-    from pipeline.tracking.logger import QueuedClient, TrackedMLflowLogger, bound_http_requests
+    from pipeline.tracking.logger import QueuedClient, TrackedMLflowLogger
+    from pipeline.tracking.store import bound_http_requests
 
     bound_http_requests()
     server = MlflowServer(tmp_path / "srv").start()

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pipeline.data.dataset import builtin_layout
 from pipeline.data.preprocess import preprocess
 from pipeline.data.preprocess_config import PreprocessConfig, SplitConfig
-from pipeline.data.reader import BadInputError
+from pipeline.runtime.errors import BadInputError
 from tests.conftest import shared_file
 
 SAMPLES = {"criteo": ("criteo_sample/dac_sample.tsv", builtin_layout("criteo")),

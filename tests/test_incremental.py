@@ -28,7 +28,7 @@ def days(tmp_path_factory):
 
 
 def _day3_auc(model, folder) -> float:
-    from pipeline.commands.predict import PredictArgs, run
+    from pipeline.serving.prediction import PredictArgs, run
 
     result = run(PredictArgs(checkpoint=str(model), input=str(folder / "day3.csv"),
                              output=str(model.parent / "d3.parquet")))
@@ -76,9 +76,10 @@ def test_init_from_optimizer_carries_the_state_rows_mapped(days, day1):
     Adagrad's accumulator adds (mapped rows: carried − fresh = day 1's row; new rows: equal), Adam's moments
     decay once (carried − fresh = β·day 1's) and its step count continues."""
     from modules.embedding import FeatureSpec
-    from pipeline.checkpoint.checkpointing import full_model_state, newest_intact_checkpoint
+    from pipeline.checkpoint.discovery import newest_intact_checkpoint
+    from pipeline.checkpoint.full_state import full_model_state
+    from pipeline.checkpoint.run_description import checkpoint_run
     from pipeline.training.init_from import row_sources
-    from pipeline.serving.model_folder import checkpoint_run
 
     folder, args = days
     source = newest_intact_checkpoint(folder / "A1ck")
@@ -144,7 +145,7 @@ def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
 
 
 def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
-    """+experiment=daily over three days (with eviction: rows of reused ids start afresh; optimizer state
+    """``ctr daily`` over three days (with eviction: rows of reused ids start afresh; optimizer state
     carried): one MLflow run per day chained by lineage tags, each day scored by the previous day's model
     before training (logged to that model's run), the plot and table written."""
     import mlflow
@@ -152,9 +153,9 @@ def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):
     folder, args = days
     files = ",".join(str(folder / f"day{d}.csv") for d in (1, 2, 3))
     uri = f"sqlite:///{tmp_path / 'daily.db'}"
-    proc, _ = train_cli([*args, "+experiment=daily", f"data.path=[{files}]", "trainer.max_epochs=1",
+    proc, _ = train_cli([*args, f"data.path=[{files}]", "trainer.max_epochs=1",
                          "data.preprocess.evict_after=1", "trainer.init_from_optimizer=all",
-                         f"logger.tracking_uri={uri}"], tmp_path / "daily")
+                         f"logger.tracking_uri={uri}"], tmp_path / "daily", command="daily")
     table = (tmp_path / "daily" / "next_day_auc.md").read_text().splitlines()
     assert len(table) == 2 + 3 and (tmp_path / "daily" / "next_day_auc.png").stat().st_size > 0
     client = mlflow.MlflowClient(uri)

@@ -22,7 +22,7 @@ def _setup(data_parallel: bool, seed: int = 0):
 
     torch.manual_seed(seed)
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
-    from modules.placement import TopologySpec
+    from modules.topology import TopologySpec
 
     topology = TopologySpec(compute_device="cpu", sharding_types=["table_wise"])
     dmp, _ = shard_model(net, OptimizerSpec("sgd", 0.05), topology, torch.device("cpu"), data_parallel=data_parallel)
@@ -61,7 +61,7 @@ def _same_everywhere(tensors: list[torch.Tensor], group=None) -> bool:
 
 
 def _k4_worker(rank: int, world: int, moments: bool) -> None:
-    from modules.comm_accounting import CommCounter
+    from modules.comm_accounting import CommCounter, install
     from modules.kstep_merging import KStepMerger
 
     model = _setup(data_parallel=False, seed=rank)  # different init on purpose: the merger broadcasts
@@ -70,6 +70,7 @@ def _k4_worker(rank: int, world: int, moments: bool) -> None:
     assert _same_everywhere(params)
     optimizer = torch.optim.Adam(params, lr=0.01)
     merger.attach_optimizer(optimizer)
+    install()  # in this worker process, which ends with the test
     counter = CommCounter()
     for step in range(1, 10):
         _train_step(model, optimizer, step, rank)
@@ -139,9 +140,10 @@ def test_hierarchical_merging_two_nodes_of_two():
 
 
 def _one_rank_group_worker(rank: int, world: int) -> None:
-    from modules.comm_accounting import CommCounter
+    from modules.comm_accounting import CommCounter, install
 
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    install()  # in this worker process, which ends with the test
     counter = CommCounter()
     t = torch.ones(10)
     counter.start()

@@ -15,10 +15,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.data.preprocess import assign_splits
+from pipeline.data.pass1 import assign_splits
 from pipeline.data.preprocess_config import SplitConfig
 from tests.conftest import PYTHON, ROOT, free_port, subprocess_env, train_cli
-
 
 
 def command(module: str, *args: str, launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -31,7 +30,7 @@ def command(module: str, *args: str, launcher: list[str] | None = None, check: b
 
 def predict_here(checkpoint: Path, input: Path, output: Path) -> np.ndarray:
     """``pipeline.commands.predict`` in this process (one process: no process group)."""
-    from pipeline.commands.predict import PredictArgs, run
+    from pipeline.serving.prediction import PredictArgs, run
 
     run(PredictArgs(checkpoint=str(checkpoint), input=str(input), output=str(output)))
     return pd.read_parquet(output)["probability"].to_numpy() if output.suffix == ".parquet" else \
@@ -55,8 +54,8 @@ def test_predict_on_the_runs_own_test_rows_gives_its_test_auc(trained):
                    f"output={out}")
     written = pd.read_parquet(out)
     assert len(written) == len(test_rows) and (written["label"].to_numpy() == test_rows["clicked"].to_numpy()).all()
-    from torchmetrics.functional.classification import binary_auroc
     import torch
+    from torchmetrics.functional.classification import binary_auroc
 
     auc = float(binary_auroc(torch.tensor(written["probability"].to_numpy()),
                              torch.from_numpy(written["label"].to_numpy().astype(np.int64))))
@@ -151,8 +150,7 @@ def test_errors_name_the_cause_and_write_nothing(trained, tmp_path):
     damaged = tmp_path / "model"
     import shutil
 
-    from pipeline.serving.model_folder import BundleError
-    from pipeline.data.reader import BadInputError
+    from pipeline.runtime.errors import BadInputError, BundleError
 
     shutil.copytree(folder / "run" / "model", damaged)
     vocab = damaged / "vocab" / "user_id.parquet"

@@ -98,8 +98,8 @@ def test_deepfm_forward_matches_hand_computation(regroup):
 
 def _sharded_forward_worker(rank: int, world_size: int, sharding_type: str) -> None:
     from modules.optimizers import OptimizerSpec
-    from modules.placement import TopologySpec
     from modules.sharding import shard_model
+    from modules.topology import TopologySpec
 
     reference = _random_deepfm()
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))
@@ -127,8 +127,8 @@ def _restore_worker(rank: int, world_size: int) -> None:
     import lightning as L
 
     from modules.optimizers import OptimizerSpec, replicated_parameters
-    from modules.placement import TopologySpec
     from modules.sharding import shard_model
+    from modules.topology import TopologySpec
     from pipeline.training.best_validation import BestValidation
 
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))

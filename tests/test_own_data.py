@@ -16,10 +16,9 @@ from omegaconf import OmegaConf
 
 from pipeline.data.dataset import DataConfig
 from pipeline.data.preprocess import preprocess
-from pipeline.data.reader import BadInputError
+from pipeline.runtime.errors import BadInputError
 from tests.click_logs import DATASET_YAML, oracle_auc, write_dataset
 from tests.conftest import train_cli
-
 
 
 def declaration(text: str = DATASET_YAML, **changes) -> DataConfig:

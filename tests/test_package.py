@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import tomllib
 
 from pipeline.commands.ctr import COMMANDS
 from tests.conftest import PYTHON, ROOT
@@ -89,7 +89,7 @@ def test_the_wheel_trains_predicts_and_exports_from_any_folder(installed, tmp_pa
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("predict*"))
 
 
-HELP_SHOWS = {"train": "batch_size: 4096", "plan": "ddr_cap_gb: 16", "predict": "checkpoint: ???",
+HELP_SHOWS = {"train": "batch_size: 4096", "daily": "init_from_optimizer: none", "plan": "ddr_cap_gb: 16", "predict": "checkpoint: ???",
               "export": "out: ???", "report": "experiment_name: batch_scaling", "sync": "source: ???"}
 
 

@@ -8,9 +8,11 @@ import subprocess
 import pytest
 import torch
 
-from modules.placement import GB, PlacementError, SsdSpec, TableInfo, TopologySpec, place_tables, zipf_coverage
-from pipeline.runtime.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
+from modules.placement import PlacementError, TableInfo, place_tables
+from modules.topology import GB, SsdSpec, TopologySpec
+from modules.zipf import zipf_coverage
 from pipeline.commands.plan import plan_for_config
+from pipeline.runtime.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
 from tests.conftest import PYTHON, ROOT, compose_config, subprocess_env
 
 MB = 2**20

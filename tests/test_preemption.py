@@ -9,7 +9,7 @@ import subprocess
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
 
-from pipeline.checkpoint.checkpointing import complete_checkpoints
+from pipeline.checkpoint.discovery import complete_checkpoints
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 

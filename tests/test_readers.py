@@ -11,7 +11,7 @@ import pytest
 from pipeline.data.dataset import builtin_layout
 from pipeline.data.preprocess import preprocess
 from pipeline.data.preprocess_config import PreprocessConfig, SplitConfig
-from pipeline.data.reader import BadInputError
+from pipeline.runtime.errors import BadInputError
 from tests.conftest import shared_file
 
 CRITEO = builtin_layout("criteo")

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from modules.placement import GB, PlacementError, SsdSpec, TableInfo, TopologySpec, place_tables
+from modules.placement import PlacementError, TableInfo, place_tables
+from modules.topology import GB, SsdSpec, TopologySpec
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 ALL_ON_SSD = "topology.ddr_cap_gb=1e-12"  # a host budget below one row: every table goes to the ssd tier
@@ -46,7 +47,7 @@ def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_h
 
 
 def _tables_of(model_folder: Path) -> dict[str, torch.Tensor]:
-    from pipeline.serving.model_folder import read_weights
+    from pipeline.serving.weights import read_weights
 
     return read_weights(model_folder)
 

@@ -78,7 +78,7 @@ def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, t
 
 def test_resumed_run_id_missing_from_the_store_starts_a_new_run(tmp_path):
     from pipeline.config import LoggerConfig
-    from pipeline.commands.train import make_logger
+    from pipeline.tracking.store import make_logger
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = LoggerConfig(tracking_uri=uri, experiment_name="resume")

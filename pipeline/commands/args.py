@@ -1,8 +1,8 @@
 """How the commands end on a user error: one clean line naming the cause, a hint, exit status 2.
 
-User errors are a bad config value, a bad input file, a checkpoint that does not fit or is damaged,
-tables that cannot be placed, a full disk, an unreachable tracking server, a missing file. Anything
-else is a bug and keeps its traceback; ``HYDRA_FULL_ERROR=1`` shows the traceback of user errors too.
+User errors are the classes of :mod:`pipeline.runtime.errors` (each with its hint), tables that cannot
+be placed (:class:`modules.placement.PlacementError`) and a missing file. Anything else is a bug and
+keeps its traceback; ``HYDRA_FULL_ERROR=1`` shows the traceback of user errors too.
 """
 
 from __future__ import annotations
@@ -14,26 +14,12 @@ from typing import Callable, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from modules.placement import PlacementError
-from pipeline.checkpoint.checkpointing import CheckpointMismatchError, CorruptCheckpointError
-from pipeline.config import ConfigError, to_typed
-from pipeline.data.reader import BadInputError
-from pipeline.runtime.errors import DiskFullError, TrackingUnavailableError
-from pipeline.serving.model_folder import BundleError
+from pipeline.config import to_typed
+from pipeline.runtime.errors import UserError
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
-HINTS: dict[type, str] = {
-    ConfigError: "check that key on the command line or in conf/ (`--cfg job` prints the composed config)",
-    BadInputError: "fix the file, or drop and count such rows with data.preprocess.bad_rows=skip",
-    CheckpointMismatchError: "resume with the settings the checkpoint was written with, or start a fresh "
-                             "trainer.checkpoint.dir",
-    CorruptCheckpointError: "resume from an earlier checkpoint (trainer.resume=auto skips damaged ones)",
-    PlacementError: "see the plan with ctr plan",
-    DiskFullError: "free space there, or point that path elsewhere",
-    TrackingUnavailableError: "start the server, or log to a local store with logger.on_unavailable=local",
-    BundleError: "export the model again (ctr export), or use the run's <output>/model folder",
-    FileNotFoundError: "check the path",
-}
+USER_ERRORS = (UserError, PlacementError, FileNotFoundError)
 
 
 def command_args(cfg: DictConfig, schema: type[T]) -> T:
@@ -52,9 +38,9 @@ def exit_on_user_error(fn: Callable[[], T]) -> T:
     """``fn()``; a user error ends the process with its message on one line, a hint, and status 2."""
     try:
         return fn()
-    except tuple(HINTS) as e:
+    except USER_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        hint = next(h for cls, h in HINTS.items() if isinstance(e, cls))
+        hint = getattr(e, "hint", "") or "check the path"
         print(f"Error ({type(e).__name__}): {user_error_message(e)}\nHint: {hint}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)

@@ -2,7 +2,7 @@
 
 Every command takes Hydra overrides (``key=value``, ``group=option``) composed onto its typed config
 from the installed ``ctr_conf`` package, and ``ctr <command> --help`` lists its keys with their
-defaults. ``python -m pipeline.<module>`` runs the same code.
+defaults. ``python -m pipeline.commands.<command>`` runs the same code.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 
 COMMANDS = {  # command → (module with cli(), what it does)
     "train": ("pipeline.commands.train", "train and test a model (groups: data, model, optim, scaling, topology, trainer, ...)"),
+    "daily": ("pipeline.commands.daily", "train the days of data.path in turn, each scored by the day before's model"),
     "predict": ("pipeline.commands.predict", "score raw rows with a model folder or checkpoint"),
     "export": ("pipeline.commands.export", "write a checkpoint as an unsharded model folder"),
     "plan": ("pipeline.commands.plan", "show where the embedding tables go on a topology"),

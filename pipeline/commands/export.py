@@ -1,4 +1,4 @@
-"""Export a checkpoint as a model folder (:mod:`pipeline.serving.model_folder`): unsharded weights, vocabularies,
+"""``ctr export``: a checkpoint as a model folder (:mod:`pipeline.serving.export`): unsharded weights, vocabularies,
 the model and dataset description.
 
     ctr export checkpoint=<checkpoint dir, or a run's trainer.checkpoint.dir> out=<dir>
@@ -10,16 +10,13 @@ must be on this machine. The folder is written under a temporary name and rename
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import hydra
 from omegaconf import MISSING, DictConfig
 
-from pipeline.checkpoint.checkpointing import full_model_state
 from pipeline.commands.args import command_args, exit_on_user_error
-from pipeline.serving.model_folder import checkpoint_run, write_bundle
+from pipeline.serving.export import export_checkpoint
 
 
 @dataclass
@@ -28,16 +25,6 @@ class ExportArgs:
 
     checkpoint: str = MISSING
     out: str = MISSING
-
-
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    """The model folder of ``checkpoint`` at ``out``; tables pass through files beside ``out`` (never whole
-    in memory)."""
-    run = checkpoint_run(checkpoint)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".export-tables-", dir=Path(out).parent) as scratch:
-        return write_bundle(out, full_model_state(run.path, table_dir=Path(scratch)), run.model_cfg, run.data,
-                            run.store.meta, run.store.root / "vocab")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="export")

@@ -8,21 +8,21 @@ id-frequency statistics size the caches) or a shape-only description such as ``c
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import hydra
 import torch
 from omegaconf import DictConfig
 
 from modules.embedding import FeatureSpec
 from modules.models import build_model
-from modules.placement import GB, zipf_coverage
-from modules.sharding import PlanResult, plan_model
+from modules.plan_report import format_plan
+from modules.sharding import plan_model
+from modules.zipf import zipf_coverage
 from pipeline.commands.args import exit_on_user_error
-from pipeline.config import ConfigError, parse_config
+from pipeline.config import parse_config, register_configs
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.dataset import DataConfig
 from pipeline.data.store import FIRST_VOCAB_ID
+from pipeline.runtime.errors import ConfigError
 
 
 def spec_and_coverage(data: DataConfig, cache_dir: str) -> tuple[FeatureSpec, dict[str, dict[float, int]]]:
@@ -41,48 +41,6 @@ def spec_and_coverage(data: DataConfig, cache_dir: str) -> tuple[FeatureSpec, di
     return dm.feature_spec, dm.coverage
 
 
-def memory_per_rank(result: PlanResult, world_size: int) -> dict[int, dict[str, float]]:
-    """Estimated bytes per tier on each rank (TorchRec's storage estimates of the chosen shards)."""
-    per_rank: dict[int, dict[str, float]] = defaultdict(lambda: {"hbm": 0.0, "ddr": 0.0, "ssd": 0.0})
-    best = getattr(result.planner, "_best_plan", None) if result.planner is not None else None
-    if best:
-        for option in best:
-            for shard in option.shards:
-                if shard.rank is not None and shard.storage is not None:
-                    for tier in ("hbm", "ddr", "ssd"):
-                        per_rank[shard.rank][tier] += getattr(shard.storage, tier)
-    else:  # manual plan: each table's bytes split over its ranks, on its tier
-        for module_plan in result.plan.plan.values():
-            for name, ps in module_plan.items():
-                p = result.placements[name]
-                ranks = ps.ranks or list(range(world_size))
-                tier = {"hbm": "hbm", "uvm_cache": "ddr", "ssd": "ssd", "host": "ddr"}[p.tier]
-                for r in ranks:
-                    per_rank[r][tier] += p.bytes / len(ranks)
-    return dict(sorted(per_rank.items()))
-
-
-def format_plan(result: PlanResult, optimizer: str, world_size: int, title: str = "") -> str:
-    shardings = {name: ps for mp in result.plan.plan.values() for name, ps in mp.items()}
-    lines = [title] if title else []
-    lines += ["| table | rows | dim | bytes | sharding | tier | kernel | cache load factor | ranks |",
-              "|---|---:|---:|---:|---|---|---|---:|---|"]
-    for name, p in result.placements.items():
-        ps = shardings.get(name)
-        ranks = sorted(set(ps.ranks)) if ps is not None and ps.ranks else []
-        rank_text = f"{ranks[0]}–{ranks[-1]}" if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
-            else ",".join(map(str, ranks)) or "all"
-        lf = f"{p.cache_load_factor:.3f}" if p.cache_load_factor else ""
-        lines.append(f"| {name} | {p.rows:,} | {p.dim} | {p.bytes / 2**20:,.1f} MiB | "
-                     f"{ps.sharding_type if ps else '?'} | {p.tier} | {p.kernel} | {lf} | {rank_text} |")
-    total = sum(p.bytes for p in result.placements.values())
-    lines += ["", f"total embedding bytes (weights + {optimizer} state): {total / GB:,.2f} GiB", "",
-              "| rank | HBM GiB | host DDR GiB | SSD GiB |", "|---:|---:|---:|---:|"]
-    for rank, mem in memory_per_rank(result, world_size).items():
-        lines.append(f"| {rank} | {mem['hbm'] / GB:,.2f} | {mem['ddr'] / GB:,.2f} | {mem['ssd'] / GB:,.2f} |")
-    return "\n".join(lines) + "\n"
-
-
 def plan_for_config(cfg: DictConfig) -> str:
     run = parse_config(cfg)
     topology = run.topology.for_world(run.topology.world_size, run.topology.ranks_per_node or 1)
@@ -98,9 +56,14 @@ def plan_for_config(cfg: DictConfig) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
-def cli(cfg: DictConfig) -> None:
-    """``ctr plan`` / ``python -m pipeline.commands.plan``."""
+def main(cfg: DictConfig) -> None:
     print(exit_on_user_error(lambda: plan_for_config(cfg)))
+
+
+def cli() -> None:
+    """``ctr plan`` / ``python -m pipeline.commands.plan``."""
+    register_configs()
+    main()
 
 
 if __name__ == "__main__":

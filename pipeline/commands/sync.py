@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import hydra
-
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient

@@ -12,7 +12,8 @@ from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpe
 from pipeline.data.batches import BatchLoader
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import prepare_store, store_dir
-from pipeline.data.store import ColumnarStore
+from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore
+from pipeline.data.vocab_files import read_vocabulary
 
 
 class CTRDataModule(L.LightningDataModule):
@@ -50,17 +51,14 @@ class CTRDataModule(L.LightningDataModule):
     def row_buckets(self) -> RowBuckets:
         """Each embedding row's id-frequency bucket from the vocabulary counts (:func:`modules.cowclip.frequency_bucket`;
         the OOV and missing rows, and every row of a hashed table, are "unknown")."""
-        import pyarrow.parquet as pq
-
         assert self.store is not None, "setup() first"
         spec = self.feature_spec
         counts: dict[str, torch.Tensor] = {}
         for table, rows in spec.table_sizes.items():
             c = torch.full((rows,), -1, dtype=torch.int64)
-            path = self.store.root / "vocab" / f"{table}.parquet"
-            if path.is_file():
-                known = torch.from_numpy(pq.read_table(path, columns=["count"]).column("count").to_numpy().astype("int64"))
-                c[2:2 + len(known)] = known  # ids 0 and 1: OOV and missing
+            vocab = read_vocabulary(self.store.root, table, columns=("count",))
+            if vocab is not None:  # ids below FIRST_VOCAB_ID: OOV and missing
+                c[FIRST_VOCAB_ID:FIRST_VOCAB_ID + len(vocab.counts)] = torch.from_numpy(vocab.counts)
             counts[table] = c
         tables = {EMB_PREFIX + t: frequency_bucket(c) for t, c in counts.items()}
         for name, features in ((WIDE_TABLE, spec.bag_features), (WIDE_SEQ_TABLE, spec.seq_features)):

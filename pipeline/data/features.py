@@ -22,7 +22,7 @@ import pyarrow.types as pat
 
 from pipeline.data.dataset import DataConfig, FeatureDecl
 from pipeline.data.derive import BadValue, derive
-from pipeline.data.reader import BadInputError
+from pipeline.runtime.errors import BadInputError
 
 Where = Callable[[int], str]  # row of the block → "file:line"
 

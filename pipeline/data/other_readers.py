@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 import pyarrow.types as pat
 from tqdm import tqdm
 
-from pipeline.data.reader import INT_PATTERN, BadInputError, RawReader
+from pipeline.data.reader import INT_PATTERN, RawReader
+from pipeline.runtime.errors import BadInputError
 
 
 def _labels(where, label: pa.Array, name: str) -> pa.Array:

@@ -30,14 +30,12 @@ import pyarrow.csv as pacsv
 from tqdm import tqdm
 
 from pipeline.data.dataset import DataConfig
+from pipeline.data.raw_files import first_fields, open_lines
+from pipeline.runtime.errors import BadInputError
 
 POLICIES = ("error", "skip")
 INT_PATTERN = r"^[+-]?[0-9]+$"
 NUMBER_PATTERN = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$"
-
-
-class BadInputError(ValueError):
-    """A raw file that does not match its declared layout."""
 
 
 @dataclass
@@ -53,15 +51,6 @@ class SkipCounts:
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("wrong_column_count", "not_a_number", "not_utf8", "label_not_0_1")}
-
-
-def open_lines(path: Path):
-    """Binary file object of a raw file, decompressing ``.gz``."""
-    if str(path).endswith(".gz"):
-        import gzip
-
-        return gzip.open(path, "rb")
-    return open(path, "rb")
 
 
 def _newlines(chunk: memoryview) -> int:
@@ -196,9 +185,7 @@ class RawReader:
                 filled = rest
 
     def _header(self, path: Path) -> list[str]:
-        with open_lines(path) as fh:
-            first = fh.readline().rstrip(b"\r\n").decode("utf-8", "backslashreplace")
-        names = [n.strip('"') for n in first.split(self.data.delimiter)]
+        names = first_fields(path, self.data.delimiter)
         missing = [c for c in self.data.read_columns if c not in names]
         if missing:
             raise BadInputError(f"{path}:1: the header lacks column{'s' * (len(missing) > 1)} "

@@ -1,6 +1,12 @@
-"""Errors of the machine a run is on: a full disk, an unreachable tracking server. Like the other user
-errors (``ConfigError``, ``BadInputError``, ``CheckpointMismatchError``, ...) the command line reports
-them as one clean line and exit status 2 (:mod:`pipeline.commands.args`)."""
+"""User errors: every error a user can fix, each with its hint.
+
+A bad config value, a bad input file, a checkpoint that does not fit or is damaged, a model folder
+that cannot be read, a full disk, an unreachable tracking server. The commands report each as one
+clean line, its ``hint`` and exit status 2 (:func:`pipeline.commands.args.exit_on_user_error`);
+anything else is a bug and keeps its traceback. Tables that cannot be placed raise
+:class:`modules.placement.PlacementError`, which carries a hint of its own (``modules`` does not
+import the pipeline).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,52 @@ from pathlib import Path
 NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
-class DiskFullError(OSError):
+class UserError(Exception):
+    """An error the user can fix; ``hint`` says how."""
+
+    hint = ""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value that cannot work; the message starts with the full key."""
+
+    hint = "check that key on the command line or in conf/ (`--cfg job` prints the composed config)"
+
+
+class BadInputError(UserError, ValueError):
+    """A raw file that does not match its declared layout."""
+
+    hint = "fix the file, or drop and count such rows with data.preprocess.bad_rows=skip"
+
+
+class CheckpointMismatchError(UserError, ValueError):
+    """A checkpoint written for another model, table layout or world size."""
+
+    hint = "resume with the settings the checkpoint was written with, or start a fresh trainer.checkpoint.dir"
+
+
+class CorruptCheckpointError(UserError, ValueError):
+    """A checkpoint whose files no longer match its manifest (truncated, changed or missing)."""
+
+    hint = "resume from an earlier checkpoint (trainer.resume=auto skips damaged ones)"
+
+
+class BundleError(UserError, ValueError):
+    """A model folder (or checkpoint to score) that cannot be read, or input it cannot score."""
+
+    hint = "export the model again (ctr export), or use the run's <output>/model folder"
+
+
+class DiskFullError(UserError, OSError):
     """Writing ran out of space (or hit a file-size limit); names the path and the bytes needed."""
 
+    hint = "free space there, or point that path elsewhere"
 
-class TrackingUnavailableError(RuntimeError):
+
+class TrackingUnavailableError(UserError, RuntimeError):
     """The MLflow tracking server did not answer at the start of a run."""
+
+    hint = "start the server, or log to a local store with logger.on_unavailable=local"
 
 
 def _size(n: int | None) -> str:

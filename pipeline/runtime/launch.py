@@ -1,10 +1,13 @@
-"""Where a process stands in a launch: its world from torchrun's variables, and a free local port for
-starting a rendezvous or a server on 127.0.0.1 (tests, benchmarks)."""
+"""Where a process stands in a launch — its world from torchrun's (or SLURM's) variables before the
+process group exists, its rank in the group after — and a free local port for starting a rendezvous
+or a server on 127.0.0.1 (tests, benchmarks). The one place that answers "which rank am I"."""
 
 from __future__ import annotations
 
 import os
 import socket
+
+import torch.distributed as dist
 
 
 def world_from_env() -> tuple[int, int]:
@@ -20,6 +23,22 @@ def world_from_env() -> tuple[int, int]:
 
 def global_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def group_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def group_size() -> int:
+    """The default process group's size (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank of the default process group (nothing without one)."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def free_port() -> int:

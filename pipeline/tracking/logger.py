@@ -1,6 +1,6 @@
 """MLflow tracking that a tracking server cannot stop: fail fast at the start, never block training.
 
-* **At the start** (:func:`probe`): an ``http(s)`` tracking URI must answer ``GET /health`` within
+* **At the start** (:func:`pipeline.tracking.store.probe`): an ``http(s)`` tracking URI must answer ``GET /health`` within
   ``logger.connect_timeout_s`` (default 5 s), before any data work; otherwise the run stops with
   :class:`pipeline.runtime.errors.TrackingUnavailableError` naming ``logger.tracking_uri`` — or, with
   ``logger.on_unavailable=local``, logs to a local store in the run's output folder and says so.
@@ -13,69 +13,23 @@
   MLflow store, run tagged with the original run id), and the command prints how to replay them:
   ``ctr sync source=<that store> target=<tracking uri>``.
 
-Each HTTP request of the MLflow client is bounded too (``MLFLOW_HTTP_REQUEST_TIMEOUT`` 10 s, one
-retry; set the variables to override), so an unanswered call costs seconds, not minutes.
+Each HTTP request of the MLflow client is bounded too (:func:`pipeline.tracking.store.bound_http_requests`).
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
 from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 
 FALLBACK_DB = "mlflow_fallback.db"
 ORIGINAL_RUN_TAG = "ctr.original_run_id"
 ORIGINAL_URI_TAG = "ctr.original_tracking_uri"
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1"}
-
-
-def is_remote(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
-
-
-def create_local_store(uri: str) -> None:
-    """Create a ``sqlite:///`` store's schema under a file lock beside it: runs started together on a
-    fresh store would otherwise each create the tables, and all but one fail ("duplicate column")."""
-    if not uri.startswith("sqlite:///"):
-        return
-    path = Path(uri[len("sqlite:///"):])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        MlflowClient(uri).search_experiments(max_results=1)
-
-
-def probe(uri: str, timeout_s: float) -> str | None:
-    """None if the tracking store at ``uri`` answers (local stores always do); else what was tried."""
-    if not is_remote(uri):
-        return None
-    url = uri.rstrip("/") + "/health"
-    deadline = time.monotonic() + timeout_s
-    tries, last = 0, ""
-    while True:
-        tries += 1
-        try:
-            with urllib.request.urlopen(url, timeout=max(0.5, min(3.0, deadline - time.monotonic()))) as r:
-                if r.status == 200:
-                    return None
-                last = f"HTTP {r.status}"
-        except urllib.error.HTTPError as e:
-            if e.code in (401, 403):  # a server that wants credentials: MLflow's client brings them
-                return None
-            last = f"HTTP {e.code}"
-        except OSError as e:
-            last = str(getattr(e, "reason", None) or e)
-        if time.monotonic() + 1.0 > deadline:
-            return f"GET {url} failed {tries} time(s) in {timeout_s:g} s (last: {last})"
-        time.sleep(1.0)
 
 
 Call = tuple[str, tuple, dict]
@@ -175,6 +129,10 @@ class TrackedMLflowLogger(MLFlowLogger):
         self._retry_max_s = retry_max_s
         self._status = "FINISHED"
 
+    @property
+    def tracking_uri(self) -> str:
+        return self._tracking_uri
+
     def start(self) -> str:
         """Create (or find) the run now, synchronously, then queue every later call; returns the run id."""
         _ = self.experiment
@@ -203,9 +161,3 @@ class TrackedMLflowLogger(MLFlowLogger):
                 f"logger.flush_timeout_s={timeout_s:g} (last error: {client.last_error}); they are kept in "
                 f"{local_uri} (run {local_run}).",
                 f"Replay them later: ctr sync source={local_uri} target={self._tracking_uri}"]
-
-
-def bound_http_requests() -> None:
-    """Seconds, not minutes, per unanswered MLflow request (unless the user set these variables)."""
-    for key, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(key, value)

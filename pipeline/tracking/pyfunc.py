@@ -20,10 +20,12 @@ from typing import Any
 import mlflow
 import pandas as pd
 
-from pipeline.serving.model_folder import Scorer
+import modules
+import pipeline
+from pipeline.serving.scorer import Scorer
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[1]
+CODE = [Path(package.__file__).resolve().parent for package in (pipeline, modules)]  # the model's code_paths
 REQUIREMENTS = ("torch", "torchrec", "fbgemm-gpu", "fbgemm_gpu-cpu", "numpy", "pandas", "pyarrow", "omegaconf",
                 "tqdm", "mlflow")
 
@@ -56,7 +58,7 @@ def save_pyfunc(bundle: Path, example: pd.DataFrame, out: Path) -> Path:
     signature = mlflow.models.infer_signature(example, output)
     shutil.rmtree(out, ignore_errors=True)
     mlflow.pyfunc.save_model(str(out), python_model=CTRModel(), artifacts={"bundle": str(bundle)},
-                             code_paths=[str(ROOT / "pipeline"), str(ROOT / "modules")], signature=signature,
+                             code_paths=[str(p) for p in CODE], signature=signature,
                              input_example=example, pip_requirements=pinned_requirements())
     return out
 

@@ -4,9 +4,9 @@ Registered as a Hydra callback (``hydra.callbacks.mlflow_sweep`` in ``conf/confi
 
 * ``on_multirun_start`` (the launching process): creates the parent run in ``logger.experiment_name``
   with the sweep's overrides, its search space (``hydra.sweeper.params``) and launcher as parameters,
-  and puts its id into the environment (``CTR_MLFLOW_PARENT_RUN``) that the jobs inherit — in this
-  process (basic launcher) or in the worker processes started after it (joblib, submitit);
-* each job's run is created with the tag ``mlflow.parentRunId`` (:func:`parent_tags`);
+  and writes its id to ``<hydra.sweep.dir>/mlflow_parent_run_id``, where every job finds it — in this
+  process (basic launcher) or in worker processes (joblib, submitit);
+* each job's run is created with the tag ``mlflow.parentRunId`` (:func:`sweep_job_tags`);
 * a job that fails does not stop the sweep: :func:`pipeline.commands.train.main` records the error on the
   parent as ``failed.<job number>`` = overrides and error (:func:`record_failure`) and returns NaN,
   which the Optuna sweeper counts as a failed trial; ``on_job_end`` records jobs that Hydra itself
@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from mlflow.entities import Param
@@ -32,25 +30,44 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.runtime.hydra_job import hydra_config, in_sweep
+
 log = logging.getLogger(__name__)
-PARENT_ENV = "CTR_MLFLOW_PARENT_RUN"
+PARENT_FILE = "mlflow_parent_run_id"
 PARENT_TAG = "mlflow.parentRunId"
 
 
-def parent_tags() -> dict[str, str]:
-    """Tags that make a job's run a child of the running sweep's parent run (none outside a sweep)."""
-    parent = os.environ.get(PARENT_ENV)
-    return {PARENT_TAG: parent} if parent else {}
+def _parent_file(sweep_dir: str) -> Path:
+    return Path(sweep_dir) / PARENT_FILE
+
+
+def parent_run_id() -> str | None:
+    """The running sweep's parent run (None outside a sweep, or a sweep without the callback)."""
+    hydra_cfg = hydra_config()
+    if not in_sweep():
+        return None
+    path = _parent_file(hydra_cfg.sweep.dir)
+    return path.read_text().strip() if path.is_file() else None
+
+
+def sweep_job_tags() -> dict[str, str]:
+    """In a multirun: the parent run's tag, the job's overrides and a run name saying which job it is."""
+    if not in_sweep():
+        return {}
+    hydra_cfg = hydra_config()
+    parent = parent_run_id()
+    return {**({PARENT_TAG: parent} if parent else {}), "ctr.overrides": " ".join(hydra_cfg.overrides.task),
+            "mlflow.runName": f"job {hydra_cfg.job.num}"}
 
 
 def record_failure(config: DictConfig, why: str) -> None:
     """Write ``failed.<job number>`` = the job's overrides and ``why`` on the sweep's parent run (called in
     the job's process, where Hydra's config says which job it is)."""
-    parent = os.environ.get(PARENT_ENV)
-    if parent is None or not HydraConfig.initialized():
+    parent = parent_run_id()
+    if parent is None:
         return
-    job = HydraConfig.get().job
-    overrides = " ".join(HydraConfig.get().overrides.task)
+    job = hydra_config().job
+    overrides = " ".join(hydra_config().overrides.task)
     try:
         MlflowClient(config.logger.tracking_uri).set_tag(parent, f"failed.{job.num}", f"{overrides}: {why}"[:5000])
     except MlflowException as e:  # the record is lost, not the sweep
@@ -96,9 +113,8 @@ class MlflowSweep(Callback):
         space = OmegaConf.to_container(searched, resolve=False) if searched else {}
         params.update({f"space/{k}": str(v) for k, v in space.items()})
         client.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in params.items()])
-        os.environ[PARENT_ENV] = run.info.run_id
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        (sweep_dir / "mlflow_parent_run_id").write_text(run.info.run_id + "\n")
+        _parent_file(str(sweep_dir)).write_text(run.info.run_id + "\n")
         print(f"MLflow: sweep parent run {run.info.run_id} in experiment '{config.logger.experiment_name}'", flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
@@ -107,9 +123,10 @@ class MlflowSweep(Callback):
             record_failure(config, f"{type(error).__name__}: {error}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        parent = os.environ.pop(PARENT_ENV, None)
-        if parent is None:
+        path = _parent_file(config.hydra.sweep.dir)
+        if not path.is_file():
             return
+        parent = path.read_text().strip()
         client = MlflowClient(config.logger.tracking_uri)
         rows = child_rows(client, parent)
         out = Path(config.hydra.sweep.dir) / "sweep_summary.md"

@@ -1,14 +1,14 @@
 """Keeping a model fresh day after day: train day N from day N−1's model, scoring day N with that model
 before training on it (the "next-day AUC" production teams track).
 
-    ctr train +experiment=daily 'data.path=[day_0.csv,day_1.csv,day_2.csv]'
+    ctr daily 'data.path=[day_0.csv,day_1.csv,day_2.csv]'
 
 Day N is one ordinary run (its own MLflow run, named ``day N``; its folder ``<output>/day_N``) with
 ``data.path=<day N>``, ``trainer.init_from`` and ``data.preprocess.base_vocabulary`` set to day N−1's
 model folder: known values keep their ids and rows, new ones are appended (:mod:`pipeline.training.init_from`);
 with ``trainer.init_from_optimizer`` each day also writes checkpoints, and the next day starts from the
 newest one, carrying its optimizer state.
-Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.commands.predict`); that AUC is
+Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.serving.prediction`); that AUC is
 logged to day N−1's run as ``next_day/auc`` (and ``next_day/logloss``). At the end a plot of next-day
 AUC over the days (``next_day_auc.png``) and its table go to the output folder and to the last day's
 run. One process (each day's run may not be under ``torchrun`` here; start a day from the previous
@@ -20,15 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
-
-from pipeline.config import ConfigError, parse_config  # noqa: E402
-from pipeline.training.result import RunResult  # noqa: E402
+from pipeline.checkpoint.discovery import newest_intact_checkpoint
+from pipeline.config import parse_config
+from pipeline.runtime.errors import ConfigError
+from pipeline.serving.prediction import PredictArgs
+from pipeline.serving.prediction import run as predict
+from pipeline.training.result import RunResult
+from pipeline.training.run import train
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Day:
 def days_of(cfg: DictConfig) -> list[str]:
     paths = cfg.data.path
     if not OmegaConf.is_list(paths) or len(paths) < 2:
-        raise ConfigError("data.path: +experiment=daily needs a list of at least two day files, in order: "
+        raise ConfigError("data.path: ctr daily needs a list of at least two day files, in order: "
                           "'data.path=[day_0.csv,day_1.csv]'")
     return [str(p) for p in paths]
 
@@ -54,7 +55,6 @@ def _day_config(cfg: DictConfig, file: str, index: int, folder: Path, start: Pat
     day = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     with open_dict(day):
         day.data.path = file
-        day.trainer.daily = False
         day.logger.log_model = True  # the next day starts from it
         day.logger.run_name = f"day {index}"
         if cfg.trainer.init_from_optimizer != "none":  # the next day needs a checkpoint (a model folder holds weights)
@@ -69,8 +69,6 @@ def _day_config(cfg: DictConfig, file: str, index: int, folder: Path, start: Pat
 
 def _next_start(cfg: DictConfig, folder: Path) -> Path:
     """What the day after the one trained in ``folder`` starts from."""
-    from pipeline.checkpoint.checkpointing import newest_intact_checkpoint
-
     if cfg.trainer.init_from_optimizer == "none":
         return folder / "model"
     found = newest_intact_checkpoint(folder / "checkpoints")
@@ -81,13 +79,16 @@ def _next_start(cfg: DictConfig, folder: Path) -> Path:
 
 
 def _score(model: Path, file: str, out: Path) -> tuple[float | None, float | None]:
-    from pipeline.commands.predict import PredictArgs, run as predict
-
     result = predict(PredictArgs(checkpoint=str(model), input=file, output=str(out)))
     return result.auc, result.logloss
 
 
 def plot(days: list[Day], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     scored = [(i, d) for i, d in enumerate(days) if d.next_day_auc is not None]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([i + 1 for i, _ in scored], [d.next_day_auc for _, d in scored], marker="o")
@@ -103,12 +104,10 @@ def plot(days: list[Day], out: Path) -> Path:
 
 def run_daily(cfg: DictConfig, output_dir: Path) -> list[Day]:
     """Train the days in order (module docstring); returns each day's result and next-day scores."""
-    from pipeline.commands.train import run
-
     files = days_of(cfg)
-    parse_config(cfg)  # every other key checked once, before the first day
-    days: list[Day] = []
     previous: Path | None = Path(cfg.trainer.init_from) if cfg.trainer.init_from else None  # a model folder
+    parse_config(_day_config(cfg, files[0], 0, output_dir / "day_0", previous, previous))  # every key, once
+    days: list[Day] = []
     start = previous
     client = MlflowClient(cfg.logger.tracking_uri)
     for index, file in enumerate(files):
@@ -120,7 +119,7 @@ def run_daily(cfg: DictConfig, output_dir: Path) -> list[Day]:
                 client.log_metric(days[-1].result.mlflow_run_id, "next_day/auc", auc, step=index)
                 client.log_metric(days[-1].result.mlflow_run_id, "next_day/logloss", logloss, step=index)
             print(f"day {index - 1}'s model on day {index} ({file}): AUC {auc:.6f}, logloss {logloss:.6f}", flush=True)
-        result = run(_day_config(cfg, file, index, folder, start, previous), folder)
+        result = train(_day_config(cfg, file, index, folder, start, previous), folder)
         days.append(Day(file, result))
         previous, start = folder / "model", _next_start(cfg, folder)
     table = ["| day | file | test AUC (own split) | next-day AUC |", "|---:|---|---:|---:|"]

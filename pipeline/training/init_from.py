@@ -1,6 +1,6 @@
 """Starting a run from an earlier model's weights (``trainer.init_from``), with tables that may have grown.
 
-The source is a model folder (a run's ``<output>/model``, :mod:`pipeline.commands.export`'s) or a checkpoint
+The source is a model folder (a run's ``<output>/model``, ``ctr export``'s) or a checkpoint
 directory, written by any number of processes; the new run may have any world size (each rank fills
 the rows of its own shards). Every dense parameter and buffer is copied as it is. An embedding table
 whose vocabulary grew (``data.preprocess.base_vocabulary``: the earlier ids are kept) keeps the rows
@@ -18,7 +18,6 @@ the schedule are always the new run's own.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,27 +27,25 @@ import torch
 from torch import nn
 
 from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, is_table_parameter, wide_row_offsets
+from pipeline.checkpoint.full_state import full_model_state
+from pipeline.data.store import FIRST_VOCAB_ID
+from pipeline.data.vocab_files import read_vocabulary
+from pipeline.runtime.errors import BundleError, ConfigError
 from pipeline.serving import table_files
-from pipeline.config import ConfigError
-from pipeline.serving.model_folder import BundleError, checkpoint_run, is_bundle, read_weights
+from pipeline.serving.source import is_model_folder, model_source
+from pipeline.serving.weights import read_weights
 
 
 def source_weights(path: str | Path, table_dir: Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
     """(full state dict, feature spec) of a model folder or checkpoint; tables mapped from files (a
     checkpoint's are read into ``table_dir``)."""
-    from pipeline.checkpoint.checkpointing import full_model_state
-
-    path = Path(path)
-    if is_bundle(path):
-        description = json.loads((path / "model.json").read_text())
-        return read_weights(path), FeatureSpec.from_store_meta(description["store"])
-    run = checkpoint_run(path)
-    return full_model_state(run.path, table_dir=table_dir), FeatureSpec.from_store_meta(run.store.meta)
+    source = model_source(path)
+    return read_weights(source, table_dir), FeatureSpec.from_store_meta(source.store_meta)
 
 
 def check_optimizer_source(path: str | None, parts: str) -> None:
     """Refuse, before anything runs, to carry optimizer state from a model folder (it holds weights only)."""
-    if path and parts != "none" and is_bundle(path):
+    if path and parts != "none" and is_model_folder(path):
         raise ConfigError(f"trainer.init_from_optimizer={parts}: {path} is a model folder, which holds weights only; "
                           f"set trainer.init_from to a checkpoint directory (the earlier run's trainer.checkpoint.dir)")
 
@@ -56,11 +53,9 @@ def check_optimizer_source(path: str | None, parts: str) -> None:
 def source_optimizer_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], FeatureSpec]:
     """(fused embedding-optimizer state ``{"<parameter>/<state>": full tensor}``, rank 0's optimizer
     state ``{"[<member>/]state/<i>/<name>": tensor}``, feature spec) of a checkpoint."""
-    from pipeline.checkpoint.checkpointing import full_model_state
-
-    run = checkpoint_run(path)
-    return (full_model_state(run.path, "fused_optimizer/"), full_model_state(run.path, "rank0/optimizer_states/0/"),
-            FeatureSpec.from_store_meta(run.store.meta))
+    source = model_source(path)
+    return (full_model_state(source.path, "fused_optimizer/"),
+            full_model_state(source.path, "rank0/optimizer_states/0/"), FeatureSpec.from_store_meta(source.store_meta))
 
 
 def lineage_tags(path: str | None) -> dict[str, str]:
@@ -69,12 +64,7 @@ def lineage_tags(path: str | None) -> dict[str, str]:
         return {}
     tags = {"ctr.init_from": str(Path(path).resolve())}
     try:
-        if is_bundle(path):
-            run_id = json.loads((Path(path) / "model.json").read_text()).get("mlflow_run_id")
-        else:
-            from pipeline.checkpoint.checkpointing import checked_checkpoint, read_rank0_state
-
-            run_id = read_rank0_state(checked_checkpoint(path))["pipeline"].get("mlflow_run_id")
+        run_id = model_source(path).mlflow_run_id
     except (OSError, ValueError, KeyError):
         run_id = None  # the run itself reports an unreadable source, with its path
     return {**tags, **({"ctr.parent_run_id": run_id} if run_id else {})}
@@ -94,21 +84,20 @@ def _segments(spec: FeatureSpec, name: str) -> dict[str, tuple[int, int]]:
 def reused_positions(vocab_dir: Path, day: int) -> dict[str, np.ndarray]:
     """Per table, the vocabulary positions a new value took this ``day`` in place of an evicted one
     (:mod:`pipeline.data.vocab_growth`): their rows start afresh."""
-    import pyarrow.parquet as pq
-
     out = {}
     if day <= 0:
         return out
     for path in sorted(Path(vocab_dir).glob("*.parquet")):
-        if "since" in pq.read_schema(path).names:
-            out[path.stem] = np.flatnonzero(pq.read_table(path, columns=["since"]).column("since").to_numpy() == day)
+        vocab = read_vocabulary(Path(vocab_dir).parent, path.stem, columns=("since",))
+        if vocab is not None:
+            out[path.stem] = np.flatnonzero(vocab.since == day)
     return out
 
 
 def row_sources(name: str, old: FeatureSpec, new: FeatureSpec, rows: int,
                 reused: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """For each row of the new parameter ``name``, the row of the old one it continues (-1: a new row, or a
-    row whose id now names another value: ``reused`` vocabulary positions, id = position + 2)."""
+    row whose id now names another value: ``reused`` vocabulary positions, id = position + FIRST_VOCAB_ID)."""
     source = np.full(rows, -1, dtype=np.int64)
     old_segments = _segments(old, name)
     for table, (start, n) in _segments(new, name).items():
@@ -120,7 +109,7 @@ def row_sources(name: str, old: FeatureSpec, new: FeatureSpec, rows: int,
                                   f"default) or =<its model folder or store>")
             source[start:start + old_n] = np.arange(old_start, old_start + old_n)
             if reused and table in reused:
-                source[start + 2 + reused[table]] = -1
+                source[start + FIRST_VOCAB_ID + reused[table]] = -1
     return source
 
 

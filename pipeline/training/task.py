@@ -19,17 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
-from modules.embedding_l2 import DecayRule
 from modules.embedding import is_table_parameter
+from modules.embedding_l2 import DecayRule
 from modules.models import build_model
 from modules.optimizers import OptimizerChain, build_optimizer, replicated_parameters
-from modules.placement import TopologySpec
 from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
+from modules.topology import TopologySpec
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
-from pipeline.training.init_from import carry_optimizer_state, initialize_from, reused_positions
 from pipeline.runtime import heap
+from pipeline.training.init_from import carry_optimizer_state, initialize_from, reused_positions
 from pipeline.training.metrics import CTRMetrics
 from pipeline.training.nonfinite import NonFiniteGuard
 
@@ -99,7 +99,8 @@ class CTRTask(L.LightningModule):
 
     # -- steps -----------------------------------------------------------------------------------
     def on_train_batch_start(self, batch: CTRBatch, batch_idx: int) -> None:
-        self.cowclip.begin_step(self.global_step, self.embedding_optim.lr * self.lr_factor)
+        if self.cowclip.every_row_l2 is not None:
+            self.cowclip.every_row_l2.begin_step(self.global_step, self.embedding_optim.lr * self.lr_factor)
 
     def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
         self.data_position = (self.current_epoch, batch_idx + 1)
@@ -115,7 +116,8 @@ class CTRTask(L.LightningModule):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Closure (forward + backward), then the dense step — skipped for non-finite values."""
         optimizer_closure()
-        self.cowclip.after_backward()  # the every-row L2 term of data-parallel tables (embedding_l2_scope=all)
+        if self.cowclip.every_row_l2 is not None:  # on data-parallel tables (embedding_l2_scope=all)
+            self.cowclip.every_row_l2.after_backward()
         if not self._skip_step:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
             self._skip_step = self.nonfinite.bad_gradients(grads, f"step {self.global_step} (epoch {epoch}, "
@@ -148,14 +150,18 @@ class CTRTask(L.LightningModule):
 
     # the every-row L2 term of fused tables is applied lazily: bring every row up to date before the tables
     # are read (evaluation), saved (checkpoint: the state dict holds views of the tables) or handed on
+    def _flush_l2(self) -> None:
+        if self.cowclip.every_row_l2 is not None:
+            self.cowclip.every_row_l2.flush()
+
     def on_validation_start(self) -> None:
-        self.cowclip.flush()
+        self._flush_l2()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.cowclip.flush()
+        self._flush_l2()
 
     def on_train_end(self) -> None:
-        self.cowclip.flush()
+        self._flush_l2()
 
     def on_validation_model_train(self) -> None:
         """Back to training mode after validation, every module: Lightning's default restores the modes it

@@ -5,7 +5,7 @@ some time before SIGKILL. While a run is under :class:`SignalGuard`, each signal
 ``trainer.preemption.signals`` is handled the same way:
 
 1. the handler only records the signal and its time (nothing else runs inside a signal handler);
-2. after every training step the ranks agree on whether any of them got one (an all-reduce of one
+2. after every training step (:class:`pipeline.training.callbacks.stop_on_signal.StopOnSignal`) the ranks agree on whether any of them got one (an all-reduce of one
    number), so all stop after the same step;
 3. the run writes a checkpoint when ``trainer.checkpoint.dir`` is set (``trainer.resume=auto`` then
    continues exactly), skips the test, marks the MLflow run KILLED and flushes its logging;
@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, List
 
-import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+
+from pipeline.runtime.launch import group_rank
 
 
 @dataclass
@@ -128,7 +128,7 @@ class Preempted(SystemExit):
     def __init__(self, guard: SignalGuard, step: int, checkpoint_dir: str | None) -> None:
         super().__init__(guard.exit_status)
         self.guard = guard
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if group_rank() == 0:
             requeued = guard.requeue()
             where = (f"checkpoint in {checkpoint_dir} (continue: trainer.resume=auto)" if checkpoint_dir
                      else "no checkpoint (trainer.checkpoint.dir is not set)")
@@ -136,23 +136,3 @@ class Preempted(SystemExit):
                   f"{guard.seconds_since_signal():.1f} s after the signal; {where}; MLflow run marked KILLED; "
                   f"exit status {guard.exit_status}{' (SLURM job requeued)' if requeued else ''}",
                   file=sys.stderr, flush=True)
-
-
-class StopOnSignal(Callback):
-    """After each training step: if any rank got a preemption signal, checkpoint (``save``) and stop."""
-
-    def __init__(self, guard: SignalGuard, save: Any = None) -> None:
-        self.guard, self.save = guard, save
-        self.stopped_at_step: int | None = None
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.guard.install()  # over the handler Lightning installed at the start of fit
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if self.stopped_at_step is None and self.guard.agreed():
-            self.guard.signum = self.guard.signum or signal.SIGTERM  # a rank that got none stops as its peers
-            if self.save is not None:
-                self.save(trainer)
-            self.stopped_at_step = trainer.global_step
-            trainer.should_stop = True

@@ -1,0 +1,51 @@
+"""A checkpoint's tensors whole, in one process, whatever number of processes wrote it (DCP reads every
+shard of a table into the whole table) — for export, init-from and scoring a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from modules.embedding import is_table_parameter
+from modules.file_backed import mapped_file
+from pipeline.checkpoint.safe_reader import SafeFileSystemReader
+from pipeline.checkpoint.skeleton import STATE_FILE, placeholders
+
+
+def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
+                     table_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict from a checkpoint as full tensors, in this process, whatever number of
+    processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``.
+    With ``table_dir``, embedding tables are read into files there (:func:`modules.file_backed.mapped_file`):
+    DCP reads them chunk by chunk, so no table is whole in memory."""
+    path = Path(path)
+    skeleton = json.loads((path / STATE_FILE.format(rank=0)).read_text())
+
+    def target(key: str, shape: list[int], dtype: str) -> torch.Tensor:
+        if table_dir is not None and is_table_parameter(key) and len(shape) == 2 and dtype == "float32":
+            return mapped_file(table_dir / f"{key[len(prefix):]}.f32", shape[0] * shape[1]).view(*shape)
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+
+    tensors = {p["__tensor__"]: target(p["__tensor__"], p["shape"], p["dtype"])
+               for p in placeholders(skeleton) if p["__tensor__"].startswith(prefix)}
+    with warnings.catch_warnings():  # DCP says it reads without a process group: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))
+    out = {k[len(prefix):]: v for k, v in tensors.items()}
+    return without_doubled_prefix(out) if prefix.startswith("state_dict/") else out
+
+
+def without_doubled_prefix(state: dict[str, Any], prefix: str = "model.") -> dict[str, Any]:
+    """The model's keys as ``DistributedModelParallel.load_state_dict`` takes them. TorchRec's DMP
+    ``state_dict(prefix)`` adds the prefix twice when the dense part is not in DDP (one process, k-step
+    merging): "model.<key>" there where DDP runs give "<key>" (the task's own "model." removed)."""
+    if state and all(k.startswith(prefix) for k in state):
+        return {k[len(prefix):]: v for k, v in state.items()}
+    return state
+

@@ -1,0 +1,60 @@
+"""Encoding of parsed values into what the model reads, shared by preprocessing's pass 2 and the
+serving path (:mod:`pipeline.serving.row_encoder`), so both encode a value the same way.
+
+* categorical and sequence values: their 64-bit key's position in the table's vocabulary + 2, OOV → 0,
+  missing → 1; or, hashed, ``2 + key mod buckets``;
+* numeric, per feature: ``log1p(max(x, 0))``, min-max ``(x - min) / (max - min)`` clipped to [0, 1], or
+  none; missing → 0.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID
+from pipeline.data.vocab_growth import VocabIndex
+
+
+def transform_dense(x: np.ndarray, transforms: Sequence[str], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """[n, d] raw float32 values (NaN = missing) → float32 features (missing → 0), column j by
+    ``transforms[j]``: ``log1p`` — log(1 + max(x, 0)); ``minmax`` — (x − lo) / (hi − lo) clipped to
+    [0, 1] (0 where the training range is empty); ``none`` — x. Works in place."""
+    y = np.asarray(x, dtype=np.float32)
+    kinds = np.asarray(transforms)
+    log = np.flatnonzero(kinds == "log1p")
+    if len(log) == y.shape[1]:
+        # log(1 + x) is log1p(x) to float32 rounding for integer counts (Criteo's) and, unlike log1p,
+        # vectorised: 5x faster
+        np.maximum(y, 0.0, out=y)
+        y += 1.0
+        np.log(y, out=y)
+    elif len(log):
+        y[:, log] = np.log(np.maximum(y[:, log], 0.0) + 1.0)
+    mm = np.flatnonzero(kinds == "minmax")
+    if len(mm):
+        lo32, hi32 = lo[mm].astype(np.float32), hi[mm].astype(np.float32)
+        span = np.where(hi32 > lo32, hi32 - lo32, np.float32(1.0))
+        y[:, mm] = np.clip((y[:, mm] - lo32) / span, 0.0, 1.0) * (hi32 > lo32)
+    return np.nan_to_num(y, copy=False, nan=0.0)
+
+
+def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: VocabIndex | None, hash_buckets: int) -> np.ndarray:
+    """Ids of one feature's values given as (distinct keys, code per value): only the distinct keys
+    are looked up (``index``: the table's vocabulary; None: hashing)."""
+    if index is None:
+        ids = (distinct % np.uint64(hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
+    else:
+        pos = index.positions_of(distinct)  # -1 where not in the vocabulary
+        ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
+    ids[distinct == 0] = MISSING_ID
+    return ids[codes]
+
+
+def ragged_take(lengths: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, values) of the bags ``rows`` of a ragged array given by its ``lengths`` per row."""
+    starts = np.cumsum(lengths) - lengths
+    picked = lengths[rows]
+    index = np.repeat(starts[rows] - (np.cumsum(picked) - picked), picked) + np.arange(int(picked.sum()))
+    return picked, values[index]

@@ -1,0 +1,23 @@
+"""A checkpoint as a model folder (:mod:`.model_folder`): unsharded weights, vocabularies, the model and
+dataset description. A checkpoint written by W processes is read in one (DCP reads every shard of a
+table into the whole table), its tables through files beside the output, never whole in memory. The
+vocabularies come from the store the run trained on (its path is in the checkpoint), which must be
+on this machine."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from pipeline.serving.model_folder import write_bundle
+from pipeline.serving.source import model_source
+from pipeline.serving.weights import read_weights
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
+    """The model folder of ``checkpoint`` (or a folder of checkpoints: its newest intact one) at ``out``."""
+    source = model_source(checkpoint)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-tables-", dir=Path(out).parent) as scratch:
+        return write_bundle(out, read_weights(source, Path(scratch)), source.model_cfg, source.data,
+                            source.store_meta, source.vocab_root / "vocab")

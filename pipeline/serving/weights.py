@@ -1,0 +1,71 @@
+"""The one reader and writer of a model's weights, for training, predict, export, init-from and the
+MLflow model alike.
+
+* :func:`write_weights`: a model folder's ``weights.pt`` (every tensor but the embedding tables) and
+  ``tables/<name>.f32`` (each table, row-major float32, written in row blocks: :mod:`.table_files`);
+* :func:`read_weights`: the full state dict of a model folder (tables memory-mapped, read-only) or of
+  a checkpoint (tables read chunk by chunk into files under ``table_dir``, then mapped), so no table
+  is ever whole in memory;
+* :func:`unsharded_state`: the state dict of a sharded (DMP) model, gathered on rank 0, each table
+  written to a file by the ranks holding its shards.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+
+from modules.embedding import is_table_parameter
+from pipeline.checkpoint.full_state import full_model_state
+from pipeline.runtime.errors import BundleError
+from pipeline.runtime.launch import group_rank
+from pipeline.serving import table_files
+from pipeline.serving.source import ModelSource
+
+
+def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], tables: dict[str, list[int]]) -> None:
+    """``tables`` (name → shape) to ``folder/tables/``, every other tensor to ``folder/weights.pt``."""
+    for key in tables:
+        table_files.write(folder / "tables" / f"{key}.f32", state_dict[key])
+    torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k not in tables},
+               folder / "weights.pt")
+
+
+def read_weights(source: ModelSource, table_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict of ``source``; a checkpoint's tables go to files under ``table_dir`` (required)."""
+    if source.is_checkpoint:
+        if table_dir is None:
+            raise ValueError("read_weights of a checkpoint needs a table_dir for its tables")
+        return full_model_state(source.path, table_dir=table_dir)
+    folder = source.path
+    try:
+        weights = torch.load(folder / "weights.pt", weights_only=True, map_location="cpu")
+        weights.update({k: table_files.mapped(folder / "tables" / f"{k}.f32", shape)
+                        for k, shape in (source.tables or {}).items()})
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise BundleError(f"{folder}: cannot load the weights ({e})") from None
+    return weights
+
+
+def unsharded_state(module: torch.nn.Module, table_dir: Path) -> dict[str, torch.Tensor] | None:
+    """The unsharded state dict of a (DMP-wrapped) model on rank 0, None on other ranks (collective:
+    every rank must call it). Embedding tables are written to ``table_dir`` by the ranks holding their
+    shards and mapped (:func:`pipeline.serving.table_files.unshard_to_file`); other sharded tensors are gathered."""
+    rank = group_rank()
+    if torch.distributed.is_initialized():  # rank 0's folder: the ranks' output folders may differ
+        agreed = [str(table_dir)]
+        torch.distributed.broadcast_object_list(agreed, src=0)
+        table_dir = Path(agreed[0])
+    out: dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict().items():
+        if is_table_parameter(key) and len(value.size()) == 2:
+            value = table_files.unshard_to_file(value, table_dir / f"{key}.f32")
+        elif hasattr(value, "local_shards"):
+            full = torch.empty(tuple(value.size()), dtype=value.dtype) if rank == 0 else None
+            value.gather(dst=0, out=full)
+            value = full
+        if rank == 0:
+            out[key] = value.detach().cpu()
+    return out if rank == 0 else None

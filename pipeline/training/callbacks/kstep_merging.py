@@ -1,0 +1,51 @@
+"""k-step model merging as a callback (the algorithm: :mod:`modules.kstep_merging`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from modules.kstep_merging import KStepMerger, MergeConfig
+from modules.optimizers import replicated_parameters
+
+
+class KStepMerging(Callback):
+    """k-step model merging of the replicated parameters (:mod:`modules.kstep_merging`): after every
+    training step, and a final merge before validation, testing, checkpoints and at each epoch's end.
+    Its step and merge counters are saved with checkpoints."""
+
+    def __init__(self, cfg: MergeConfig, ranks_per_node: int) -> None:
+        self.cfg, self.ranks_per_node = cfg, ranks_per_node
+        self.merger: KStepMerger | None = None
+        self._counters = {"steps": 0, "merges": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._counters if self.merger is None else {"steps": self.merger.steps, "merges": self.merger.merges}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._counters = dict(state)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        params = [p for _, p in replicated_parameters(pl_module.model)]
+        self.merger = KStepMerger(params, self.cfg, ranks_per_node=self.ranks_per_node)
+        self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
+        self.merger.attach_optimizer(trainer.optimizers[0])
+
+    def merge_if_dirty(self) -> None:
+        if self.merger is not None:
+            self.merger.merge_if_dirty()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.merger.after_step()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.merge_if_dirty()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.merge_if_dirty()
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.merge_if_dirty()

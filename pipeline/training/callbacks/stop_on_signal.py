@@ -1,0 +1,31 @@
+"""Stopping at a step boundary on a preemption signal (:mod:`pipeline.runtime.signals`), with a checkpoint."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from pipeline.runtime.signals import SignalGuard
+
+
+class StopOnSignal(Callback):
+    """After each training step: if any rank got a preemption signal, checkpoint (``save``) and stop."""
+
+    def __init__(self, guard: SignalGuard, save: Any = None) -> None:
+        self.guard, self.save = guard, save
+        self.stopped_at_step: int | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.guard.install()  # over the handler Lightning installed at the start of fit
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.stopped_at_step is None and self.guard.agreed():
+            self.guard.signum = self.guard.signum or signal.SIGTERM  # a rank that got none stops as its peers
+            if self.save is not None:
+                self.save(trainer)
+            self.stopped_at_step = trainer.global_step
+            trainer.should_stop = True

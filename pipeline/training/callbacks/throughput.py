@@ -1,0 +1,60 @@
+"""Training throughput: samples per second over all ranks, validation time excluded."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+
+class TrainThroughput(Callback):
+    """Training samples per second (all ranks), validation time excluded.
+
+    Logs ``train/samples_per_s`` per epoch; ``samples_per_s`` holds the whole run's figure.
+    """
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.seconds = 0.0
+        self._epoch_samples = 0
+        self._epoch_seconds = 0.0
+        self._t0: float | None = None
+
+    def _start(self) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    def _stop(self) -> None:
+        if self._t0 is not None:
+            dt = time.perf_counter() - self._t0
+            self._epoch_seconds += dt
+            self.seconds += dt
+            self._t0 = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_samples, self._epoch_seconds = 0, 0.0
+        self._start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        n = int(batch.labels.shape[0]) * trainer.world_size
+        self.samples += n
+        self._epoch_samples += n
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.training:
+            self._start()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop()
+        if self._epoch_seconds:
+            pl_module.log("train/samples_per_s", self._epoch_samples / self._epoch_seconds, sync_dist=True)
