@@ -122,7 +122,7 @@ def main() -> None:
     from modules.optimizers import replicated_parameters
     from modules.sharding import shard_model
     from pipeline.commands.plan import spec_and_coverage
-    from pipeline.config import parse_config
+    from pipeline.config import parse_config, register_configs
     from pipeline.data.store import FIRST_VOCAB_ID
 
     device = torch.device(args.device)
@@ -130,6 +130,7 @@ def main() -> None:
         torch.cuda.set_device(0)
     _init_single_process_group(device)
     topology = "1gpu" if device.type == "cuda" else "cpu"
+    register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = parse_config(compose(config_name="config", overrides=[
             "data=criteo_kaggle_shape", f"topology={topology}", f"optim.embedding.name={args.embedding_optimizer}",

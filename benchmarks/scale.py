@@ -93,8 +93,9 @@ def train(args: list[str], run_dir: Path, cgroup: Path | None = None) -> dict:
 PREPARE = """
 import json, shutil, sys, time
 from hydra import compose, initialize_config_module
-from pipeline.config import parse_config
+from pipeline.config import parse_config, register_configs
 from pipeline.data.sources import prepare_store, raw_files, store_dir
+register_configs()
 with initialize_config_module("ctr_conf", version_base="1.3"):
     cfg = parse_config(compose("config", overrides=sys.argv[1:]))
 raw_files(cfg.data, cfg.paths.cache_dir)  # generated first (and kept): not part of the preprocessing time

@@ -62,11 +62,12 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from pipeline.config import parse_config
+    from pipeline.config import parse_config, register_configs
     from pipeline.data.sources import prepare_store
     from pipeline.training.result import read_result
 
     data_overrides = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"]
+    register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = parse_config(compose(config_name="config", overrides=data_overrides))
     store = prepare_store(cfg.data, cfg.paths.cache_dir)

@@ -80,7 +80,7 @@ class ScalingConfig:
 
 @dataclass
 class CheckpointConfig:
-    """``trainer.checkpoint``: sharded checkpoints (:mod:`pipeline.checkpoint.checkpointing`); ``dir`` None: none."""
+    """``trainer.checkpoint``: sharded checkpoints (:mod:`pipeline.checkpoint`); ``dir`` None: none."""
 
     dir: Optional[str] = None
     every_n_steps: Optional[int] = None   # also every N training steps (always at the end of each epoch)
@@ -112,7 +112,7 @@ class TrainerConfig:
     plateau_patience: int = 1
     merging: MergeConfig = field(default_factory=MergeConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # signals: pipeline/training/preemption.py
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # signals: pipeline/runtime/signals.py
     resume: Optional[str] = None
     init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
     init_from_optimizer: str = "none"   # also carry a checkpoint's optimizer state: none | embedding | dense | all

@@ -137,7 +137,8 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
 KILL_DURING_SAVE = r'''
 import os, signal, sys, torch, torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from pipeline.checkpoint.checkpointing import DCPCheckpointIO, TrainingState
+from pipeline.checkpoint.dcp_io import DCPCheckpointIO
+from pipeline.checkpoint.training_state import TrainingState
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=0, world_size=1)
 io = DCPCheckpointIO(TrainingState())

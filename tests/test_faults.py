@@ -158,7 +158,8 @@ def test_full_disk_while_writing_the_store_names_path_and_bytes_and_leaves_nothi
 
 CHECKPOINT_FULL = textwrap.dedent(r'''
     import os, sys, torch, torch.distributed as dist
-    from pipeline.checkpoint.checkpointing import DCPCheckpointIO, TrainingState
+    from pipeline.checkpoint.dcp_io import DCPCheckpointIO
+    from pipeline.checkpoint.training_state import TrainingState
     from pipeline.runtime.errors import DiskFullError
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     dist.init_process_group("gloo", rank=0, world_size=1)

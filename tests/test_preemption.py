@@ -1,4 +1,4 @@
-"""Preemption and concurrency (pipeline/training/preemption.py): a signal stops a run after the current step with a
+"""Preemption and concurrency (pipeline/runtime/signals.py): a signal stops a run after the current step with a
 checkpoint, the MLflow run KILLED and status 128 + signal, and ``trainer.resume=auto`` then ends exactly as
 an uninterrupted run; runs started together share a fresh MLflow store and an empty data cache."""
 

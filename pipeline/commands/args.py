@@ -41,6 +41,7 @@ def exit_on_user_error(fn: Callable[[], T]) -> T:
     except USER_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        hint = getattr(e, "hint", "") or "check the path"
-        print(f"Error ({type(e).__name__}): {user_error_message(e)}\nHint: {hint}", file=sys.stderr, flush=True)
+        hint = "check the path" if isinstance(e, FileNotFoundError) else e.hint
+        print(f"Error ({type(e).__name__}): {user_error_message(e)}" + (f"\nHint: {hint}" if hint else ""),
+              file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)

@@ -19,51 +19,49 @@ NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class UserError(Exception):
-    """An error the user can fix; ``hint`` says how."""
+    """An error the user can fix; ``hint`` says how (each subclass names its own)."""
 
     hint = ""
 
+    def __init_subclass__(cls, hint: str = "", **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if hint:  # else the parent's
+            cls.hint = hint
 
-class ConfigError(UserError, ValueError):
+
+class ConfigError(UserError, ValueError,
+                  hint="check that key on the command line or in conf/ (`--cfg job` prints the composed config)"):
     """A config value that cannot work; the message starts with the full key."""
 
-    hint = "check that key on the command line or in conf/ (`--cfg job` prints the composed config)"
 
-
-class BadInputError(UserError, ValueError):
+class BadInputError(UserError, ValueError,
+                    hint="fix the file, or drop and count such rows with data.preprocess.bad_rows=skip"):
     """A raw file that does not match its declared layout."""
 
-    hint = "fix the file, or drop and count such rows with data.preprocess.bad_rows=skip"
 
-
-class CheckpointMismatchError(UserError, ValueError):
+class CheckpointMismatchError(UserError, ValueError,
+                              hint="resume with the settings the checkpoint was written with, or start a fresh "
+                                   "trainer.checkpoint.dir"):
     """A checkpoint written for another model, table layout or world size."""
 
-    hint = "resume with the settings the checkpoint was written with, or start a fresh trainer.checkpoint.dir"
 
-
-class CorruptCheckpointError(UserError, ValueError):
+class CorruptCheckpointError(UserError, ValueError,
+                             hint="resume from an earlier checkpoint (trainer.resume=auto skips damaged ones)"):
     """A checkpoint whose files no longer match its manifest (truncated, changed or missing)."""
 
-    hint = "resume from an earlier checkpoint (trainer.resume=auto skips damaged ones)"
 
-
-class BundleError(UserError, ValueError):
+class BundleError(UserError, ValueError,
+                  hint="export the model again (ctr export), or use the run's <output>/model folder"):
     """A model folder (or checkpoint to score) that cannot be read, or input it cannot score."""
 
-    hint = "export the model again (ctr export), or use the run's <output>/model folder"
 
-
-class DiskFullError(UserError, OSError):
+class DiskFullError(UserError, OSError, hint="free space there, or point that path elsewhere"):
     """Writing ran out of space (or hit a file-size limit); names the path and the bytes needed."""
 
-    hint = "free space there, or point that path elsewhere"
 
-
-class TrackingUnavailableError(UserError, RuntimeError):
+class TrackingUnavailableError(UserError, RuntimeError,
+                               hint="start the server, or log to a local store with logger.on_unavailable=local"):
     """The MLflow tracking server did not answer at the start of a run."""
-
-    hint = "start the server, or log to a local store with logger.on_unavailable=local"
 
 
 def _size(n: int | None) -> str:

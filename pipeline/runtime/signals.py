@@ -34,7 +34,7 @@ from typing import Any, List
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.launch import group_rank
+from pipeline.runtime.launch import group_rank, group_size
 
 
 @dataclass
@@ -106,7 +106,7 @@ class SignalGuard:
     def agreed(self) -> bool:
         """Whether any rank got a signal (collective: every rank calls it after the same step)."""
         flag = torch.tensor([0 if self.signum is None else 1])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if group_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

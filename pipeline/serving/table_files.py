@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from pipeline.runtime.launch import barrier, group_rank
 
 BLOCK_BYTES = 64 << 20
 
@@ -70,12 +71,11 @@ def is_sharded(value: Any) -> bool:
 def unshard_to_file(value: Any, path: Path) -> torch.Tensor | None:
     """A (possibly sharded) 2-D table written to ``path`` by every rank (collective); rank 0 gets the
     file mapped, other ranks None."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = group_rank()
     shape = tuple(value.size())
     if rank == 0:
         create(path, *shape)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     shards = value.local_shards() if is_sharded(value) else [None] if rank == 0 else []
     for shard in shards:
         if shard is None:
@@ -83,6 +83,5 @@ def unshard_to_file(value: Any, path: Path) -> torch.Tensor | None:
         else:
             offsets = tuple(shard.metadata.shard_offsets)
             write_block(path, shape, (offsets[0], offsets[1] if len(offsets) > 1 else 0), shard.tensor)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return mapped(path, shape) if rank == 0 else None

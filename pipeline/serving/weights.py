@@ -12,6 +12,7 @@ MLflow model alike.
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from pipeline.checkpoint.full_state import full_model_state
 from pipeline.runtime.errors import BundleError
 from pipeline.runtime.launch import group_rank
 from pipeline.serving import table_files
-from pipeline.serving.source import ModelSource
+from pipeline.serving.source import ModelSource, model_source
 
 
 def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], tables: dict[str, list[int]]) -> None:
@@ -33,8 +34,11 @@ def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], tables: dic
                folder / "weights.pt")
 
 
-def read_weights(source: ModelSource, table_dir: Path | None = None) -> dict[str, torch.Tensor]:
-    """The full state dict of ``source``; a checkpoint's tables go to files under ``table_dir`` (required)."""
+def read_weights(source: ModelSource | str | os.PathLike, table_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict of ``source`` (or of the model folder or checkpoint at that path); a checkpoint's
+    tables go to files under ``table_dir`` (required)."""
+    if not isinstance(source, ModelSource):
+        source = model_source(source)
     if source.is_checkpoint:
         if table_dir is None:
             raise ValueError("read_weights of a checkpoint needs a table_dir for its tables")

@@ -5,7 +5,7 @@ metric reduction. What it must not do with a ``DistributedModelParallel`` model 
 wrap it in DDP (DMP already wraps the dense part), move it (DMP placed every shard on its device),
 or broadcast rank 0's parameters before evaluation (the embedding shards differ per rank).
 Checkpoints are written by every rank (each holds its own shards; see
-:mod:`pipeline.checkpoint.checkpointing`), not by rank 0 alone.
+:mod:`pipeline.checkpoint.dcp_io`), not by rank 0 alone.
 
 Under ``torchrun --max-restarts``, the agent keeps one TCP store for every attempt and the
 process group's keys carry no attempt prefix, so a restarted rank can read the address of a

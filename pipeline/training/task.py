@@ -6,7 +6,7 @@ term are attached to the sharded model (:mod:`modules.cowclip_hooks`); the dense
 up linearly over ``scaling.warmup_epochs``; every learning rate is multiplied by ``lr_factor``, which
 :class:`pipeline.training.best_validation.BestValidation` lowers on a plateau. Everything else a run does —
 checkpoint state, k-step merging, communication accounting, throughput, best-epoch tracking — is a
-callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.checkpointing`, :mod:`pipeline.training.best_validation`).
+callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
 """
 
 from __future__ import annotations
