@@ -34,7 +34,7 @@ order, so the outputs are selected by key (``KeyedTensor.regroup``), never by po
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, Sequence
 
 import torch
@@ -83,14 +83,14 @@ class FeatureSpec:
                    {f: data.decl(f).pooling for f in data.sequence},
                    {f: data.table_of(f) for f in sparse if data.table_of(f) != f})
 
-    @property
+    @cached_property  # the spec is frozen: computed once
     def sparse(self) -> tuple[str, ...]:
         return self.categorical + self.sequence
 
     def table_of(self, feature: str) -> str:
         return self.tables.get(feature, feature)
 
-    @property
+    @cached_property
     def unpooled_tables(self) -> tuple[str, ...]:
         """Tables read by a sequence feature or by several features: they live in the EmbeddingCollection,
         where every occurrence of an id has its own row (exact per-id statistics for CowClip)."""
@@ -100,15 +100,15 @@ class FeatureSpec:
         return tuple(dict.fromkeys(t for f in self.sparse if (t := self.table_of(f)) in
                                    {self.table_of(g) for g in self.sequence} or readers[t] > 1))
 
-    @property
+    @cached_property
     def bag_features(self) -> tuple[str, ...]:
         return tuple(f for f in self.sparse if self.table_of(f) not in self.unpooled_tables)
 
-    @property
+    @cached_property
     def seq_features(self) -> tuple[str, ...]:
         return tuple(f for f in self.sparse if self.table_of(f) in self.unpooled_tables)
 
-    @property
+    @cached_property
     def kjt_keys(self) -> tuple[str, ...]:
         """The batch's KJT keys, in order: the bag collection's features, then the sequence collection's."""
         return self.bag_features + self.seq_features

@@ -38,6 +38,7 @@ from pipeline.data.sources import raw_fingerprint
 from pipeline.runtime.errors import ConfigError
 from pipeline.runtime.launch import world_from_env
 from pipeline.runtime.signals import PreemptionConfig
+from pipeline.serving.quantize import check_quantize
 from pipeline.serving.source import model_source
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
@@ -152,10 +153,12 @@ class LoggerConfig:
     log_model: bool = True            # log the trained model (pyfunc, artifact `model`) at the end
     model_max_gb: float = 4.0         # larger tables: no MLflow model (score with ctr predict)
     register_model_as: Optional[str] = None  # also register it in the Model Registry under this name
+    quantize: str = "none"            # the MLflow model's tables: none | int8 | int4 | fp16 (<output>/model stays float)
 
     def __post_init__(self) -> None:
         if self.on_unavailable not in ("fail", "local"):
             raise ValueError(f"on_unavailable={self.on_unavailable!r}: expected 'fail' or 'local'")
+        check_quantize(self.quantize, "quantize")
 
 
 @dataclass

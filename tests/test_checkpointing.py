@@ -113,7 +113,7 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
     step 33, resumed from step 30, it ends with the uninterrupted host-memory run's tensors and metrics, and its
     export equals that run's. (Plans with file-backed tables are built without TorchRec's planner, which would
     count them against host memory: the host run uses the same manual plan, so tables sit on the same ranks.)"""
-    from pipeline.serving.export import export_checkpoint
+    from pipeline.serving.export import export_model
     from pipeline.serving.weights import read_weights
 
     ckpt = tmp_path / "ckpt"
@@ -130,7 +130,7 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
     straight_tensors = _tensors(complete_checkpoints(straight_ckpt)[-1])
     assert (resumed.test_auc, resumed.test_logloss) == (straight.test_auc, straight.test_logloss)
     _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_tensors, ("state_dict/", "fused_optimizer/"))
-    exports = [read_weights(export_checkpoint(c, tmp_path / f"export{i}")) for i, c in enumerate((ckpt, straight_ckpt))]
+    exports = [read_weights(export_model(c, tmp_path / f"export{i}")) for i, c in enumerate((ckpt, straight_ckpt))]
     assert exports[0].keys() == exports[1].keys() and all(torch.equal(exports[0][k], exports[1][k]) for k in exports[0])
 
 

@@ -1,7 +1,7 @@
-"""``ctr export``: a checkpoint as a model folder (:mod:`pipeline.serving.export`): unsharded weights, vocabularies,
+"""``ctr export``: a checkpoint (or a model folder) as a model folder, its tables quantized on request (:mod:`pipeline.serving.export`): unsharded weights, vocabularies,
 the model and dataset description.
 
-    ctr export checkpoint=<checkpoint dir, or a run's trainer.checkpoint.dir> out=<dir>
+    ctr export checkpoint=<checkpoint dir, or a run's trainer.checkpoint.dir> out=<dir> [quantize=int8|int4|fp16]
 
 A checkpoint written by W processes is read in one: DCP reads every shard of a table into the whole
 table. The vocabularies come from the store the run trained on (its path is in the checkpoint), which
@@ -16,7 +16,8 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
-from pipeline.serving.export import export_checkpoint
+from pipeline.serving.export import export_model
+from pipeline.serving.quantize import check_quantize
 
 
 @dataclass
@@ -25,13 +26,18 @@ class ExportArgs:
 
     checkpoint: str = MISSING
     out: str = MISSING
+    quantize: str = "none"  # the tables: none (float32) | int8 | int4 | fp16 (pipeline/serving/quantize.py)
+
+    def __post_init__(self) -> None:
+        check_quantize(self.quantize, "quantize")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="export")
 def cli(cfg: DictConfig) -> None:
     args = command_args(cfg, ExportArgs)
-    out = exit_on_user_error(lambda: export_checkpoint(args.checkpoint, args.out))
-    print(f"Exported {args.checkpoint} to {out} (model.json, weights.pt, tables/, vocab/)")
+    out = exit_on_user_error(lambda: export_model(args.checkpoint, args.out, args.quantize))
+    tables = "tables/" if args.quantize == "none" else f"tables/ ({args.quantize})"
+    print(f"Exported {args.checkpoint} to {out} (model.json, weights.pt, {tables}, vocab/)")
 
 
 if __name__ == "__main__":

@@ -40,16 +40,26 @@ def transform_dense(x: np.ndarray, transforms: Sequence[str], lo: np.ndarray, hi
     return np.nan_to_num(y, copy=False, nan=0.0)
 
 
+def ids_of(keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """int32 ids of keys found at vocabulary ``positions`` (-1: absent → OOV; key 0 → missing)."""
+    ids = np.where(positions >= 0, positions + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
+    ids[keys == 0] = MISSING_ID
+    return ids
+
+
+def hashed_ids(keys: np.ndarray, hash_buckets: int) -> np.ndarray:
+    """int32 ids of a hashed table: ``FIRST_VOCAB_ID + key mod buckets`` (key 0 → missing)."""
+    ids = (keys % np.uint64(hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
+    ids[keys == 0] = MISSING_ID
+    return ids
+
+
 def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: VocabIndex | None, hash_buckets: int) -> np.ndarray:
     """Ids of one feature's values given as (distinct keys, code per value): only the distinct keys
     are looked up (``index``: the table's vocabulary; None: hashing)."""
     if index is None:
-        ids = (distinct % np.uint64(hash_buckets)).astype(np.int32) + FIRST_VOCAB_ID
-    else:
-        pos = index.positions_of(distinct)  # -1 where not in the vocabulary
-        ids = np.where(pos >= 0, pos + FIRST_VOCAB_ID, OOV_ID).astype(np.int32)
-    ids[distinct == 0] = MISSING_ID
-    return ids[codes]
+        return hashed_ids(distinct, hash_buckets)[codes]
+    return ids_of(distinct, index.positions_of(distinct))[codes]
 
 
 def ragged_take(lengths: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,10 +14,11 @@ from pipeline.serving.source import model_source
 from pipeline.serving.weights import read_weights
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
-    """The model folder of ``checkpoint`` (or a folder of checkpoints: its newest intact one) at ``out``."""
+def export_model(checkpoint: str | Path, out: str | Path, quantize: str = "none") -> Path:
+    """The model folder of ``checkpoint`` (or a folder of checkpoints: its newest intact one; or a model
+    folder) at ``out``, its tables quantized as ``quantize`` says (:mod:`.quantize`)."""
     source = model_source(checkpoint)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-tables-", dir=Path(out).parent) as scratch:
         return write_bundle(out, read_weights(source, Path(scratch)), source.model_cfg, source.data,
-                            source.store_meta, source.vocab_root / "vocab")
+                            source.store_meta, source.vocab_root / "vocab", source.mlflow_run_id, quantize)

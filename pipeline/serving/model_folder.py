@@ -5,7 +5,8 @@
     <dir>/weights.pt          the unsharded state dict but the embedding tables (tensors only: loaded with
                               ``weights_only``)
     <dir>/tables/<name>.f32   each embedding table, row-major float32 (:mod:`pipeline.serving.table_files`; shapes in
-                              model.json): written in row blocks, memory-mapped for scoring
+                              model.json): written in row blocks, memory-mapped for scoring; ``.u8``: its rows
+                              quantized (``quantize`` in model.json: int8, int4 or fp16; :mod:`.quantize`)
     <dir>/vocab/<t>.parquet   each table's vocabulary (key uint64, training count), as in the store
 
 Written to ``<dir>.tmp-<pid>`` and renamed into place. :class:`pipeline.serving.scorer.Scorer` turns raw rows — exactly as the
@@ -37,8 +38,10 @@ META_KEYS = ("dataset", "dense", "categorical", "sequence", "features", "transfo
 
 
 def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                 data: DataConfig, store_meta: dict[str, Any], vocab_dir: Path, mlflow_run_id: str | None = None) -> Path:
-    """Write the folder atomically; returns its path."""
+                 data: DataConfig, store_meta: dict[str, Any], vocab_dir: Path, mlflow_run_id: str | None = None,
+                 quantize: str = "none") -> Path:
+    """Write the folder atomically, its tables quantized as ``quantize`` says (:mod:`.quantize`); returns
+    its path."""
     out = Path(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -48,9 +51,10 @@ def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], mo
                                                                             "cardinalities", "zipf_exponent")}
         tables = {k: list(v.shape) for k, v in state_dict.items() if is_table_parameter(k) and v.dim() == 2}
         description = {"version": BUNDLE_VERSION, "mlflow_run_id": mlflow_run_id, "model": asdict(model_cfg), "data": declaration,
-                       "store": {k: store_meta[k] for k in META_KEYS if k in store_meta}, "tables": tables}
+                       "store": {k: store_meta[k] for k in META_KEYS if k in store_meta}, "tables": tables,
+                       "quantize": quantize}
         (tmp / "model.json").write_text(json.dumps(description, indent=2, sort_keys=True))
-        write_weights(tmp, state_dict, tables)
+        write_weights(tmp, state_dict, tables, quantize)
         if vocab_dir.is_dir():
             shutil.copytree(vocab_dir, tmp / "vocab")
         else:  # hashed tables have no vocabulary

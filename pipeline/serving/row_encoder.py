@@ -15,13 +15,13 @@ import pyarrow as pa
 from modules.embedding import FeatureSpec
 from pipeline.checkpoint.run_description import declaration_from
 from pipeline.data.dataset import DataConfig
-from pipeline.data.encoding import encode_ids, transform_dense
+from pipeline.data.encoding import encode_ids, hashed_ids, ids_of, transform_dense
 from pipeline.data.features import FeatureBlock, extract
 from pipeline.data.hashing import factorized_string_keys
 from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays
 from pipeline.data.vocab_files import read_vocabulary, vocabulary_file
-from pipeline.data.vocab_growth import VocabIndex
 from pipeline.runtime.errors import BundleError
+from pipeline.serving.joint_index import JointVocabIndex
 
 
 class RowEncoder:
@@ -34,13 +34,15 @@ class RowEncoder:
         self.spec = FeatureSpec.from_store_meta(meta)
         self.hash_buckets = int(meta["preprocess"]["hash_buckets"])
         hashed = meta["preprocess"]["categorical"] == "hash"
-        self.index = {} if hashed else {t: self._vocabulary(t) for t in meta["table_sizes"]}
+        self.joint = None if hashed else JointVocabIndex({t: self._vocabulary(t) for t in meta["table_sizes"]})
+        self.index = {} if hashed else {t: self.joint.table(t) for t in meta["table_sizes"]}
         ranges = meta.get("dense_range", {})
         self.transforms = [meta["transforms"][f] for f in self.spec.dense]
         self.lo = np.array([ranges.get(f, [0.0, 0.0])[0] for f in self.spec.dense])
         self.hi = np.array([ranges.get(f, [0.0, 0.0])[1] for f in self.spec.dense])
+        self._readings = {label: self._reading(label) for label in (True, False)}  # built once: OmegaConf is slow
 
-    def _vocabulary(self, table: str) -> VocabIndex:
+    def _vocabulary(self, table: str) -> np.ndarray:
         try:
             vocab = read_vocabulary(self.vocab_root, table, columns=("key",),
                                     rows=self.meta["table_sizes"][table] - FIRST_VOCAB_ID)
@@ -49,10 +51,13 @@ class RowEncoder:
         if vocab is None:
             raise BundleError(f"{vocabulary_file(self.vocab_root, table)}: missing: the vocabulary of table "
                               f"{table!r}")
-        return VocabIndex(vocab.keys)
+        return vocab.keys
 
     def reading(self, label: bool) -> DataConfig:
         """The declaration to read raw rows with (without the label column when ``label`` is False)."""
+        return self._readings[label]
+
+    def _reading(self, label: bool) -> DataConfig:
         data = declaration_from(asdict(self.data))
         if not label:
             data.label = ""
@@ -74,24 +79,84 @@ class RowEncoder:
         dense = transform_dense(block.numeric, self.transforms, self.lo, self.hi)
         return SplitArrays(block.label, dense, sparse, sequences)
 
-    def frame_block(self, frame: pd.DataFrame) -> FeatureBlock:
-        """The features of a DataFrame of raw columns (as a training file holds them; no label needed)."""
+    def encode_frame(self, frame: pd.DataFrame) -> SplitArrays:
+        """Ids and transformed numbers of a DataFrame of raw columns (see :meth:`frame_block` for what each
+        column may hold). Without sequence or derived features every categorical column is hashed in one
+        pass and every numeric column converted in one; the result equals ``encode(frame_block(frame))``."""
         data = self.reading(label=False)
+        self._check_columns(data, frame)
+        decls = data.declared()
+        if any(f.type == "sequence" or f.derive for f in decls):
+            return self.encode(self.frame_block(frame))
+        n = len(frame)
+        numeric = [f.source for f in decls if f.type == "numeric"]
+        categorical = [f for f in decls if f.type == "categorical"]
+        sources = list(dict.fromkeys(f.source for f in categorical))
+        values = frame[sources].to_numpy(dtype=object).T.ravel() if sources else np.zeros(0, object)
+        codes, distinct = factorized_string_keys(pa.array([None if _missing(v) else str(v) for v in values],
+                                                          pa.string()))
+        keys = distinct[codes].reshape(len(sources), n)[[sources.index(f.source) for f in categorical]].ravel()
+        if self.joint is None:
+            ids = hashed_ids(keys, self.hash_buckets)
+        else:  # every feature's ids in one lookup
+            tables = np.repeat([self.joint.tables[self.spec.table_of(f.name)] for f in categorical], n)
+            ids = ids_of(keys, self.joint.positions_of(keys, tables.astype(np.int16)))
+        sparse = np.ascontiguousarray(ids.reshape(len(categorical), n).T)
+        dense = transform_dense(_number_matrix(frame, numeric), self.transforms, self.lo, self.hi)
+        return SplitArrays(np.zeros(n, np.int8), dense, sparse, {})
+
+    def frame_block(self, frame: pd.DataFrame) -> FeatureBlock:
+        """The features of a DataFrame of raw columns, as a training file holds them (no label needed):
+        numbers, or strings of numbers, in numeric columns (missing: null, NaN or ""); strings in the
+        others (a sequence: a list of strings, or one string with the declared separator). A missing or
+        unreadable column raises :class:`BundleError` naming it and what was expected."""
+        data = self.reading(label=False)
+        self._check_columns(data, frame)
+        columns = {c: pa.array(_numbers(c, frame[c]), pa.float64()) for c in data.number_columns}
+        columns.update({c: _texts(frame[c]) for c in data.text_columns})
+        try:
+            return extract(pa.table(columns), data, lambda i: f"row {i}", {})
+        except ValueError as e:  # a derivation or sequence that cannot read a value: the message names it
+            raise BundleError(str(e)) from None
+
+    @staticmethod
+    def _check_columns(data: DataConfig, frame: pd.DataFrame) -> None:
         missing = [c for c in data.read_columns if c not in frame.columns]
         if missing:
             raise BundleError(f"input lacks column{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
                               f"(the model reads {list(data.read_columns)}); it has {list(frame.columns)[:40]}")
-        columns = {}
-        for c in data.read_columns:
-            values = frame[c]
-            if c in data.number_columns:
-                columns[c] = pa.array(pd.to_numeric(values, errors="raise"), pa.float64())
-            elif values.map(lambda v: isinstance(v, (list, tuple, np.ndarray))).any():
-                columns[c] = pa.array([None if v is None else [str(x) for x in v] for v in values],
-                                      pa.list_(pa.string()))
-            else:
-                columns[c] = pa.array([None if _missing(v) else str(v) for v in values], pa.string())
-        return extract(pa.table(columns), data, lambda i: f"row {i}", {})
+
+
+def _number_matrix(frame: pd.DataFrame, columns: list[str]) -> np.ndarray:
+    """[n, len(columns)] float32 of numeric columns (NaN = missing); one conversion when every value is a
+    number, a numeric string or null, else column by column to name the first bad one."""
+    if not columns:
+        return np.zeros((len(frame), 0), np.float32)
+    try:
+        return frame[columns].to_numpy(dtype=np.float32, na_value=np.nan, copy=True)  # transformed in place
+    except (ValueError, TypeError):  # "" (missing) or a bad value
+        return np.stack([_numbers(c, frame[c]) for c in columns], axis=1).astype(np.float32)
+
+
+def _numbers(column: str, values: pd.Series) -> np.ndarray:
+    """A numeric column as float64: numbers or numeric strings; null, NaN and "" are missing."""
+    if values.dtype.kind in "iuf":
+        return values.to_numpy(np.float64, na_value=np.nan)
+    out = np.empty(len(values))
+    for row, v in enumerate(values.to_numpy(dtype=object)):
+        try:
+            out[row] = np.nan if _missing(v) else float(v)
+        except (TypeError, ValueError):
+            raise BundleError(f"column {column!r}, row {row}: {v!r} is not a number (the declaration says "
+                              f"numeric: send a number, a string of one, or null)") from None
+    return out
+
+
+def _texts(values: pd.Series) -> pa.Array:
+    """A categorical or sequence column: strings (numbers are read as their text), lists of strings."""
+    if values.dtype == object and values.map(lambda v: isinstance(v, (list, tuple, np.ndarray))).any():
+        return pa.array([None if v is None else [str(x) for x in v] for v in values], pa.list_(pa.string()))
+    return pa.array([None if _missing(v) else str(v) for v in values], pa.string())
 
 
 def _missing(v: Any) -> bool:

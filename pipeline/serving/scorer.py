@@ -10,11 +10,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from modules.embedding import FeatureSpec
+from modules.embedding import FeatureSpec, is_table_parameter
 from modules.models import build_model
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import BundleError
+from pipeline.serving.quantize import QuantEmbeddingBagCollection, QuantEmbeddingCollection, use_quantized_tables
 from pipeline.serving.row_encoder import RowEncoder
 from pipeline.serving.source import model_source
 from pipeline.serving.weights import read_weights
@@ -23,7 +24,7 @@ from pipeline.serving.weights import read_weights
 def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays, batch_size: int = 65536,
                   rows: np.ndarray | None = None) -> np.ndarray:
     """Click probabilities of ``rows`` of ``arrays`` (default: every row), in that order (the model in eval
-    mode, no gradients)."""
+    mode, no gradients; a sharded model's collectives need autograd-aware tensors: no inference mode here)."""
     rows = np.arange(len(arrays)) if rows is None else rows
     out = np.empty(len(rows), np.float32)
     with torch.no_grad():
@@ -35,23 +36,57 @@ def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays
 
 
 class Scorer(RowEncoder):
-    """A model folder (or, with ``table_dir`` for its tables, a checkpoint) loaded for scoring on the CPU."""
+    """A model folder (or, with ``table_dir`` for its tables, a checkpoint) loaded for scoring on the CPU;
+    a quantized folder's tables are scored by TorchRec's quantized collections (:mod:`.quantize`), and so
+    are float tables with ``fused`` (FBGEMM's fused inference kernel, the same numbers: for a server;
+    the tables are then copied into memory instead of read through their mapped files)."""
 
-    def __init__(self, path: str | os.PathLike, table_dir: Path | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, table_dir: Path | None = None, fused: bool = False) -> None:
         source = model_source(path)
-        self.folder = source.path
+        self.folder, self.quantize = source.path, source.quantize
         super().__init__(source.store_meta, source.data, source.vocab_root)
         self.model_cfg = source.model_cfg
         self.model = build_model(self.model_cfg, self.spec, device=torch.device("meta"))
+        weights = read_weights(source, table_dir)
+        kernel = source.quantize if source.quantize != "none" else "fp32" if fused else None
+        if kernel is not None:
+            tables = [k for k in weights if is_table_parameter(k) and weights[k].dim() == 2]
+            use_quantized_tables(self.model, {k: weights.pop(k) for k in tables}, kernel)
         try:  # assign: the mapped tables become the parameters (no copy into fresh tables)
-            self.model.load_state_dict(read_weights(source, table_dir), assign=True)
+            loaded = self.model.load_state_dict(weights, assign=True, strict=kernel is None)
         except RuntimeError as e:
             raise BundleError(f"{self.folder}: the weights do not fit the model ({e})") from None
+        left = [k for k in (*loaded.missing_keys, *loaded.unexpected_keys) if not _quantized(self.model, k)]
+        if left:
+            raise BundleError(f"{self.folder}: the weights do not fit the model (keys {left[:5]})")
         self.model.eval()
 
+    def table_bytes(self) -> int:
+        """Bytes of the embedding tables as scored (float32, or quantized rows)."""
+        tables = [m for m in self.model.modules() if isinstance(m, QUANTIZED)]
+        if tables:
+            return sum(w.numel() * w.element_size() for m in tables for w in m.state_dict().values())
+        return sum(p.numel() * p.element_size() for k, p in self.model.state_dict().items() if is_table_parameter(k))
+
     def score(self, arrays: SplitArrays, batch_size: int = 65536) -> np.ndarray:
-        return score_batches(self.model, self.spec, arrays, batch_size)
+        with torch.inference_mode():  # one process, no autograd at all
+            return score_batches(self.model, self.spec, arrays, batch_size)
 
     def score_frame(self, frame: pd.DataFrame) -> np.ndarray:
         """Probabilities of the rows of a DataFrame of raw columns."""
-        return self.score(self.encode(self.frame_block(frame)))
+        return self.score(self.encode_frame(frame))
+
+
+QUANTIZED = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
+
+
+def _quantized(model: torch.nn.Module, key: str) -> bool:
+    """Whether state-dict ``key`` belongs to one of the model's quantized collections."""
+    module = model
+    for part in key.split(".")[:-1]:
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+        if isinstance(module, QUANTIZED):
+            return True
+    return False

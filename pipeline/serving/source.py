@@ -30,6 +30,7 @@ class ModelSource:
     vocab_root: Path            # the folder whose vocab/ holds the tables' vocabularies
     mlflow_run_id: str | None
     tables: dict[str, list[int]] | None  # a model folder's table files and shapes; None: a checkpoint
+    quantize: str = "none"               # a model folder's tables: none (float32) | int8 | int4 | fp16
 
     @property
     def is_checkpoint(self) -> bool:
@@ -48,7 +49,7 @@ def model_source(path: str | os.PathLike) -> ModelSource:
         try:
             d = json.loads((path / "model.json").read_text())
             return ModelSource(path, ModelConfig(**d["model"]), declaration_from(d["data"]), d["store"], path,
-                               d.get("mlflow_run_id"), d.get("tables", {}))
+                               d.get("mlflow_run_id"), d.get("tables", {}), d.get("quantize", "none"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise BundleError(f"{path / 'model.json'}: cannot read the model description ({e})") from None
     run = checkpoint_run(path)

@@ -1,4 +1,5 @@
-"""Embedding tables as raw files: row-major float32, ``rows × dim``, written in row blocks, read mapped.
+"""Embedding tables as raw files: row-major ``rows × cols`` (float32; uint8 rows of a quantized table,
+:mod:`.quantize`), written in row blocks, read mapped.
 
 A model folder keeps each table in ``tables/<parameter name>.f32`` (its shape in ``model.json``)
 instead of inside ``weights.pt``, so writing, exporting and scoring never hold a whole table in
@@ -24,25 +25,27 @@ from pipeline.runtime.launch import barrier, group_rank
 BLOCK_BYTES = 64 << 20
 
 
-def _rows_per_block(cols: int) -> int:
-    return max(1, BLOCK_BYTES // max(1, 4 * cols))
+def rows_per_block(row_bytes: int) -> int:
+    """Rows of ``row_bytes`` bytes each that make one block to write."""
+    return max(1, BLOCK_BYTES // max(1, row_bytes))
 
 
-def create(path: Path, rows: int, cols: int) -> None:
-    """A sparse file of ``rows × cols`` zeros (float32)."""
+def create(path: Path, rows: int, cols: int, dtype: torch.dtype = torch.float32) -> None:
+    """A sparse file of ``rows × cols`` zeros of ``dtype``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
-        f.truncate(rows * cols * 4)
+        f.truncate(rows * cols * dtype.itemsize)
 
 
-def write_block(path: Path, shape: tuple[int, int], offsets: tuple[int, int], block: torch.Tensor) -> None:
+def write_block(path: Path, shape: tuple[int, int], offsets: tuple[int, int], block: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> None:
     """Write ``block`` (a 2-D tensor, or rows of it) at ``offsets`` of the table file, in row blocks."""
     rows, cols = block.shape
-    target = np.memmap(path, dtype=np.float32, mode="r+", shape=shape)
-    step = _rows_per_block(cols)
+    target = np.memmap(path, dtype=torch.empty(0, dtype=dtype).numpy().dtype, mode="r+", shape=shape)
+    step = rows_per_block(dtype.itemsize * cols)
     r0, c0 = offsets
     for start in range(0, rows, step):
-        part = block[start:start + step].detach().to(torch.float32).numpy()
+        part = block[start:start + step].detach().to(dtype).numpy()
         target[r0 + start:r0 + start + len(part), c0:c0 + cols] = part
     target.flush()
     del target
@@ -54,14 +57,14 @@ def write(path: Path, table: torch.Tensor) -> None:
     write_block(path, tuple(table.shape), (0, 0), table)
 
 
-def mapped(path: Path, shape: tuple[int, int] | list[int]) -> torch.Tensor:
+def mapped(path: Path, shape: tuple[int, int] | list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The table file as a ``rows × cols`` tensor, private (copy-on-write: the file is never changed)."""
     rows, cols = shape
-    expected = rows * cols * 4
+    expected = rows * cols * dtype.itemsize
     size = os.path.getsize(path)
     if size != expected:
-        raise ValueError(f"{path}: {size} bytes, expected {expected} for a {rows} × {cols} float32 table")
-    return torch.from_file(str(path), shared=False, size=rows * cols, dtype=torch.float32).view(rows, cols)
+        raise ValueError(f"{path}: {size} bytes, expected {expected} for a {rows} × {cols} {dtype} table")
+    return torch.from_file(str(path), shared=False, size=rows * cols, dtype=dtype).view(rows, cols)
 
 
 def is_sharded(value: Any) -> bool:

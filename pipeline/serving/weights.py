@@ -23,13 +23,19 @@ from pipeline.checkpoint.full_state import full_model_state
 from pipeline.runtime.errors import BundleError
 from pipeline.runtime.launch import group_rank
 from pipeline.serving import table_files
+from pipeline.serving.quantize import row_bytes, write_quantized
 from pipeline.serving.source import ModelSource, model_source
 
 
-def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], tables: dict[str, list[int]]) -> None:
-    """``tables`` (name → shape) to ``folder/tables/``, every other tensor to ``folder/weights.pt``."""
+def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], tables: dict[str, list[int]],
+                  quantize: str = "none") -> None:
+    """``tables`` (name → shape) to ``folder/tables/`` (float32, or quantized: :mod:`.quantize`), every other
+    tensor to ``folder/weights.pt``."""
     for key in tables:
-        table_files.write(folder / "tables" / f"{key}.f32", state_dict[key])
+        if quantize == "none":
+            table_files.write(folder / "tables" / f"{key}.f32", state_dict[key])
+        else:
+            write_quantized(folder / "tables" / f"{key}.u8", state_dict[key], quantize)
     torch.save({k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k not in tables},
                folder / "weights.pt")
 
@@ -46,11 +52,18 @@ def read_weights(source: ModelSource | str | os.PathLike, table_dir: Path | None
     folder = source.path
     try:
         weights = torch.load(folder / "weights.pt", weights_only=True, map_location="cpu")
-        weights.update({k: table_files.mapped(folder / "tables" / f"{k}.f32", shape)
-                        for k, shape in (source.tables or {}).items()})
+        weights.update({k: _mapped_table(folder, k, shape, source.quantize) for k, shape in (source.tables or {}).items()})
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
         raise BundleError(f"{folder}: cannot load the weights ({e})") from None
     return weights
+
+
+def _mapped_table(folder: Path, key: str, shape: list[int], quantize: str) -> torch.Tensor:
+    """A model folder's table, mapped: float32 ``rows × dim``, or its quantized rows as uint8."""
+    if quantize == "none":
+        return table_files.mapped(folder / "tables" / f"{key}.f32", shape)
+    rows, dim = shape
+    return table_files.mapped(folder / "tables" / f"{key}.u8", (rows, row_bytes(dim, quantize)), torch.uint8)
 
 
 def unsharded_state(module: torch.nn.Module, table_dir: Path) -> dict[str, torch.Tensor] | None:

@@ -12,6 +12,7 @@ as pinned requirements. Built on the CPU of any machine: no process group, no GP
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from importlib import metadata
 from pathlib import Path
@@ -19,25 +20,56 @@ from typing import Any
 
 import mlflow
 import pandas as pd
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.types.schema import AnyType, ColSpec, DataType, Schema
 
 import modules
 import pipeline
+from pipeline.data.dataset import DataConfig
+from pipeline.runtime.errors import BundleError
 from pipeline.serving.scorer import Scorer
 
 log = logging.getLogger(__name__)
 CODE = [Path(package.__file__).resolve().parent for package in (pipeline, modules)]  # the model's code_paths
+THREADS_ENV = "CTR_SERVING_THREADS"  # intra-op threads of a serving process (default 1: one request per core)
 REQUIREMENTS = ("torch", "torchrec", "fbgemm-gpu", "fbgemm_gpu-cpu", "numpy", "pandas", "pyarrow", "omegaconf",
                 "tqdm", "mlflow")
 
 
 class CTRModel(mlflow.pyfunc.PythonModel):
-    """pyfunc wrapper: raw rows in, click probabilities out."""
+    """pyfunc wrapper: raw rows in, click probabilities out. The model, vocabularies and thread count are
+    set once per process (``load_context``); a request only encodes its rows and runs the model."""
 
     def load_context(self, context: Any) -> None:
-        self.scorer = Scorer(context.artifacts["bundle"])
+        torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
+        self.scorer = Scorer(context.artifacts["bundle"], fused=True)
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
-        return pd.DataFrame({"probability": self.scorer.score_frame(pd.DataFrame(model_input))})
+        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        try:
+            probability = self.scorer.score_frame(frame)
+        except BundleError as e:  # a column missing or unreadable: HTTP 400 naming it
+            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
+        return pd.DataFrame({"probability": probability})
+
+
+def raw_signature(data: DataConfig) -> ModelSignature:
+    """The model's input: every raw column the declaration reads, each required. Categorical columns are
+    strings (as in the raw file); numeric columns numbers or strings of numbers (the scorer checks them
+    and names a bad one); sequences and time columns for derived features either form. Values may be
+    null: a missing value, as in training."""
+    text = {f.source for f in data.declared() if f.type == "categorical" and not f.derive}
+    inputs = [ColSpec(DataType.string if c in text else AnyType(), c) for c in data.read_columns if c != data.label]
+    return ModelSignature(Schema(inputs), Schema([ColSpec(DataType.float, "probability")]))
+
+
+def column_types(data: DataConfig) -> dict[str, str]:
+    """Each raw column's declared kind (the MLflow model's metadata ``ctr_columns``)."""
+    kinds = {f.source: ("time" if f.derive else f.type) for f in data.declared()}
+    return {c: kinds[c] for c in data.read_columns if c != data.label}
 
 
 def pinned_requirements() -> list[str]:
@@ -52,14 +84,17 @@ def pinned_requirements() -> list[str]:
 
 def save_pyfunc(bundle: Path, example: pd.DataFrame, out: Path) -> Path:
     """Write the MLflow model folder of ``bundle`` at ``out`` (replacing it)."""
-    scorer = Scorer(bundle)
+    data = Scorer(bundle).reading(label=False)
     example = example.head(5).reset_index(drop=True)
-    output = pd.DataFrame({"probability": scorer.score_frame(example)})
-    signature = mlflow.models.infer_signature(example, output)
     shutil.rmtree(out, ignore_errors=True)
-    mlflow.pyfunc.save_model(str(out), python_model=CTRModel(), artifacts={"bundle": str(bundle)},
-                             code_paths=[str(p) for p in CODE], signature=signature,
-                             input_example=example, pip_requirements=pinned_requirements())
+    threads = torch.get_num_threads()  # MLflow may load the model here to check the example
+    try:
+        mlflow.pyfunc.save_model(str(out), python_model=CTRModel(), artifacts={"bundle": str(bundle)},
+                                 code_paths=[str(p) for p in CODE], signature=raw_signature(data),
+                                 input_example=example, pip_requirements=pinned_requirements(),
+                                 metadata={"ctr_columns": column_types(data)})
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

@@ -118,7 +118,7 @@ def _copy_rows(target: torch.Tensor, offsets: tuple[int, ...] | list[int], sourc
     """Rows of ``target`` (the block of a table — or of a per-row state vector — at ``offsets``) from
     the rows ``source`` names in the full ``old``; rows named -1 are left as they are."""
     mapped = source[offsets[0]:offsets[0] + target.shape[0]]
-    step = max(1, table_files.BLOCK_BYTES // max(1, 4 * (target.shape[1] if target.dim() == 2 else 1)))
+    step = table_files.rows_per_block(4 * (target.shape[1] if target.dim() == 2 else 1))
     for start in range(0, len(mapped), step):  # in row blocks: a file-backed table is never whole in memory
         part = mapped[start:start + step]
         keep = np.flatnonzero(part >= 0)

@@ -16,6 +16,7 @@ from pipeline.config import RunConfig
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import example_rows
 from pipeline.runtime.launch import global_rank
+from pipeline.serving.export import export_model
 from pipeline.serving.model_folder import write_bundle
 from pipeline.serving.weights import unsharded_state
 from pipeline.tracking.logger import TrackedMLflowLogger
@@ -90,7 +91,9 @@ def publish(run_cfg: RunConfig, params: dict[str, Any], task: CTRTask, trainer: 
     if logger:
         log_summary(logger, params, task, trainer, datamodule, output_dir)
         if bundle is not None:
-            log_pyfunc(logger.experiment, logger.run_id, bundle,
+            q = run_cfg.logger.quantize
+            served = bundle if q == "none" else export_model(bundle, output_dir / f"model_{q}", q)
+            log_pyfunc(logger.experiment, logger.run_id, served,
                        example_rows(run_cfg.data, run_cfg.paths.cache_dir), output_dir / "mlflow_model")
     return bundle
 
