@@ -108,6 +108,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="at most this long per cell")
     p.add_argument("--workers", type=int, default=1, help="mlflow models serve --workers")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (CTR_SERVING_THREADS)")
+    p.add_argument("--no-signature", action="store_true", help="save the MLflow model without its signature")
     args = p.parse_args()
 
     import torch
@@ -125,7 +126,8 @@ def main() -> None:
     frame = table.drop_columns([reading.label]).slice(0, 20_000).to_pandas()
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     print(f"{len(frame):,} rows of {args.rows}; server: {args.workers} worker(s) × {args.threads} thread(s); "
-          f"{os.cpu_count()} cores; clients on the same machine\n")
+          f"{os.cpu_count()} cores; clients on the same machine; MLflow signature "
+          f"{'off' if args.no_signature else 'on'}\n")
     print("| tables | rows/request | clients | requests | p50 ms | p95 ms | p99 ms | rows/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     limits = {}
@@ -144,7 +146,7 @@ def main() -> None:
         for k in range(20):
             scorer.score_frame(frame.iloc[k * 1000:(k + 1) * 1000])
         limits[q] += (20_000 / (time.perf_counter() - t0),)
-        pyfunc = save_pyfunc(folder, frame.head(5), tmp / f"pyfunc_{q}")
+        pyfunc = save_pyfunc(folder, frame.head(5), tmp / f"pyfunc_{q}", signature=not args.no_signature)
         port = free_port()
         server = serve(pyfunc, port, args.workers, args.threads)
         try:

@@ -173,6 +173,11 @@ def test_quantized_tables_score_like_float_at_a_fraction_of_the_size(trained, tm
             np.testing.assert_allclose(pyfunc.predict(rows)["probability"].to_numpy(), scores[:50], atol=1e-6)
             inputs = pyfunc.metadata.get_input_schema().inputs
             assert sorted(c.name for c in inputs) == sorted(rows.columns) and all(c.required for c in inputs)
+            # logger.model_signature=false: MLflow checks nothing, the model's own checks name the column
+            bare = mlflow.pyfunc.load_model(str(save_pyfunc(out, rows.head(5), tmp_path / "bare", signature=False)))
+            assert bare.metadata.get_input_schema() is None
+            with pytest.raises(mlflow.exceptions.MlflowException, match="input lacks column 'tags'"):
+                bare.predict(rows.drop(columns=["tags"]))
 
 
 def test_two_process_checkpoint_exports_and_predicts_in_one_process(trained, tmp_path):

@@ -3,10 +3,14 @@
     mlflow.pyfunc.load_model("runs:/<id>/model").predict(pandas_df_of_raw_columns)  → DataFrame ``probability``
     mlflow models serve -m runs:/<id>/model --env-manager local                      → POST /invocations
 
-The model carries the bundle (unsharded weights, vocabularies, transforms, declaration) as an
-artifact, this project's ``pipeline`` and ``modules`` packages as code, a signature over the raw
-columns, an input example (the first raw rows) and the installed versions of what scoring imports
-as pinned requirements. Built on the CPU of any machine: no process group, no GPU.
+The model carries the bundle (unsharded weights, vocabularies, transforms, declaration; its tables
+float32 or quantized, ``logger.quantize``) as an artifact, this project's ``pipeline`` and ``modules``
+packages as code, a signature from the dataset declaration (:func:`raw_signature`; every raw column,
+its kind in the metadata ``ctr_columns``), an input example (the first raw rows) and the installed
+versions of what scoring imports as pinned requirements. Built on the CPU of any machine: no process
+group, no GPU. A serving process loads the model once, scores through FBGEMM's fused inference kernels
+with ``CTR_SERVING_THREADS`` intra-op threads (default 1: run one worker per core), and answers a
+missing or unreadable column with HTTP 400 naming it.
 """
 
 from __future__ import annotations
@@ -82,26 +86,30 @@ def pinned_requirements() -> list[str]:
     return out
 
 
-def save_pyfunc(bundle: Path, example: pd.DataFrame, out: Path) -> Path:
-    """Write the MLflow model folder of ``bundle`` at ``out`` (replacing it)."""
+def save_pyfunc(bundle: Path, example: pd.DataFrame, out: Path, signature: bool = True) -> Path:
+    """Write the MLflow model folder of ``bundle`` at ``out`` (replacing it). Without ``signature`` (and then
+    without the input example, from which MLflow would infer one) MLflow checks no column itself; the
+    scorer's own checks still answer a missing or unreadable column with a 400 naming it."""
     data = Scorer(bundle).reading(label=False)
     example = example.head(5).reset_index(drop=True)
     shutil.rmtree(out, ignore_errors=True)
     threads = torch.get_num_threads()  # MLflow may load the model here to check the example
     try:
         mlflow.pyfunc.save_model(str(out), python_model=CTRModel(), artifacts={"bundle": str(bundle)},
-                                 code_paths=[str(p) for p in CODE], signature=raw_signature(data),
-                                 input_example=example, pip_requirements=pinned_requirements(),
-                                 metadata={"ctr_columns": column_types(data)})
+                                 code_paths=[str(p) for p in CODE],
+                                 signature=raw_signature(data) if signature else None,
+                                 input_example=example if signature else None,  # else MLflow infers a signature
+                                 pip_requirements=pinned_requirements(), metadata={"ctr_columns": column_types(data)})
     finally:
         torch.set_num_threads(threads)
     return out
 
 
-def log_pyfunc(client: Any, run_id: str, bundle: Path, example: pd.DataFrame, folder: Path) -> None:
+def log_pyfunc(client: Any, run_id: str, bundle: Path, example: pd.DataFrame, folder: Path,
+               signature: bool = True) -> None:
     """Save the pyfunc model at ``folder`` (kept: the logging call may be queued) and log it as the run's
     artifact ``model``."""
-    client.log_artifacts(run_id, str(save_pyfunc(bundle, example, folder)), "model")
+    client.log_artifacts(run_id, str(save_pyfunc(bundle, example, folder, signature)), "model")
 
 
 def register(tracking_uri: str, run_id: str, name: str) -> str:

@@ -93,8 +93,8 @@ def publish(run_cfg: RunConfig, params: dict[str, Any], task: CTRTask, trainer: 
         if bundle is not None:
             q = run_cfg.logger.quantize
             served = bundle if q == "none" else export_model(bundle, output_dir / f"model_{q}", q)
-            log_pyfunc(logger.experiment, logger.run_id, served,
-                       example_rows(run_cfg.data, run_cfg.paths.cache_dir), output_dir / "mlflow_model")
+            log_pyfunc(logger.experiment, logger.run_id, served, example_rows(run_cfg.data, run_cfg.paths.cache_dir),
+                       output_dir / "mlflow_model", run_cfg.logger.model_signature)
     return bundle
 
 
