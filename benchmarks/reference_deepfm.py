@@ -1,12 +1,19 @@
-"""A plain PyTorch DeepFM — the baseline ``benchmarks/throughput.py`` runs beside the project.
+"""A plain PyTorch DeepFM — the baselines ``benchmarks/throughput.py`` runs beside the project.
 
-Same model sizes as the project's DeepFM (per-field embedding of dim D, first-order weights, FM,
+Same model sizes as the project's DeepFM (an embedding of dim D per field, first-order weights, FM,
 MLP 400-400-400, dense features into the linear part and the MLP), written the usual way:
 ``nn.Embedding(sparse=True)`` tables updated by ``SparseAdam``, the dense part by ``Adam``, batches
 sliced from the same preprocessed arrays (numpy → torch), no framework around the loop.
 
-    python benchmarks/reference_deepfm.py <store dir> --batch 8192 --epochs 1 --dim 16
-prints one JSON line: samples_per_s (training only), test_auc, test_logloss.
+* ``--layout shared`` (the strong baseline): one embedding table and one first-order table for all
+  fields, each field's ids shifted by its offset (the sum of the earlier fields' sizes): one lookup
+  and one sparse update per step;
+* ``--layout per_field``: an ``nn.Embedding`` per field (26 lookups and updates per step);
+* ``--mlp-only``: the MLP alone on random inputs of the same width, forward, backward and Adam — the
+  dense-compute bound of any DeepFM of these sizes on this machine.
+
+    python benchmarks/reference_deepfm.py <store dir> --batch 8192 --epochs 1 --dim 16 [--layout shared]
+prints one JSON line: samples_per_s (training only), test_auc, test_logloss (null for --mlp-only).
 """
 
 from __future__ import annotations
@@ -26,28 +33,54 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def make_mlp(width: int, mlp: list[int]) -> nn.Sequential:
+    layers, d = [], width
+    for h in mlp:
+        layers += [nn.Linear(d, h), nn.ReLU()]
+        d = h
+    return nn.Sequential(*layers, nn.Linear(d, 1))
+
+
 class PlainDeepFM(nn.Module):
-    def __init__(self, table_sizes: list[int], n_dense: int, dim: int, mlp: list[int]) -> None:
+    def __init__(self, table_sizes: list[int], n_dense: int, dim: int, mlp: list[int], shared: bool) -> None:
         super().__init__()
-        self.emb = nn.ModuleList(nn.Embedding(n, dim, sparse=True) for n in table_sizes)
-        self.first = nn.ModuleList(nn.Embedding(n, 1, sparse=True) for n in table_sizes)
+        self.shared = shared
+        sizes = [sum(table_sizes)] if shared else table_sizes
+        self.emb = nn.ModuleList(nn.Embedding(n, dim, sparse=True) for n in sizes)
+        self.first = nn.ModuleList(nn.Embedding(n, 1, sparse=True) for n in sizes)
+        self.register_buffer("offsets", torch.tensor([0, *np.cumsum(table_sizes)[:-1]], dtype=torch.int64))
         for e in self.emb:
             nn.init.normal_(e.weight, std=0.01)
         for e in self.first:
             nn.init.zeros_(e.weight)
         self.linear = nn.Linear(n_dense, 1)
-        layers, d = [], len(table_sizes) * dim + n_dense
-        for h in mlp:
-            layers += [nn.Linear(d, h), nn.ReLU()]
-            d = h
-        self.mlp = nn.Sequential(*layers, nn.Linear(d, 1))
+        self.mlp = make_mlp(len(table_sizes) * dim + n_dense, mlp)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        emb = torch.stack([e(sparse[:, j]) for j, e in enumerate(self.emb)], 1)  # [B, F, D]
-        first = torch.cat([e(sparse[:, j]) for j, e in enumerate(self.first)], 1).sum(1)
+        if self.shared:  # [B, F] ids + field offsets → one lookup of [B, F, D]
+            ids = sparse + self.offsets
+            emb, first = self.emb[0](ids), self.first[0](ids).sum((1, 2))
+        else:
+            emb = torch.stack([e(sparse[:, j]) for j, e in enumerate(self.emb)], 1)  # [B, F, D]
+            first = torch.cat([e(sparse[:, j]) for j, e in enumerate(self.first)], 1).sum(1)
         fm = 0.5 * (emb.sum(1).pow(2) - emb.pow(2).sum(1)).sum(1)
         deep = self.mlp(torch.cat([emb.flatten(1), dense], 1)).squeeze(1)
         return first + self.linear(dense).squeeze(1) + fm + deep
+
+
+def mlp_bound(width: int, batch: int, steps: int, lr: float) -> float:
+    """Samples/s of the MLP alone: forward, backward and Adam on random [batch, width] inputs."""
+    mlp = make_mlp(width, [400, 400, 400])
+    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
+    x, y = torch.randn(batch, width), torch.randint(0, 2, (batch,)).float()
+    for step in range(steps + 3):
+        if step == 3:  # after warm-up
+            t0 = time.perf_counter()
+        loss = F.binary_cross_entropy_with_logits(mlp(x).squeeze(1), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return steps * batch / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -63,13 +96,21 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", choices=["shared", "per_field"], default="shared")
+    p.add_argument("--mlp-only", action="store_true", help="the MLP alone: the dense-compute bound")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     store = ColumnarStore(args.store)
-    train, test = store.split("train", mmap=False), store.split("test", mmap=False)
     sizes = [store.table_sizes[c] for c in store.categorical_names]
-    model = PlainDeepFM(sizes, len(store.dense_names), args.dim, [400, 400, 400])
+    if args.mlp_only:
+        steps = store.meta["splits"]["train"] // args.batch * args.epochs
+        width = len(sizes) * args.dim + len(store.dense_names)
+        print(json.dumps({"samples_per_s": mlp_bound(width, args.batch, steps, args.lr), "test_auc": None,
+                          "test_logloss": None}))
+        return
+    train, test = store.split("train", mmap=False), store.split("test", mmap=False)
+    model = PlainDeepFM(sizes, len(store.dense_names), args.dim, [400, 400, 400], args.layout == "shared")
     sparse_params = [p for m in (*model.emb, *model.first) for p in m.parameters()]
     ids = {id(p) for p in sparse_params}
     dense_opt = torch.optim.Adam([p for p in model.parameters() if id(p) not in ids], lr=args.lr)

@@ -1,14 +1,20 @@
-"""Training throughput: the project's pipeline vs. a plain PyTorch DeepFM, same data, one run.
+"""Training throughput: the project's pipeline vs. plain PyTorch DeepFMs and the dense-compute bound.
 
-    python benchmarks/throughput.py --rows 2000000 --batch 8192 --epochs 1 [--precision bf16-mixed]
+    python benchmarks/throughput.py --rows 2000000 --batch 8192 --epochs 1 --repeats 2 [--precision bf16-mixed]
 
-Both train DeepFM (embedding dim 16, MLP 400-400-400, Adam for the dense part) on the same
-preprocessed synthetic Criteo-format data, each in its own subprocess with the same number of
-threads; the project through ``python -m pipeline.commands.train`` (TorchRec, Lightning, its data path,
-FBGEMM's fused row-wise Adagrad for the tables), the reference by ``benchmarks/reference_deepfm.py``
-(``nn.Embedding(sparse=True)`` + SparseAdam). Prints samples/s (training only), peak RSS, test AUC
-and the ratio project / reference. With ``--repeats N`` the two runs alternate N times (the
-machine's speed drifts between runs) and the table gives the median of each, with every pair's ratio.
+Every run trains DeepFM (embedding dim 16, MLP 400-400-400, Adam for the dense part) on the same
+preprocessed synthetic Criteo-format data, each in its own subprocess with the same number of threads:
+
+* the project, through ``python -m pipeline.commands.train`` (TorchRec, Lightning, its data path,
+  FBGEMM's fused row-wise Adagrad for the tables);
+* the baseline, ``benchmarks/reference_deepfm.py --layout shared``: one shared embedding table with
+  per-field offsets, ``nn.Embedding(sparse=True)`` + SparseAdam — what a user would write;
+* the weaker per-field baseline (an ``nn.Embedding`` per field), the one earlier numbers used;
+* the bound: the MLP alone (forward, backward, Adam) at the same batch size and threads.
+
+The four alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs). Prints
+the median samples/s (training only), peak RSS and test AUC of each, and per round the project's
+ratio to the shared-table baseline and to the bound.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def main() -> None:
     p.add_argument("--precision", default="32-true", help="project's trainer.precision (e.g. bf16-mixed)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "data"))
-    p.add_argument("--skip-reference", action="store_true")
+    p.add_argument("--skip-reference", action="store_true", help="the project alone")
     p.add_argument("--repeats", type=int, default=1, help="alternate project and reference this many times")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for the project run")
     args = p.parse_args()
@@ -80,29 +86,38 @@ def main() -> None:
                    "logger.experiment_name=throughput", *args.extra]
     reference_cmd = [sys.executable, str(ROOT / "benchmarks" / "reference_deepfm.py"), str(store.root),
                      "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads", str(args.threads)]
-    project: list[tuple[float, float, float]] = []    # (samples/s, peak RSS MiB, test AUC) per run
-    reference: list[tuple[float, float, float]] = []
+    baselines = {"plain PyTorch, one shared table (baseline)": ["--layout", "shared"],
+                 "plain PyTorch, a table per field": ["--layout", "per_field"],
+                 "MLP alone (dense-compute bound)": ["--mlp-only"]}
+    if args.skip_reference:
+        baselines = {}
+    runs: dict[str, list[tuple[float, float, float | None]]] = {"project (TorchRec + Lightning)": []}
+    runs.update({name: [] for name in baselines})
     for i in range(args.repeats):
         _, rss = _run_measured([*project_cmd, f"hydra.run.dir={tmp}/run{i}"], env)
         result = read_result(tmp / f"run{i}")
-        project.append((result.samples_per_s, rss, result.test_auc))
-        if not args.skip_reference:
-            out, rss = _run_measured(reference_cmd, env)
+        runs["project (TorchRec + Lightning)"].append((result.samples_per_s, rss, result.test_auc))
+        for name, extra in baselines.items():
+            out, rss = _run_measured([*reference_cmd, *extra], env)
             r = json.loads(out.strip().splitlines()[-1])
-            reference.append((r["samples_per_s"], rss, r["test_auc"]))
-    runs = {"project (TorchRec + Lightning)": project, "plain PyTorch reference": reference}
-    rows = [(name, *map(statistics.median, zip(*values))) for name, values in runs.items() if values]
-    base = rows[-1][1]
+            runs[name].append((r["samples_per_s"], rss, r["test_auc"]))
     print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
           f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {args.precision}"
-          f"{f', median of {args.repeats} alternating runs' if args.repeats > 1 else ''}\n")
-    print("| run | samples/s | peak RSS MiB | test AUC | speed vs reference |")
-    print("|---|---:|---:|---:|---:|")
-    for name, sps, rss, auc in rows:
-        print(f"| {name} | {sps:,.0f} | {rss:,.0f} | {auc:.4f} | {sps / base:.2f}× |")
-    if args.repeats > 1 and not args.skip_reference:
-        print("\nper pair, project / reference samples/s: "
-              + ", ".join(f"{p[0]:,.0f} / {r[0]:,.0f} = {p[0] / r[0]:.2f}×" for p, r in zip(project, reference)))
+          f"{f', median of {args.repeats} alternating rounds' if args.repeats > 1 else ''}\n")
+    print("| run | samples/s | peak RSS MiB | test AUC |")
+    print("|---|---:|---:|---:|")
+    for name, values in runs.items():
+        aucs = [a for _, _, a in values if a is not None]
+        auc = f"{statistics.median(aucs):.4f}" if aucs else "–"
+        print(f"| {name} | {statistics.median(v[0] for v in values):,.0f} | "
+              f"{statistics.median(v[1] for v in values):,.0f} | {auc} |")
+    if baselines:
+        project = runs["project (TorchRec + Lightning)"]
+        shared, per_field, bound = (runs[name] for name in baselines)
+        print("\n| round | project / shared-table baseline | project / per-field baseline | project / MLP bound |")
+        print("|---:|---:|---:|---:|")
+        for i, (p, s_, f_, b_) in enumerate(zip(project, shared, per_field, bound), 1):
+            print(f"| {i} | {p[0] / s_[0]:.2f}× | {p[0] / f_[0]:.2f}× | {p[0] / b_[0]:.2f}× |")
 
 
 if __name__ == "__main__":
