@@ -31,13 +31,15 @@ class CheckpointRun:
     model_cfg: ModelConfig
     data: DataConfig
     store: ColumnarStore
+    mlflow_run_id: str | None
 
 
 def checkpoint_run(checkpoint: str | os.PathLike) -> CheckpointRun:
     """The checkpoint's run description (checked against its manifest first); the store it trained on
     must be on this machine (its vocabularies)."""
     path = checked_checkpoint(checkpoint)
-    run = read_rank0_state(path)["pipeline"].get("run")
+    state = read_rank0_state(path)["pipeline"]
+    run = state.get("run")
     if run is None:
         raise BundleError(f"{path}: the checkpoint does not describe its model and data (written by an older "
                           f"version); use the model folder of a newer run instead")
@@ -45,4 +47,5 @@ def checkpoint_run(checkpoint: str | os.PathLike) -> CheckpointRun:
         store = ColumnarStore(run["store"])
     except (FileNotFoundError, ValueError) as e:
         raise BundleError(f"{path}: the store the run trained on is needed for its vocabularies: {e}") from None
-    return CheckpointRun(path, ModelConfig(**run["model"]), declaration_from(run["data"]), store)
+    return CheckpointRun(path, ModelConfig(**run["model"]), declaration_from(run["data"]), store,
+                         state.get("mlflow_run_id"))

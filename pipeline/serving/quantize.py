@@ -75,10 +75,11 @@ def _split(q: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | No
     return q[:, :-SCALE_BIAS_BYTES], q[:, -SCALE_BIAS_BYTES:]
 
 
-def use_quantized_tables(model: nn.Module, tables: dict[str, torch.Tensor], dtype: str) -> None:
+def use_quantized_tables(model: nn.Module, tables: dict[str, torch.Tensor], dtype: str) -> list[str]:
     """Replace every (float) ``EmbeddingBagCollection`` / ``EmbeddingCollection`` of ``model`` by TorchRec's
     quantized one over ``tables``: parameter name (``<module>.embedding_bags.<table>.weight``) → its
-    quantized rows."""
+    quantized rows. Returns the names of the replaced modules."""
+    replaced = []
     for name, module in list(model.named_modules()):
         if isinstance(module, EmbeddingBagCollection):
             configs, member, quantized = module.embedding_bag_configs(), "embedding_bags", QuantEmbeddingBagCollection
@@ -96,3 +97,5 @@ def use_quantized_tables(model: nn.Module, tables: dict[str, torch.Tensor], dtyp
                                 row_alignment=1, **kwargs)  # rows as stored (FBGEMM's CPU default; TorchRec's: 16)
         parent_name, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attribute, replacement)
+        replaced.append(name)
+    return replaced

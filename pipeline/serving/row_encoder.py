@@ -93,8 +93,7 @@ class RowEncoder:
         categorical = [f for f in decls if f.type == "categorical"]
         sources = list(dict.fromkeys(f.source for f in categorical))
         values = frame[sources].to_numpy(dtype=object).T.ravel() if sources else np.zeros(0, object)
-        codes, distinct = factorized_string_keys(pa.array([None if _missing(v) else str(v) for v in values],
-                                                          pa.string()))
+        codes, distinct = factorized_string_keys(_strings(values))
         keys = distinct[codes].reshape(len(sources), n)[[sources.index(f.source) for f in categorical]].ravel()
         if self.joint is None:
             ids = hashed_ids(keys, self.hash_buckets)
@@ -156,6 +155,11 @@ def _texts(values: pd.Series) -> pa.Array:
     """A categorical or sequence column: strings (numbers are read as their text), lists of strings."""
     if values.dtype == object and values.map(lambda v: isinstance(v, (list, tuple, np.ndarray))).any():
         return pa.array([None if v is None else [str(x) for x in v] for v in values], pa.list_(pa.string()))
+    return _strings(values)
+
+
+def _strings(values: Any) -> pa.Array:
+    """Raw values as an Arrow string array: each as its text, null where missing (null, NaN, "")."""
     return pa.array([None if _missing(v) else str(v) for v in values], pa.string())
 
 

@@ -15,7 +15,7 @@ from modules.models import build_model
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import BundleError
-from pipeline.serving.quantize import QuantEmbeddingBagCollection, QuantEmbeddingCollection, use_quantized_tables
+from pipeline.serving.quantize import use_quantized_tables
 from pipeline.serving.row_encoder import RowEncoder
 from pipeline.serving.source import model_source
 from pipeline.serving.weights import read_weights
@@ -43,29 +43,31 @@ class Scorer(RowEncoder):
 
     def __init__(self, path: str | os.PathLike, table_dir: Path | None = None, fused: bool = False) -> None:
         source = model_source(path)
-        self.folder, self.quantize = source.path, source.quantize
+        self.folder = source.path
         super().__init__(source.store_meta, source.data, source.vocab_root)
         self.model_cfg = source.model_cfg
         self.model = build_model(self.model_cfg, self.spec, device=torch.device("meta"))
         weights = read_weights(source, table_dir)
         kernel = source.quantize if source.quantize != "none" else "fp32" if fused else None
+        self.quantized: tuple[str, ...] = ()  # the modules scored by the fused kernel
         if kernel is not None:
             tables = [k for k in weights if is_table_parameter(k) and weights[k].dim() == 2]
-            use_quantized_tables(self.model, {k: weights.pop(k) for k in tables}, kernel)
+            self.quantized = tuple(use_quantized_tables(self.model, {k: weights.pop(k) for k in tables}, kernel))
         try:  # assign: the mapped tables become the parameters (no copy into fresh tables)
             loaded = self.model.load_state_dict(weights, assign=True, strict=kernel is None)
         except RuntimeError as e:
             raise BundleError(f"{self.folder}: the weights do not fit the model ({e})") from None
-        left = [k for k in (*loaded.missing_keys, *loaded.unexpected_keys) if not _quantized(self.model, k)]
+        left = [k for k in (*loaded.missing_keys, *loaded.unexpected_keys)
+                if not k.startswith(tuple(f"{m}." for m in self.quantized))]
         if left:
             raise BundleError(f"{self.folder}: the weights do not fit the model (keys {left[:5]})")
         self.model.eval()
 
     def table_bytes(self) -> int:
         """Bytes of the embedding tables as scored (float32, or quantized rows)."""
-        tables = [m for m in self.model.modules() if isinstance(m, QUANTIZED)]
-        if tables:
-            return sum(w.numel() * w.element_size() for m in tables for w in m.state_dict().values())
+        if self.quantized:
+            modules = [self.model.get_submodule(m) for m in self.quantized]
+            return sum(w.numel() * w.element_size() for m in modules for w in m.state_dict().values())
         return sum(p.numel() * p.element_size() for k, p in self.model.state_dict().items() if is_table_parameter(k))
 
     def score(self, arrays: SplitArrays, batch_size: int = 65536) -> np.ndarray:
@@ -75,18 +77,3 @@ class Scorer(RowEncoder):
     def score_frame(self, frame: pd.DataFrame) -> np.ndarray:
         """Probabilities of the rows of a DataFrame of raw columns."""
         return self.score(self.encode_frame(frame))
-
-
-QUANTIZED = (QuantEmbeddingBagCollection, QuantEmbeddingCollection)
-
-
-def _quantized(model: torch.nn.Module, key: str) -> bool:
-    """Whether state-dict ``key`` belongs to one of the model's quantized collections."""
-    module = model
-    for part in key.split(".")[:-1]:
-        module = getattr(module, part, None)
-        if module is None:
-            return False
-        if isinstance(module, QUANTIZED):
-            return True
-    return False

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from modules.models import ModelConfig
-from pipeline.checkpoint.discovery import read_rank0_state
 from pipeline.checkpoint.run_description import checkpoint_run, declaration_from
 from pipeline.data.dataset import DataConfig
 from pipeline.runtime.errors import BundleError
@@ -53,5 +52,4 @@ def model_source(path: str | os.PathLike) -> ModelSource:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise BundleError(f"{path / 'model.json'}: cannot read the model description ({e})") from None
     run = checkpoint_run(path)
-    run_id = read_rank0_state(run.path)["pipeline"].get("mlflow_run_id")
-    return ModelSource(run.path, run.model_cfg, run.data, run.store.meta, run.store.root, run_id, None)
+    return ModelSource(run.path, run.model_cfg, run.data, run.store.meta, run.store.root, run.mlflow_run_id, None)

@@ -35,6 +35,7 @@ import pipeline
 from pipeline.data.dataset import DataConfig
 from pipeline.runtime.errors import BundleError
 from pipeline.serving.scorer import Scorer
+from pipeline.serving.source import model_source
 
 log = logging.getLogger(__name__)
 CODE = [Path(package.__file__).resolve().parent for package in (pipeline, modules)]  # the model's code_paths
@@ -90,7 +91,7 @@ def save_pyfunc(bundle: Path, example: pd.DataFrame, out: Path, signature: bool 
     """Write the MLflow model folder of ``bundle`` at ``out`` (replacing it). Without ``signature`` (and then
     without the input example, from which MLflow would infer one) MLflow checks no column itself; the
     scorer's own checks still answer a missing or unreadable column with a 400 naming it."""
-    data = Scorer(bundle).reading(label=False)
+    data = model_source(bundle).data  # the signature and column kinds leave out its label
     example = example.head(5).reset_index(drop=True)
     shutil.rmtree(out, ignore_errors=True)
     threads = torch.get_num_threads()  # MLflow may load the model here to check the example
