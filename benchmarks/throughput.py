@@ -10,7 +10,8 @@ preprocessed synthetic Criteo-format data, each in its own subprocess with the s
 * the baseline, ``benchmarks/reference_deepfm.py --layout shared``: one shared embedding table with
   per-field offsets, ``nn.Embedding(sparse=True)`` + SparseAdam — what a user would write;
 * the weaker per-field baseline (an ``nn.Embedding`` per field), the one earlier numbers used;
-* the bound: the MLP alone (forward, backward, Adam) at the same batch size and threads.
+* the bound: the MLP alone (forward, backward, Adam) at the same batch size and threads, and the same
+  with the gradient of its embedding input (which any DeepFM computes: the bound it can reach).
 
 The four alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs). Prints
 the median samples/s (training only), peak RSS and test AUC of each, and per round the project's
@@ -88,7 +89,8 @@ def main() -> None:
                      "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads", str(args.threads)]
     baselines = {"plain PyTorch, one shared table (baseline)": ["--layout", "shared"],
                  "plain PyTorch, a table per field": ["--layout", "per_field"],
-                 "MLP alone (dense-compute bound)": ["--mlp-only"]}
+                 "MLP alone (dense-compute bound)": ["--mlp-only"],
+                 "MLP alone + embedding input gradient": ["--mlp-only", "--input-grad"]}
     if args.skip_reference:
         baselines = {}
     runs: dict[str, list[tuple[float, float, float | None]]] = {"project (TorchRec + Lightning)": []}
@@ -113,11 +115,12 @@ def main() -> None:
               f"{statistics.median(v[1] for v in values):,.0f} | {auc} |")
     if baselines:
         project = runs["project (TorchRec + Lightning)"]
-        shared, per_field, bound = (runs[name] for name in baselines)
-        print("\n| round | project / shared-table baseline | project / per-field baseline | project / MLP bound |")
-        print("|---:|---:|---:|---:|")
-        for i, (p, s_, f_, b_) in enumerate(zip(project, shared, per_field, bound), 1):
-            print(f"| {i} | {p[0] / s_[0]:.2f}× | {p[0] / f_[0]:.2f}× | {p[0] / b_[0]:.2f}× |")
+        shared, per_field, bound, grad_bound = (runs[name] for name in baselines)
+        print("\n| round | project / shared-table baseline | project / per-field baseline | project / MLP bound "
+              "| project / MLP + input-gradient bound |")
+        print("|---:|---:|---:|---:|---:|")
+        for i, (p, s_, f_, b_, g_) in enumerate(zip(project, shared, per_field, bound, grad_bound), 1):
+            print(f"| {i} | {p[0] / s_[0]:.2f}× | {p[0] / f_[0]:.2f}× | {p[0] / b_[0]:.2f}× | {p[0] / g_[0]:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,13 @@
-"""Give freed heap memory back to the operating system (glibc ``malloc_trim``).
+"""glibc heap settings for training, and giving freed heap memory back (``mallopt``, ``malloc_trim``).
+
+A training step allocates and frees the same large blocks every step (activations and gradients of
+[8192, 400] floats, 13 MB each). Above glibc's mmap threshold each one is a fresh ``mmap``: the kernel
+zero-fills and faults in every 4 KiB page again, step after step (≈ 3,200 faults per block).
+:func:`keep_training_blocks` fixes the threshold at ``MMAP_THRESHOLD`` (32 MiB, glibc's own upper
+bound for its adaptive threshold, so no new size class reaches the heap) and the trim threshold at
+``TRIM_THRESHOLD``, so freed blocks stay in the heap and the next step reuses them without page faults:
+2-5 % more samples/s at batch 8,192 (docs/throughput.md), same numbers. Peak memory does not grow:
+the blocks are the ones the step holds at its peak anyway.
 
 Evaluating with large batches (16K rows: activations of tens of MB per layer) leaves glibc's heap
 holding freed blocks it does not return: on a 45M-row log the test pass of 4.5M rows grew the
@@ -13,16 +22,28 @@ import ctypes
 import ctypes.util
 
 EVERY = 20
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
 
 
-def _malloc_trim():
+def _libc_function(name: str):
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
 
 
-_TRIM = _malloc_trim()
+_TRIM = _libc_function("malloc_trim")
+_MALLOPT = _libc_function("mallopt")
+
+
+def keep_training_blocks() -> bool:
+    """Keep freed blocks of up to 32 MiB in the heap (see the module docstring); False where the C
+    library has no ``mallopt`` or refuses a setting."""
+    if _MALLOPT is None:
+        return False
+    return bool(_MALLOPT(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(_MALLOPT(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def trim() -> None:

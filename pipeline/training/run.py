@@ -19,6 +19,7 @@ from modules.topology import TopologySpec
 from pipeline.checkpoint.resume import resume_checkpoint
 from pipeline.config import RunConfig, check_runnable, parse_config
 from pipeline.data.datamodule import CTRDataModule
+from pipeline.runtime import heap
 from pipeline.runtime.hydra_job import output_dir as job_output_dir
 from pipeline.runtime.hydra_job import threads_per_job
 from pipeline.runtime.launch import world_from_env
@@ -62,7 +63,7 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
 
 
 def prepare_process(run_cfg: RunConfig) -> TopologySpec:
-    """This process's share of the topology: its NUMA node (CUDA), thread count and seeds."""
+    """This process's share of the topology: its NUMA node (CUDA), thread count, heap settings and seeds."""
     world, local_world = world_from_env()
     topology = run_cfg.topology.for_world(world, local_world)
     if topology.compute_device == "cuda":
@@ -70,6 +71,7 @@ def prepare_process(run_cfg: RunConfig) -> TopologySpec:
     threads = run_cfg.trainer.num_threads or threads_per_job()
     if threads:
         torch.set_num_threads(threads)
+    heap.keep_training_blocks()  # a step's large blocks reused, not re-faulted (pipeline/runtime/heap.py)
     L.seed_everything(run_cfg.seed, workers=True, verbose=False)
     # the batch moves itself to the device (pipeline.data.batches): Lightning's note on that is no news
     warnings.filterwarnings("ignore", message=".*overridden `transfer_batch_to_device`.*")
