@@ -6,16 +6,17 @@ Every run trains DeepFM (embedding dim 16, MLP 400-400-400, Adam for the dense p
 preprocessed synthetic Criteo-format data, each in its own subprocess with the same number of threads:
 
 * the project, through ``python -m pipeline.commands.train`` (TorchRec, Lightning, its data path,
-  FBGEMM's fused row-wise Adagrad for the tables);
+  FBGEMM's fused row-wise Adagrad for the tables), with its defaults and with ``model.stack_tables=true``
+  (the one-id features' tables as one stacked table: same model, one embedding backward);
 * the baseline, ``benchmarks/reference_deepfm.py --layout shared``: one shared embedding table with
   per-field offsets, ``nn.Embedding(sparse=True)`` + SparseAdam — what a user would write;
 * the weaker per-field baseline (an ``nn.Embedding`` per field), the one earlier numbers used;
 * the bound: the MLP alone (forward, backward, Adam) at the same batch size and threads, and the same
   with the gradient of its embedding input (which any DeepFM computes: the bound it can reach).
 
-The four alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs). Prints
+All six alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs). Prints
 the median samples/s (training only), peak RSS and test AUC of each, and per round the project's
-ratio to the shared-table baseline and to the bound.
+ratio (each variant) to the shared-table baseline and to the bounds.
 """
 
 from __future__ import annotations
@@ -93,12 +94,14 @@ def main() -> None:
                  "MLP alone + embedding input gradient": ["--mlp-only", "--input-grad"]}
     if args.skip_reference:
         baselines = {}
-    runs: dict[str, list[tuple[float, float, float | None]]] = {"project (TorchRec + Lightning)": []}
-    runs.update({name: [] for name in baselines})
+    variants = {"project (TorchRec + Lightning), defaults": [],
+                "project, model.stack_tables=true": ["model.stack_tables=true"]}
+    runs: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name in [*variants, *baselines]}
     for i in range(args.repeats):
-        _, rss = _run_measured([*project_cmd, f"hydra.run.dir={tmp}/run{i}"], env)
-        result = read_result(tmp / f"run{i}")
-        runs["project (TorchRec + Lightning)"].append((result.samples_per_s, rss, result.test_auc))
+        for j, (name, extra) in enumerate(variants.items()):
+            _, rss = _run_measured([*project_cmd, *extra, f"hydra.run.dir={tmp}/run{i}-{j}"], env)
+            result = read_result(tmp / f"run{i}-{j}")
+            runs[name].append((result.samples_per_s, rss, result.test_auc))
         for name, extra in baselines.items():
             out, rss = _run_measured([*reference_cmd, *extra], env)
             r = json.loads(out.strip().splitlines()[-1])
@@ -114,13 +117,14 @@ def main() -> None:
         print(f"| {name} | {statistics.median(v[0] for v in values):,.0f} | "
               f"{statistics.median(v[1] for v in values):,.0f} | {auc} |")
     if baselines:
-        project = runs["project (TorchRec + Lightning)"]
         shared, per_field, bound, grad_bound = (runs[name] for name in baselines)
-        print("\n| round | project / shared-table baseline | project / per-field baseline | project / MLP bound "
-              "| project / MLP + input-gradient bound |")
-        print("|---:|---:|---:|---:|---:|")
-        for i, (p, s_, f_, b_, g_) in enumerate(zip(project, shared, per_field, bound, grad_bound), 1):
-            print(f"| {i} | {p[0] / s_[0]:.2f}× | {p[0] / f_[0]:.2f}× | {p[0] / b_[0]:.2f}× | {p[0] / g_[0]:.2f}× |")
+        print("\n| round | project | / shared-table baseline | / per-field baseline | / MLP bound "
+              "| / MLP + input-gradient bound |")
+        print("|---:|---|---:|---:|---:|---:|")
+        for name in variants:
+            for i, (p, s_, f_, b_, g_) in enumerate(zip(runs[name], shared, per_field, bound, grad_bound), 1):
+                print(f"| {i} | {name.split(', ', 1)[1]} | {p[0] / s_[0]:.2f}× | {p[0] / f_[0]:.2f}× "
+                      f"| {p[0] / b_[0]:.2f}× | {p[0] / g_[0]:.2f}× |")
 
 
 if __name__ == "__main__":

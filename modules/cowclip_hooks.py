@@ -47,6 +47,7 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from modules.cowclip import Block, CowClipConfig, CowClipStats, RowBuckets, apply_cowclip, one_hot_ids
 from modules.embedding import (
     EMB_PREFIX,
+    STACKED_TABLE,
     WIDE_COLUMNS,
     WIDE_PREFIX,
     WIDE_SEQ_TABLE,
@@ -109,7 +110,9 @@ def _global_hook(kernel: nn.Module, rules: dict[str, bool], cfg: CowClipConfig, 
 
 def _local_hook(arch: SparseArch, rules: dict[str, bool], cfg: CowClipConfig, l2: float, stats: CowClipStats,
                 buckets: RowBuckets | None):
-    bucket_of = {False: [_lookup(buckets, [(EMB_PREFIX + arch.tables[f], 0)]) for f in arch.bag_fields],
+    own = [(STACKED_TABLE, 0)] * len(arch.bag_fields) if arch.stack else \
+        [(EMB_PREFIX + arch.tables[f], 0) for f in arch.bag_fields]
+    bucket_of = {False: [_lookup(buckets, [part]) for part in own],
                  True: [_lookup(buckets, [(WIDE_TABLE, 0)])] * len(arch.bag_fields)}
 
     def blocks(wide: bool, width: int, ids: torch.Tensor) -> list[Block]:

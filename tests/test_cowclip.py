@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from modules.cowclip import CowClipConfig, per_id_gradient
-from modules.embedding import FeatureSpec, SparseArch, wide_row_offsets
+from modules.embedding import STACKED_TABLE, FeatureSpec, SparseArch, wide_row_offsets
 from modules.embedding_l2 import DecayRule
 from tests.dist_utils import run_workers
 
@@ -35,9 +35,9 @@ L2 = 0.01
 class ClipModel(torch.nn.Module):
     """Embeddings → a fixed nonlinear score, so per-sample gradients differ."""
 
-    def __init__(self, device: torch.device | None = None, spec: FeatureSpec = SPEC) -> None:
+    def __init__(self, device: torch.device | None = None, spec: FeatureSpec = SPEC, stack: bool = False) -> None:
         super().__init__()
-        self.sparse_arch = SparseArch(spec, DIM, init_std=0.3, wide=True, device=device)
+        self.sparse_arch = SparseArch(spec, DIM, init_std=0.3, wide=True, device=device, stack=stack)
 
     def forward(self, dense: torch.Tensor, features) -> torch.Tensor:
         emb, first = self.sparse_arch(features)
@@ -77,7 +77,17 @@ def row_buckets():
     from modules.cowclip import RowBuckets
 
     sizes = {**{f"emb_{f}": n for f, n in SPEC.table_sizes.items()}, "wide": sum(SPEC.table_sizes.values())}
-    return RowBuckets({t: torch.tensor([row_bucket(t, r) for r in range(n)]) for t, n in sizes.items()})
+    tables = {t: torch.tensor([row_bucket(t, r) for r in range(n)]) for t, n in sizes.items()}
+    tables[STACKED_TABLE] = torch.cat([tables[f"emb_{f}"] for f in SPEC.categorical])  # each table's rows, in turn
+    return RowBuckets(tables)
+
+
+def stacked_state(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A per-table state dict in the stacked layout: the emb_<f> tables' rows one after the other."""
+    out = {k: v for k, v in weights.items() if ".emb_" not in k}
+    out[f"sparse_arch.ebc.embedding_bags.{STACKED_TABLE}.weight"] = \
+        torch.cat([weights[f"sparse_arch.ebc.embedding_bags.emb_{f}.weight"] for f in SPEC.categorical])
+    return out
 
 
 class Reference:
@@ -158,13 +168,13 @@ class Reference:
 
 
 def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: str, scope: str,
-            l2_scope: str = "batch", steps: int = STEPS) -> None:
+            l2_scope: str = "batch", steps: int = STEPS, stack: bool = False) -> None:
     for opt in optimizers:
-        _check(rank, world, opt, sharding_type, scope, l2_scope, steps)
+        _check(rank, world, opt, sharding_type, scope, l2_scope, steps, stack)
 
 
 def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_scope: str = "batch",
-           steps: int = STEPS) -> None:
+           steps: int = STEPS, stack: bool = False) -> None:
     from modules.cowclip_hooks import attach_cowclip
     from modules.optimizers import OptimizerSpec, build_optimizer, replicated_parameters
     from modules.sharding import shard_model
@@ -174,11 +184,11 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_s
 
     weights = initial_weights()
     cfg = CowClipConfig(**{**CFG.__dict__, "scope": scope})
-    net = ClipModel(device=torch.device("meta"))
+    net = ClipModel(device=torch.device("meta"), stack=stack)
     spec = OptimizerSpec(opt, LR[opt])
     topology = TopologySpec(compute_device="cpu", sharding_types=[sharding_type])
     dmp, _ = shard_model(net, spec, topology, torch.device("cpu"))
-    dmp.load_state_dict(weights)
+    dmp.load_state_dict(stacked_state(weights) if stack else weights)
     hooks = attach_cowclip(dmp, cfg, L2, l2_scope, DecayRule(opt, L2), row_buckets())
     stats = hooks.stats
     dense_kernel = [p for _, p in replicated_parameters(dmp)]
@@ -212,6 +222,8 @@ def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_s
             seen, clipped = stats.take_buckets()
             assert seen.tolist() == reference.bucket_seen.tolist() and \
                 clipped.tolist() == reference.bucket_clipped.tolist(), (seen, clipped, reference.bucket_seen)
+    if stack:  # the reference's per-table weights in the stacked layout
+        reference.w[STACKED_TABLE] = torch.cat([reference.w[f"emb_{f}"] for f in SPEC.categorical])
     for key, value in dmp.state_dict().items():
         want = reference.w[key.split(".")[-2]].float()
         shards = value.local_shards() if hasattr(value, "local_shards") else None
@@ -233,6 +245,16 @@ def test_single_process_every_optimizer(scope):
 @pytest.mark.parametrize("scope", ["global", "local"])
 def test_two_ranks(sharding_type, scope):
     run_workers(_worker, 2, ("adagrad", "rowwise_adagrad"), sharding_type, scope)
+
+
+# model.stack_tables: the emb tables as rows of one table; the same per-table reference, to the same tolerance
+@pytest.mark.parametrize("world,sharding_type,scope,optimizers", [
+    (1, "table_wise", "global", ("sgd", "adagrad", "rowwise_adagrad", "adam")),
+    (1, "table_wise", "local", ("rowwise_adagrad",)),
+    (2, "row_wise", "global", ("rowwise_adagrad",)),
+])
+def test_stacked_tables(world, sharding_type, scope, optimizers):
+    run_workers(_worker, world, optimizers, sharding_type, scope, "batch", STEPS, True)
 
 
 def test_two_ranks_other_optimizers():

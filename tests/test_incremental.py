@@ -142,6 +142,9 @@ def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
         [0, 1, -1, -1, -1]
     assert row_sources("sparse_arch.ebc.embedding_bags.wide.weight", old, new, 11, reused).tolist() == \
         [0, 1, 2, 3, -1, -1, 4, 5, -1, -1, -1]
+    # model.stack_tables: the emb tables stacked in the first-order table's layout, so the same rows move
+    assert row_sources("sparse_arch.ebc.embedding_bags.stacked.weight", old, new, 11, reused).tolist() == \
+        [0, 1, 2, 3, -1, -1, 4, 5, -1, -1, -1]
 
 
 def test_daily_driver_logs_a_run_per_day_and_the_next_day_auc(days, tmp_path):

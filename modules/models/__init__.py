@@ -44,6 +44,7 @@ class ModelConfig:
     low_rank: Optional[int] = None
     num_experts: Optional[int] = None
     wide: Optional[bool] = None
+    stack_tables: bool = False   # the bag collection's tables as one stacked table (modules/embedding.py)
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:

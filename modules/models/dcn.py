@@ -29,11 +29,11 @@ class DCN(nn.Module):
     def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
                  dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01, cross: str = "vector",
                  cross_layers: int = 3, low_rank: int | None = None, num_experts: int = 4, wide: bool = False,
-                 device: torch.device | None = None) -> None:
+                 stack_tables: bool = False, device: torch.device | None = None) -> None:
         super().__init__()
         if cross not in CROSS_TYPES:
             raise ValueError(f"model.cross={cross!r}: expected one of {CROSS_TYPES}")
-        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=wide, device=device)
+        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=wide, device=device, stack=stack_tables)
         width = len(spec.sparse) * embedding_dim + len(spec.dense)
         if cross == "vector":
             self.cross = VectorCrossNet(width, cross_layers)

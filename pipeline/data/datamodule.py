@@ -8,7 +8,7 @@ import lightning as L
 import torch
 
 from modules.cowclip import RowBuckets, frequency_bucket
-from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
+from modules.embedding import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
 from pipeline.data.batches import BatchLoader
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import prepare_store, store_dir
@@ -70,6 +70,8 @@ class CTRDataModule(L.LightningDataModule):
                     part = tables[EMB_PREFIX + spec.table_of(f)]
                     wide[offsets[f]:offsets[f] + len(part)] = part
                 tables[name] = wide
+        if WIDE_TABLE in tables:
+            tables[STACKED_TABLE] = tables[WIDE_TABLE]  # the same tables' rows in the same layout
         return RowBuckets(tables)
 
     def _loader(self, split: str, train: bool) -> BatchLoader:

@@ -26,7 +26,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from modules.embedding import EMB_PREFIX, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, is_table_parameter, wide_row_offsets
+from modules.embedding import (
+    EMB_PREFIX,
+    STACKED_TABLE,
+    WIDE_SEQ_TABLE,
+    WIDE_TABLE,
+    FeatureSpec,
+    is_table_parameter,
+    wide_row_offsets,
+)
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import read_vocabulary
@@ -73,8 +81,8 @@ def lineage_tags(path: str | None) -> dict[str, str]:
 def _segments(spec: FeatureSpec, name: str) -> dict[str, tuple[int, int]]:
     """Table → (first row, rows) inside the parameter ``name`` (an ``emb_<t>`` table or a first-order table)."""
     table = name.split(".")[-2]
-    if table in (WIDE_TABLE, WIDE_SEQ_TABLE):
-        features = spec.bag_features if table == WIDE_TABLE else spec.seq_features
+    if table in (WIDE_TABLE, WIDE_SEQ_TABLE, STACKED_TABLE):  # several tables' rows, at offsets
+        features = spec.seq_features if table == WIDE_SEQ_TABLE else spec.bag_features
         offsets = wide_row_offsets(spec, features)
         return {spec.table_of(f): (offsets[f], spec.table_sizes[spec.table_of(f)]) for f in features}
     t = table[len(EMB_PREFIX):]

@@ -1,0 +1,55 @@
+"""What :class:`modules.embedding.SparseArch` feeds its collections and does with their rows.
+
+Tables that share one physical table at row offsets (the first-order table, and the stacked table of
+``model.stack_tables``) are read with ids shifted into their rows:
+
+    key f                 ids_f + o_f  if f's own table is stacked, else ids_f
+    key wide_f (added)    ids_f + o_f                              (rows of the first-order table)
+
+``o_f`` is the first row of f's table (:func:`modules.embedding.wide_row_offsets`); both shared tables
+lay the same tables out in the same order, so one shift serves both.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+
+def shifted_keys(features: KeyedJaggedTensor, offsets: torch.Tensor, dtype: torch.dtype | None,
+                 shift_own: bool, added_keys: Sequence[str] = ()) -> KeyedJaggedTensor:
+    """``features`` with each key's ids shifted by its ``offsets`` [K] when ``shift_own``, then one more
+    key per key (``added_keys``, may be empty) with the same bags and the shifted ids. ``dtype``: the ids'
+    type (None: as they are; int64 when the shifted rows pass 2³¹)."""
+    keys = features.keys()
+    values, lengths = features.values(), features.lengths()
+    per_key = lengths.view(len(keys), -1).sum(dim=1)  # on the device: no host round trip
+    shift = torch.repeat_interleave(offsets.to(values.device), per_key, output_size=values.numel())
+    ids = values.to(dtype or values.dtype)
+    shifted = ids + shift
+    own = shifted if shift_own else ids
+    known = features.length_per_key_or_none()  # passed on when cached: TorchRec's input split sizes
+    if not added_keys:
+        return KeyedJaggedTensor(keys=keys, values=own, lengths=lengths, stride=features.stride(),
+                                 length_per_key=known)
+    if len(added_keys) != len(keys):
+        raise ValueError(f"{len(added_keys)} added keys for {len(keys)} keys")
+    return KeyedJaggedTensor(keys=keys + list(added_keys), values=torch.cat([own, shifted]),
+                             lengths=torch.cat([lengths, lengths]), stride=features.stride(),
+                             length_per_key=None if known is None else known * 2)
+
+
+def pool_bags(rows: torch.Tensor, lengths: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Pool ``rows`` [N, D] into bags of ``lengths`` [K·B] (key-major): the sum, divided by the length for
+    the keys where ``mean`` [K] is set. Returns [K·B, D]; an empty bag pools to 0."""
+    bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths,
+                                   output_size=rows.shape[0])
+    pooled = torch.zeros(lengths.numel(), rows.shape[1], dtype=rows.dtype, device=rows.device).index_add_(0, bags, rows)
+    if bool(mean.any()):
+        per_key = lengths.view(mean.numel(), -1)
+        divisor = torch.where(mean[:, None], per_key.clamp_min(1), torch.ones_like(per_key)).reshape(-1, 1)
+        pooled = pooled / divisor.to(rows.dtype)
+    return pooled
+
