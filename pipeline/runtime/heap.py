@@ -1,13 +1,15 @@
 """glibc heap settings for training, and giving freed heap memory back (``mallopt``, ``malloc_trim``).
 
 A training step allocates and frees the same large blocks every step (activations and gradients of
-[8192, 400] floats, 13 MB each). Above glibc's mmap threshold each one is a fresh ``mmap``: the kernel
-zero-fills and faults in every 4 KiB page again, step after step (≈ 3,200 faults per block).
-:func:`keep_training_blocks` fixes the threshold at ``MMAP_THRESHOLD`` (32 MiB, glibc's own upper
-bound for its adaptive threshold, so no new size class reaches the heap) and the trim threshold at
-``TRIM_THRESHOLD``, so freed blocks stay in the heap and the next step reuses them without page faults:
-2-5 % more samples/s at batch 8,192 (docs/throughput.md), same numbers. Peak memory does not grow:
-the blocks are the ones the step holds at its peak anyway.
+[8192, 400] floats, 13 MB each). A block above glibc's mmap threshold is a fresh ``mmap``: the kernel
+zero-fills and faults in its 3,200 pages again, step after step. glibc's adaptive threshold moves such
+blocks onto the heap once one is freed, but then trims the heap top whenever more than twice that
+size is free, so blocks are still faulted in again on many steps (10 steps of six 13 MB blocks:
+192k page faults when every block is mapped, 25k-192k with glibc's defaults from run to run).
+:func:`keep_training_blocks` fixes the threshold at ``MMAP_THRESHOLD`` (32 MiB, the upper bound of
+glibc's adaptive one) and the trim threshold at ``TRIM_THRESHOLD``: after the heap has settled (three
+such steps) the blocks are reused with no page fault. 2-5 % more samples/s at batch 8,192, same
+numbers; peak RSS of the benchmark runs did not grow (docs/throughput.md).
 
 Evaluating with large batches (16K rows: activations of tens of MB per layer) leaves glibc's heap
 holding freed blocks it does not return: on a 45M-row log the test pass of 4.5M rows grew the
