@@ -15,8 +15,7 @@ from pipeline.runtime import heap
 if sys.argv[1] == "keep":
     assert heap.keep_training_blocks()
 else:  # every block a fresh mmap, as glibc does whenever its adaptive threshold is below the block size
-    import ctypes
-    assert ctypes.CDLL(None).mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: glibc's default, fixed
+    assert heap._MALLOPT(heap._M_MMAP_THRESHOLD, 128 << 10)  # glibc's default threshold, fixed
 def step():  # six [8192, 400] float blocks (13 MB each) alive together, then freed, as in a training step
     blocks = [torch.ones(8192, 400) for _ in range(6)]
     return sum(float(b[-1, -1]) for b in blocks)
