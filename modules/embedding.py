@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from itertools import accumulate
 from typing import Any, Sequence
 
 import torch
@@ -56,7 +57,7 @@ from torchrec import (
     PoolingType,
 )
 
-from modules.lookup_inputs import pool_bags, shifted_keys
+from modules.lookup_inputs import pool_bags, shifted_keys, stacked_normal_
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -179,11 +180,10 @@ def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: 
     normal = partial(nn.init.normal_, mean=0.0, std=init_std)
     tables = [make(name=EMB_PREFIX + t, embedding_dim=embedding_dim, num_embeddings=spec.table_sizes[t],
                    feature_names=names, init_fn=normal) for t, names in by_table.items()]
-    if stack and not unpooled and tables:
-        if any(len(names) > 1 for names in by_table.values()):  # a bag feature's table is its own (see spec)
-            raise ValueError(f"tables read by several bag features cannot be stacked: {by_table}")
-        tables = [make(name=STACKED_TABLE, embedding_dim=embedding_dim, feature_names=list(features), init_fn=normal,
-                       num_embeddings=sum(t.num_embeddings for t in tables))]
+    if stack and not unpooled and tables:  # a bag feature's table is its own (FeatureSpec.unpooled_tables)
+        bounds = list(accumulate((t.num_embeddings for t in tables), initial=0))
+        tables = [make(name=STACKED_TABLE, embedding_dim=embedding_dim, feature_names=list(features),
+                       init_fn=partial(stacked_normal_, bounds=bounds, std=init_std), num_embeddings=bounds[-1])]
     if wide and features:
         clash = [f for f in features if f.startswith(WIDE_PREFIX)]
         if clash:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ShardingType
 
 from modules.topology import GB, TableOverride, TopologySpec
 
@@ -204,6 +205,26 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
                              f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
                              f"topology.ssd.cap_gb, or use smaller tables")
     return place
+
+
+def stacking_blocker(placements: Mapping[str, Placement], tables: Sequence[str], topology: TopologySpec) -> str | None:
+    """Why ``tables``, placed one by one, should not become one stacked table (``model.stack_tables=auto``,
+    :mod:`modules.table_stacking`); None: stacking gains and loses nothing else. The gain is FBGEMM's CPU
+    backward running once instead of per table; on GPU its kernel already takes all tables at once. A
+    stacked table has one tier and, table-wise, one rank: what the tables get anyway when none is forced
+    in ``topology.table_overrides``, all are in host memory (``ssd`` files are per table), and there is
+    one rank or row-wise sharding may spread the stacked table over the ranks."""
+    if topology.compute_device != "cpu":
+        return "a GPU topology: FBGEMM's GPU kernel takes all tables at once, stacking would only narrow the plan"
+    forced = sorted(t for t in tables if t in topology.table_overrides)
+    if forced:
+        return f"topology.table_overrides names {forced[:3]}"
+    tiers = sorted({placements[t].tier for t in tables})
+    if tiers != ["host"]:
+        return f"the tables are placed on {' and '.join(tiers)}"
+    if topology.world_size > 1 and ShardingType.ROW_WISE.value not in topology.sharding_types:
+        return f"{topology.world_size} ranks and no row_wise in topology.sharding_types {topology.sharding_types}"
+    return None
 
 
 def _existing(path: str) -> str:

@@ -234,7 +234,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
             apply_optimizer_in_backward(OPTIMIZERS[embedding_optim.name], ebc.parameters(),
                                         embedding_optim.fused_kwargs())
     world = dist.get_world_size()
-    topology = topology.for_world(world, min(world, topology.ranks_per_node or world))
+    topology = topology.on_ranks(world)
     result = plan_model(model, embedding_optim, topology, coverage, collective=True, table_of=table_of)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
     with file_backed_tables(result.file_backed, topology.ssd.path or "", dist.get_rank()):

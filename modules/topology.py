@@ -100,6 +100,10 @@ class TopologySpec:
         """This topology as run: ``world_size`` ranks, ``ranks_per_node`` on each node."""
         return replace(self, ranks_per_node=ranks_per_node, nodes=max(1, world_size // ranks_per_node))
 
+    def on_ranks(self, world_size: int) -> "TopologySpec":
+        """This topology run on ``world_size`` ranks: ``ranks_per_node`` of them per node when set, else all on one."""
+        return self.for_world(world_size, min(world_size, self.ranks_per_node or world_size))
+
     @property
     def world_size(self) -> int:
         return self.nodes * (self.ranks_per_node or 1)

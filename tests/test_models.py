@@ -156,3 +156,29 @@ def _restore_worker(rank: int, world_size: int) -> None:
 
 def test_restore_best_weights_on_sharded_model():
     run_workers(_restore_worker, 2)
+
+
+def _stacked_init_worker(rank: int, world_size: int) -> None:
+    from modules.optimizers import OptimizerSpec
+    from modules.sharding import shard_model
+    from modules.topology import TopologySpec
+
+    states, outputs = {}, {}
+    _, batch = _batch(n=16, seed=4)
+    for stack in (False, True):
+        torch.manual_seed(7)
+        net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"), stack_tables=stack)
+        dmp, _ = shard_model(net, OptimizerSpec("rowwise_adagrad", 0.1), TopologySpec(compute_device="cpu"),
+                             torch.device("cpu"))
+        states[stack] = {k.rsplit(".", 2)[-2]: v.local_shards()[0].tensor if hasattr(v, "local_shards") else v
+                         for k, v in dmp.state_dict().items()}
+        outputs[stack] = dmp(batch.dense_features, batch.sparse_features).detach()
+    # the stacked table's rows are the tables' rows, one table after the other: the same draws
+    per_table = torch.cat([states[False][f"emb_{f}"] for f in SPEC.categorical])
+    assert torch.equal(states[True]["stacked"], per_table)
+    assert torch.equal(states[True]["wide"], states[False]["wide"])
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=0, atol=1e-6)
+
+
+def test_stacked_tables_start_as_the_tables_they_stack():
+    run_workers(_stacked_init_worker, 1)

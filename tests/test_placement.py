@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from modules.placement import PlacementError, TableInfo, place_tables
+from modules.placement import PlacementError, TableInfo, place_tables, stacking_blocker
 from modules.topology import GB, SsdSpec, TopologySpec
 from modules.zipf import zipf_coverage
 from pipeline.commands.plan import plan_for_config
@@ -104,6 +104,35 @@ def test_cpu_topology_keeps_tables_in_host_memory():
     spec = TopologySpec(name="cpu", compute_device="cpu")
     assert {p.tier for p in place_tables(_tables(), spec, "rowwise_adagrad").values()} == {"host"}
     assert {p.kernel for p in place_tables(_tables(), spec, "adam", fusable=False).values()} == {"dense"}
+
+
+def test_stacking_only_where_the_tables_would_share_tier_and_rank_anyway(tmp_path):
+    names = [t.name for t in _tables()]
+
+    def why(topology: TopologySpec) -> str | None:
+        return stacking_blocker(place_tables(_tables(), topology, "sgd"), names, topology)
+
+    cpu = TopologySpec(name="cpu", compute_device="cpu")
+    assert why(cpu) is None
+    assert "GPU" in why(_gpu(hbm_gb=80))
+    assert "'small'" in why(TopologySpec(compute_device="cpu", table_overrides={"small": {"tier": "host"}}))
+    # 1 GiB of host memory: the largest table goes to the ssd tier's files
+    small_host = TopologySpec(compute_device="cpu", ddr_cap_gb=1, ddr_reserve=0.0, ssd=SsdSpec(path=str(tmp_path)))
+    assert why(small_host) == "the tables are placed on host and ssd"
+    two = TopologySpec(compute_device="cpu", ranks_per_node=2)
+    assert "2 ranks" in why(two)
+    assert why(TopologySpec(compute_device="cpu", ranks_per_node=2, sharding_types=["table_wise", "row_wise"])) is None
+
+
+def test_plan_command_stacks_the_cpu_tables_unless_one_is_forced():
+    def emb_rows(overrides: list[str]) -> list[str]:
+        out = plan_for_config(compose_config(["topology=cpu", "data=criteo_kaggle_shape", *overrides]))
+        return [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| emb_")
+                or line.startswith("| stacked")]
+
+    assert emb_rows([]) == ["stacked"]
+    assert len(emb_rows(["+topology.table_overrides.emb_C3.tier=host"])) == 26
+    assert len(emb_rows(["model.stack_tables=false"])) == 26
 
 
 def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():

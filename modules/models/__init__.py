@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -44,13 +44,17 @@ class ModelConfig:
     low_rank: Optional[int] = None
     num_experts: Optional[int] = None
     wide: Optional[bool] = None
-    stack_tables: bool = False   # the bag collection's tables as one stacked table (modules/embedding.py)
+    # the bag collection's tables as one stacked table (modules/embedding.py): true | false | auto (decided
+    # against the topology before the model is built, modules/table_stacking.py)
+    stack_tables: Union[bool, str] = "auto"
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:
             raise ValueError(f"name={self.name!r} is not a known model; expected one of {sorted(MODELS)}")
         if self.embedding_dim <= 0 or self.embedding_dim % 4:
             raise ValueError(f"embedding_dim={self.embedding_dim}: must be a positive multiple of 4 (FBGEMM kernels)")
+        if not isinstance(self.stack_tables, bool) and self.stack_tables != "auto":
+            raise ValueError(f"stack_tables={self.stack_tables!r}: expected true, false or auto")
         taken = inspect.signature(MODELS[self.name]).parameters
         extra = [k for k, v in self.arguments().items() if k not in taken]
         if extra:
@@ -62,4 +66,7 @@ class ModelConfig:
 
 
 def build_model(cfg: ModelConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
+    if cfg.stack_tables == "auto":
+        raise ValueError("model.stack_tables=auto is decided against the topology before the model is built "
+                         "(modules.table_stacking.decide_stacking)")
     return MODELS[cfg.name](spec, device=device, **cfg.arguments())

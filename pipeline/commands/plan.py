@@ -16,6 +16,7 @@ from modules.embedding import FeatureSpec
 from modules.models import build_model
 from modules.plan_report import format_plan
 from modules.sharding import plan_model
+from modules.table_stacking import decide_stacking
 from modules.zipf import zipf_coverage
 from pipeline.commands.args import exit_on_user_error
 from pipeline.config import parse_config, register_configs
@@ -45,13 +46,15 @@ def plan_for_config(cfg: DictConfig) -> str:
     run = parse_config(cfg)
     topology = run.topology.for_world(run.topology.world_size, run.topology.ranks_per_node or 1)
     feature_spec, coverage = spec_and_coverage(run.data, run.paths.cache_dir)
-    model = build_model(run.model, feature_spec, device=torch.device("meta"))
     optim = run.optim.embedding
+    model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage)
+    model = build_model(model_cfg, feature_spec, device=torch.device("meta"))
     result = plan_model(model, optim, topology, coverage,
                         table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse})
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
-             f"embedding optimizer {optim.name}\n")
+             f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
+             f"({stacking})\n")
     return format_plan(result, optim.name, topology.world_size, title)
 
 

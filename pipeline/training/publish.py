@@ -64,7 +64,8 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
     except MlflowException as e:  # a resumed run with changed settings: parameters are immutable
         log.warning("MLflow kept the run's first parameters: %s", e)
     logger.log_hyperparams({**task.scaled_hyperparameters(), "cowclip/global_tables": len(task.cowclip.global_lookups),
-                            "cowclip/local_tables": len(task.cowclip.local_lookups)})
+                            "cowclip/local_tables": len(task.cowclip.local_lookups),
+                            "model/stacked_tables": task.model_cfg.stack_tables})
     meta = datamodule.store.meta
     throughput, comm, best = (find_callback(trainer.callbacks, cls) for cls in (TrainThroughput, CommAccounting,
                                                                                  BestValidation))

@@ -11,6 +11,7 @@ callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.training
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -21,17 +22,21 @@ import torch.nn.functional as F
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding import is_table_parameter
 from modules.embedding_l2 import DecayRule
-from modules.models import build_model
+from modules.models import ModelConfig, build_model
 from modules.optimizers import OptimizerChain, build_optimizer, replicated_parameters
 from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
+from modules.table_stacking import decide_stacking
 from modules.topology import TopologySpec
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap
+from pipeline.serving.source import model_source
 from pipeline.training.init_from import carry_optimizer_state, initialize_from, reused_positions
 from pipeline.training.metrics import CTRMetrics
 from pipeline.training.nonfinite import NonFiniteGuard
+
+log = logging.getLogger(__name__)
 
 
 class CTRTask(L.LightningModule):
@@ -68,6 +73,7 @@ class CTRTask(L.LightningModule):
         if self.model is not None:
             return
         data = self.trainer.datamodule
+        self.model_cfg = self._stacking_decided(data)
         net = build_model(self.model_cfg, data.feature_spec, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
         spec = data.feature_spec
@@ -84,6 +90,19 @@ class CTRTask(L.LightningModule):
                                       DecayRule(e.name, self.scaled.l2, e.eps, tuple(e.betas)), buckets)
         self.val_metrics.to(device)
         self.test_metrics.to(device)
+
+    def _stacking_decided(self, data: Any) -> ModelConfig:
+        """``model.stack_tables`` decided (:mod:`modules.table_stacking`); with ``trainer.init_from``, ``auto``
+        keeps the source's layout, so its rows and optimizer state map one to one."""
+        if self.init_from and self.model_cfg.stack_tables == "auto":
+            cfg = replace(self.model_cfg, stack_tables=model_source(self.init_from).model_cfg.stack_tables)
+            why = f"as trainer.init_from={self.init_from}"
+        else:
+            cfg, why = decide_stacking(self.model_cfg, data.feature_spec, self.topology, self.embedding_optim,
+                                       data.coverage)
+        if self.model_cfg.stack_tables == "auto":
+            log.info("model.stack_tables=auto: %s (%s)", str(cfg.stack_tables).lower(), why)
+        return cfg
 
     def on_train_start(self) -> None:
         """``trainer.init_from_optimizer``: the source checkpoint's optimizer state, once the optimizers exist."""
