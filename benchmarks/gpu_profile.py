@@ -116,13 +116,12 @@ def main() -> None:
 
     from dataclasses import replace
 
-    from hydra import compose, initialize_config_dir
-
     from modules.models import build_model
     from modules.optimizers import replicated_parameters
     from modules.sharding import shard_model
+    from modules.table_stacking import decide_stacking
     from pipeline.commands.plan import spec_and_coverage
-    from pipeline.config import parse_config, register_configs
+    from pipeline.config import compose_run_config
     from pipeline.data.store import FIRST_VOCAB_ID
 
     device = torch.device(args.device)
@@ -130,16 +129,15 @@ def main() -> None:
         torch.cuda.set_device(0)
     _init_single_process_group(device)
     topology = "1gpu" if device.type == "cuda" else "cpu"
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = parse_config(compose(config_name="config", overrides=[
-            "data=criteo_kaggle_shape", f"topology={topology}", f"optim.embedding.name={args.embedding_optimizer}",
-            "model=deepfm", f"model.embedding_dim={args.dim}", f"model.mlp=[{','.join(map(str, args.mlp))}]",
-            "model.dropout=0.0", "model.batch_norm=false", "model.init_std=0.01"]))
+    cfg = compose_run_config([
+        "data=criteo_kaggle_shape", f"topology={topology}", f"optim.embedding.name={args.embedding_optimizer}",
+        "model=deepfm", f"model.embedding_dim={args.dim}", f"model.mlp=[{','.join(map(str, args.mlp))}]",
+        "model.dropout=0.0", "model.batch_norm=false", "model.init_std=0.01"])
     spec, coverage = spec_and_coverage(cfg.data, cfg.paths.cache_dir)
-    net = build_model(cfg.model, spec, device=torch.device("meta"))
-    model, plan = shard_model(net, cfg.optim.embedding, replace(cfg.topology, ranks_per_node=1), device,
-                              coverage=coverage)
+    topology_spec = replace(cfg.topology, ranks_per_node=1)
+    model_cfg, _ = decide_stacking(cfg.model, spec, topology_spec, cfg.optim.embedding, coverage)
+    net = build_model(model_cfg, spec, device=torch.device("meta"))
+    model, plan = shard_model(net, cfg.optim.embedding, topology_spec, device, coverage=coverage)
     dense_params = [q for _, q in replicated_parameters(model)]
     dense_opt = torch.optim.Adam(dense_params, lr=1e-3, fused=device.type == "cuda")
     keys = list(spec.categorical)

@@ -45,6 +45,7 @@ def worker(store_dir: str, batch: int, steps: int, warmup: int = 5) -> None:
     from modules.models import ModelConfig, build_model
     from modules.optimizers import OptimizerSpec, replicated_parameters
     from modules.sharding import shard_model
+    from modules.table_stacking import decide_stacking
     from modules.topology import TopologySpec
     from pipeline.data.batches import make_batch
     from pipeline.data.store import ColumnarStore
@@ -54,9 +55,10 @@ def worker(store_dir: str, batch: int, steps: int, warmup: int = 5) -> None:
     store = ColumnarStore(store_dir)
     spec = FeatureSpec.from_store_meta(store.meta)
     torch.manual_seed(0)
-    net = build_model(ModelConfig(name="deepfm", embedding_dim=16), spec, device=torch.device("meta"))
-    model, _ = shard_model(net, OptimizerSpec(name="rowwise_adagrad", lr=0.01, eps=1e-8), TopologySpec(),
-                           torch.device("cpu"))
+    optim, topology = OptimizerSpec(name="rowwise_adagrad", lr=0.01, eps=1e-8), TopologySpec().on_ranks(world)
+    model_cfg, _ = decide_stacking(ModelConfig(name="deepfm", embedding_dim=16), spec, topology, optim, None)
+    net = build_model(model_cfg, spec, device=torch.device("meta"))
+    model, _ = shard_model(net, optim, topology, torch.device("cpu"))
     opt = torch.optim.Adam([p for _, p in replicated_parameters(model)], lr=1e-3)
     clock = {"start": 0.0, "input_dist": 0.0}
 
@@ -116,15 +118,10 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.batch, args.steps)
 
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.config import parse_config, register_configs
+    from pipeline.config import compose_run_config
     from pipeline.data.sources import prepare_store
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = parse_config(compose(config_name="config", overrides=[f"data.synthetic.rows={args.rows}",
-                                                                     f"paths.cache_dir={args.cache_dir}"]))
+    cfg = compose_run_config([f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"])
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
     results: dict[int, list[dict]] = {n: [] for n in args.procs}
     for r in range(args.repeats):

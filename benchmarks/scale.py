@@ -92,12 +92,9 @@ def train(args: list[str], run_dir: Path, cgroup: Path | None = None) -> dict:
 
 PREPARE = """
 import json, shutil, sys, time
-from hydra import compose, initialize_config_module
-from pipeline.config import parse_config, register_configs
+from pipeline.config import compose_run_config
 from pipeline.data.sources import prepare_store, raw_files, store_dir
-register_configs()
-with initialize_config_module("ctr_conf", version_base="1.3"):
-    cfg = parse_config(compose("config", overrides=sys.argv[1:]))
+cfg = compose_run_config(sys.argv[1:])
 raw_files(cfg.data, cfg.paths.cache_dir)  # generated first (and kept): not part of the preprocessing time
 shutil.rmtree(store_dir(cfg.data, cfg.paths.cache_dir), ignore_errors=True)  # a cached store: built again
 t0 = time.perf_counter()

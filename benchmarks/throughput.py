@@ -6,8 +6,9 @@ Every run trains DeepFM (embedding dim 16, MLP 400-400-400, Adam for the dense p
 preprocessed synthetic Criteo-format data, each in its own subprocess with the same number of threads:
 
 * the project, through ``python -m pipeline.commands.train`` (TorchRec, Lightning, its data path,
-  FBGEMM's fused row-wise Adagrad for the tables), with its defaults and with ``model.stack_tables=true``
-  (the one-id features' tables as one stacked table: same model, one embedding backward);
+  FBGEMM's fused row-wise Adagrad for the tables), with its defaults (``model.stack_tables=auto``, which
+  stacks the one-id features' tables into one here: same model, one embedding backward) and with
+  ``model.stack_tables=false`` (a table per feature, the default before);
 * the baseline, ``benchmarks/reference_deepfm.py --layout shared``: one shared embedding table with
   per-field offsets, ``nn.Embedding(sparse=True)`` + SparseAdam — what a user would write;
 * the weaker per-field baseline (an ``nn.Embedding`` per field), the one earlier numbers used;
@@ -68,16 +69,12 @@ def main() -> None:
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for the project run")
     args = p.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.config import parse_config, register_configs
+    from pipeline.config import compose_run_config
     from pipeline.data.sources import prepare_store
     from pipeline.training.result import read_result
 
     data_overrides = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"]
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = parse_config(compose(config_name="config", overrides=data_overrides))
+    cfg = compose_run_config(data_overrides)
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
@@ -95,7 +92,7 @@ def main() -> None:
     if args.skip_reference:
         baselines = {}
     variants = {"project (TorchRec + Lightning), defaults": [],
-                "project, model.stack_tables=true": ["model.stack_tables=true"]}
+                "project, model.stack_tables=false": ["model.stack_tables=false"]}
     runs: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name in [*variants, *baselines]}
     for i in range(args.repeats):
         for j, (name, extra) in enumerate(variants.items()):

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
+from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
@@ -200,6 +201,19 @@ def unregister_configs() -> None:
     for name in RESOLVERS:
         if OmegaConf.has_resolver(name):
             OmegaConf.clear_resolver(name)
+
+
+def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """``config`` composed with ``overrides`` outside a Hydra app (benchmarks, tests), from the installed
+    ``ctr_conf`` package as the commands read it."""
+    register_configs()
+    with initialize_config_module("ctr_conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+def compose_run_config(overrides: Sequence[str] = ()) -> "RunConfig":
+    """The typed config of ``config`` composed with ``overrides`` (:func:`compose_config`, :func:`parse_config`)."""
+    return parse_config(compose_config(overrides))
 
 
 def to_typed(node: DictConfig, key: str = "") -> Any:

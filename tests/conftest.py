@@ -11,10 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
 
-from pipeline.config import register_configs
+from pipeline.config import compose_config, register_configs  # noqa: F401  (compose_config: for the tests)
 from pipeline.runtime.launch import free_port  # noqa: F401  (re-exported for the tests)
 from pipeline.training.result import RunResult, read_result
 
@@ -24,11 +22,6 @@ SHARED_DATA = Path(os.environ.get("CTR_SHARED_DATA", ROOT.parent / "shared" / "d
 PYTHON = sys.executable
 SMALL_ROWS = 100_000
 register_configs()  # the schema conf/config.yaml starts from, as every command that composes it does
-
-
-def compose_config(overrides: list[str] | None = None, return_hydra_config: bool = False) -> DictConfig:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides or []), return_hydra_config=return_hydra_config)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
