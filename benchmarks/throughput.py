@@ -15,9 +15,11 @@ preprocessed synthetic Criteo-format data, each in its own subprocess with the s
 * the bound: the MLP alone (forward, backward, Adam) at the same batch size and threads, and the same
   with the gradient of its embedding input (which any DeepFM computes: the bound it can reach).
 
-All six alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs). Prints
-the median samples/s (training only), peak RSS and test AUC of each, and per round the project's
-ratio (each variant) to the shared-table baseline and to the bounds.
+All six alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs); every run
+of round i uses the seed ``--seed`` + i (initial weights, batch order), so the test AUCs compare runs
+over the same seeds and their medians are not one draw's luck. Prints the median samples/s (training
+only), peak RSS and test AUC of each, and per round the project's ratio (each variant) to the
+shared-table baseline and to the bounds, with each run's test AUC.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main() -> None:
     p.add_argument("--skip-reference", action="store_true", help="the project alone")
     p.add_argument("--repeats", type=int, default=1, help="alternate project and reference this many times")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for the project run")
+    p.add_argument("--seed", type=int, default=1, help="round i's seed (every run in it): seed + i")
     args = p.parse_args()
 
     from pipeline.config import compose_run_config
@@ -95,12 +98,13 @@ def main() -> None:
                 "project, model.stack_tables=false": ["model.stack_tables=false"]}
     runs: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name in [*variants, *baselines]}
     for i in range(args.repeats):
+        seed = args.seed + i  # one seed per round, the same for every run in it
         for j, (name, extra) in enumerate(variants.items()):
-            _, rss = _run_measured([*project_cmd, *extra, f"hydra.run.dir={tmp}/run{i}-{j}"], env)
+            _, rss = _run_measured([*project_cmd, *extra, f"seed={seed}", f"hydra.run.dir={tmp}/run{i}-{j}"], env)
             result = read_result(tmp / f"run{i}-{j}")
             runs[name].append((result.samples_per_s, rss, result.test_auc))
         for name, extra in baselines.items():
-            out, rss = _run_measured([*reference_cmd, *extra], env)
+            out, rss = _run_measured([*reference_cmd, *extra, "--seed", str(seed)], env)
             r = json.loads(out.strip().splitlines()[-1])
             runs[name].append((r["samples_per_s"], rss, r["test_auc"]))
     print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
@@ -115,13 +119,13 @@ def main() -> None:
               f"{statistics.median(v[1] for v in values):,.0f} | {auc} |")
     if baselines:
         shared, per_field, bound, grad_bound = (runs[name] for name in baselines)
-        print("\n| round | project | / shared-table baseline | / per-field baseline | / MLP bound "
-              "| / MLP + input-gradient bound |")
-        print("|---:|---|---:|---:|---:|---:|")
+        print("\n| round (seed) | project | / shared-table baseline | / per-field baseline | / MLP bound "
+              "| / MLP + input-gradient bound | test AUC: project / baseline |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
         for name in variants:
-            for i, (p, s_, f_, b_, g_) in enumerate(zip(runs[name], shared, per_field, bound, grad_bound), 1):
-                print(f"| {i} | {name.split(', ', 1)[1]} | {p[0] / s_[0]:.2f}× | {p[0] / f_[0]:.2f}× "
-                      f"| {p[0] / b_[0]:.2f}× | {p[0] / g_[0]:.2f}× |")
+            for i, (p, s_, f_, b_, g_) in enumerate(zip(runs[name], shared, per_field, bound, grad_bound)):
+                print(f"| {i + 1} ({args.seed + i}) | {name.split(', ', 1)[1]} | {p[0] / s_[0]:.2f}× | "
+                      f"{p[0] / f_[0]:.2f}× | {p[0] / b_[0]:.2f}× | {p[0] / g_[0]:.2f}× | {p[2]:.4f} / {s_[2]:.4f} |")
 
 
 if __name__ == "__main__":

@@ -28,10 +28,12 @@ from modules.topology import TopologySpec
 
 def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec, optimizer: OptimizerSpec,
                     coverage: Mapping[str, Mapping[float, int]] | None = None) -> tuple[ModelConfig, str]:
-    """``cfg`` with ``stack_tables`` true or false, and why. ``topology``: as run (its world size)."""
+    """``cfg`` with ``stack_tables`` true or false, and why. ``topology``: as run (its world size). Leaves
+    the random state as it was: ``auto`` trains the same model as the value it resolves to."""
     if cfg.stack_tables != "auto":
         return cfg, f"model.stack_tables={str(cfg.stack_tables).lower()}"
-    net = build_model(replace(cfg, stack_tables=False), spec, device=torch.device("meta"))
+    with torch.random.fork_rng(devices=[]):  # the dense layers' draws stay for the model the run builds
+        net = build_model(replace(cfg, stack_tables=False), spec, device=torch.device("meta"))
     ebc = next((m for m in net.modules() if isinstance(m, EmbeddingBagCollection)), None)
     tables = [t.name for t in ebc.embedding_bag_configs() if t.name.startswith(EMB_PREFIX)] if ebc else []
     if len(tables) < 2:

@@ -62,6 +62,7 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
     (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),
     (["model=deepfm", "+model.low_rank=8"], "model.low_rank=8: model 'deepfm' takes no 'low_rank'"),
     (["scaling.rule=cubic"], "scaling.rule='cubic'"),
+    (["model.stack_tables=sometimes"], "model.stack_tables='sometimes': expected true, false or auto"),
     (["optim.embedding_l2_scope=every"], "optim.embedding_l2_scope='every'"),
     (["trainer.init_from_optimizer=moments", "trainer.init_from=x"], "trainer.init_from_optimizer='moments'"),
     (["optim.embedding.weight_decay=0.1"], "optim.embedding.weight_decay=0.1: FBGEMM's fused rowwise_adagrad ignores"),

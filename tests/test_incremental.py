@@ -4,6 +4,8 @@ drifts (day d: users 60·d … 60·d + 199; the tags and the click model are sha
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -55,6 +57,10 @@ def test_continued_model_beats_one_day_model_on_the_next_day_with_2_processes_fr
     _, alone = train_cli([*args, f"data.path={folder / 'day2.csv'}"], folder / "B2")
     a, b = _day3_auc(folder / "A2" / "model", folder), _day3_auc(folder / "B2" / "model", folder)
     assert a > b + 0.02, f"day-3 AUC: day 1 then day 2 {a:.4f}, day 2 only {b:.4f}"
+    # model.stack_tables=auto stacks on one CPU rank; on 2 table-wise ranks it keeps the source's layout
+    layouts = [json.loads((m / "model.json").read_text())["model"]["stack_tables"]
+               for m in (model_1, folder / "A2" / "model", folder / "B2" / "model")]
+    assert layouts == [True, True, True], layouts
     # ids known on day 1 keep their rows; values new on day 2 are appended
     for table in ("user_id", "tags", "hour"):
         old = pq.read_table(model_1 / "vocab" / f"{table}.parquet").column("key").to_numpy()

@@ -182,3 +182,28 @@ def _stacked_init_worker(rank: int, world_size: int) -> None:
 
 def test_stacked_tables_start_as_the_tables_they_stack():
     run_workers(_stacked_init_worker, 1)
+
+
+def test_auto_stacking_is_decided_before_a_model_is_built_and_old_records_are_unstacked():
+    from modules.models import ModelConfig, build_model
+
+    with pytest.raises(ValueError, match="model.stack_tables=auto is decided"):
+        build_model(ModelConfig(), SPEC)
+    assert ModelConfig.from_saved({"name": "deepfm"}).stack_tables is False  # recorded before stack_tables
+    assert ModelConfig.from_saved({"name": "deepfm", "stack_tables": True}).stack_tables is True
+
+
+def test_deciding_auto_stacking_leaves_the_random_state_as_it_was():
+    """``auto`` builds the unstacked model to place its tables; the run's model must still get the draws
+    it would get with the resolved value set by hand."""
+    from modules.models import ModelConfig
+    from modules.optimizers import OptimizerSpec
+    from modules.table_stacking import decide_stacking
+    from modules.topology import TopologySpec
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    cfg, why = decide_stacking(ModelConfig(embedding_dim=8, mlp=[16]), SPEC, TopologySpec(compute_device="cpu"),
+                               OptimizerSpec("rowwise_adagrad", 0.1))
+    assert cfg.stack_tables is True, why
+    assert torch.equal(torch.get_rng_state(), before)

@@ -60,6 +60,12 @@ class ModelConfig:
         if extra:
             raise ValueError(f"{extra[0]}={getattr(self, extra[0])}: model {self.name!r} takes no {extra[0]!r}")
 
+    @classmethod
+    def from_saved(cls, saved: dict) -> "ModelConfig":
+        """The config a model folder or checkpoint recorded; one written before ``stack_tables`` existed
+        has a table per feature."""
+        return cls(**{"stack_tables": False, **saved})
+
     def arguments(self) -> dict:
         """The constructor's keyword arguments: everything set, but the name."""
         return {k: v for k, v in asdict(self).items() if k != "name" and v is not None}

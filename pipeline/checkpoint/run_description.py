@@ -47,5 +47,5 @@ def checkpoint_run(checkpoint: str | os.PathLike) -> CheckpointRun:
         store = ColumnarStore(run["store"])
     except (FileNotFoundError, ValueError) as e:
         raise BundleError(f"{path}: the store the run trained on is needed for its vocabularies: {e}") from None
-    return CheckpointRun(path, ModelConfig(**run["model"]), declaration_from(run["data"]), store,
+    return CheckpointRun(path, ModelConfig.from_saved(run["model"]), declaration_from(run["data"]), store,
                          state.get("mlflow_run_id"))

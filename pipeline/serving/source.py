@@ -47,7 +47,7 @@ def model_source(path: str | os.PathLike) -> ModelSource:
     if is_model_folder(path):
         try:
             d = json.loads((path / "model.json").read_text())
-            return ModelSource(path, ModelConfig(**d["model"]), declaration_from(d["data"]), d["store"], path,
+            return ModelSource(path, ModelConfig.from_saved(d["model"]), declaration_from(d["data"]), d["store"], path,
                                d.get("mlflow_run_id"), d.get("tables", {}), d.get("quantize", "none"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise BundleError(f"{path / 'model.json'}: cannot read the model description ({e})") from None
