@@ -57,7 +57,6 @@ def pool_bags(rows: torch.Tensor, lengths: torch.Tensor, mean: torch.Tensor) -> 
     return pooled
 
 
-
 def stacked_normal_(weight: torch.Tensor, bounds: Sequence[int], std: float) -> torch.Tensor:
     """N(0, std²) over the stacked rows, one table ``[bounds[i], bounds[i+1])`` after the other: the draws of
     the tables initialised in turn, so on one rank the same numbers as the unstacked tables. ``weight``: the

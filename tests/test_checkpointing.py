@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -186,6 +187,20 @@ def test_checkpoint_of_another_model_is_refused(ckpt_overrides, straight_run, tm
                     "model.mlp=[64,32]"], tmp_path, check=False)
     assert proc.returncode != 0
     assert "the checkpoint does not match this run" in proc.stderr and "model.name: checkpoint 'deepfm'" in proc.stderr
+
+
+def test_resume_keeps_the_checkpoints_table_layout_under_auto_stacking(ckpt_overrides, straight_run, tmp_path):
+    """With row-wise sharding allowed, ``model.stack_tables=auto`` would stack the tables on 2 ranks; resuming
+    the straight run's (unstacked) final checkpoint keeps its layout, and its weights give its metrics."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(straight_run[2], ckpt)
+    _, resumed = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto",
+                       "topology.sharding_types=[table_wise,row_wise]"], tmp_path)
+    assert abs(resumed.test_auc - straight_run[0].test_auc) < 1e-6
+    import mlflow
+
+    params = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(resumed.mlflow_run_id).data.params
+    assert params["model/stacked_tables"] == "False"
 
 
 def test_metadata_unpickling_refuses_arbitrary_objects(tmp_path):

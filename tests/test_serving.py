@@ -84,7 +84,7 @@ def test_one_pass_frame_encoding_equals_the_reader_path(tmp_path):
         write_vocabulary(vocab_dir, c, fresh(keys, np.ones(len(keys), np.int64), 0))
         sizes[c] = len(keys) + FIRST_VOCAB_ID
     spec = FeatureSpec.of_data(data, sizes)
-    model_cfg = ModelConfig(name="deepfm", embedding_dim=8, mlp=[16])
+    model_cfg = ModelConfig(name="deepfm", embedding_dim=8, mlp=[16], stack_tables=False)
     model = build_model(model_cfg, spec, device=torch.device("cpu"))
     meta = {"dataset": data.name, "dense": list(data.numeric), "categorical": list(data.categorical), "sequence": [],
             "features": [{"name": f, "type": "categorical", "table": f} for f in data.categorical],

@@ -46,7 +46,7 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     check_optimizer_source(t.init_from, t.init_from_optimizer)
     logger = start_logger(run_cfg.logger, output_dir, run_id, {**sweep_job_tags(), **lineage_tags(t.init_from)})
     datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed)
-    task = CTRTask(run_cfg, topology)
+    task = CTRTask(run_cfg, topology, resume_from=ckpt_path)
     guard = SignalGuard(t.preemption)
     callbacks = build_callbacks(run_cfg, topology, guard, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])
     trainer = build_trainer(run_cfg, topology, callbacks, logger, output_dir)

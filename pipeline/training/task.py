@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class CTRTask(L.LightningModule):
-    def __init__(self, cfg: RunConfig, topology: TopologySpec) -> None:
+    def __init__(self, cfg: RunConfig, topology: TopologySpec, resume_from: str | None = None) -> None:
         super().__init__()
+        self.resume_from = resume_from  # the checkpoint fit() resumes (trainer.ckpt_path is set only later)
         self.model_cfg = cfg.model
         self.init_from = cfg.trainer.init_from
         self.init_from_optimizer = cfg.trainer.init_from_optimizer
@@ -80,7 +81,7 @@ class CTRTask(L.LightningModule):
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.data_parallel, coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse})
-        if self.init_from and not self.trainer.ckpt_path:  # a resumed run takes its own checkpoint's weights
+        if self.init_from and not self.resume_from:  # a resumed run takes its own checkpoint's weights
             store = data.store
             self._reused = reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
             initialize_from(self.model, self.init_from, spec, self._reused)
@@ -92,11 +93,13 @@ class CTRTask(L.LightningModule):
         self.test_metrics.to(device)
 
     def _stacking_decided(self, data: Any) -> ModelConfig:
-        """``model.stack_tables`` decided (:mod:`modules.table_stacking`); with ``trainer.init_from``, ``auto``
-        keeps the source's layout, so its rows and optimizer state map one to one."""
-        if self.init_from and self.model_cfg.stack_tables == "auto":
-            cfg = replace(self.model_cfg, stack_tables=model_source(self.init_from).model_cfg.stack_tables)
-            why = f"as trainer.init_from={self.init_from}"
+        """``model.stack_tables`` decided (:mod:`modules.table_stacking`). A resumed run, or one started with
+        ``trainer.init_from``, keeps the layout of the checkpoint or model it continues under ``auto``: its
+        rows and optimizer state then map one to one."""
+        source = self.resume_from or self.init_from
+        if source and self.model_cfg.stack_tables == "auto":
+            cfg = replace(self.model_cfg, stack_tables=model_source(source).model_cfg.stack_tables)
+            why = f"as {source}"
         else:
             cfg, why = decide_stacking(self.model_cfg, data.feature_spec, self.topology, self.embedding_optim,
                                        data.coverage)
@@ -106,7 +109,7 @@ class CTRTask(L.LightningModule):
 
     def on_train_start(self) -> None:
         """``trainer.init_from_optimizer``: the source checkpoint's optimizer state, once the optimizers exist."""
-        if self.init_from and self.init_from_optimizer != "none" and not self.trainer.ckpt_path:
+        if self.init_from and self.init_from_optimizer != "none" and not self.resume_from:
             carry_optimizer_state(self.model, self.trainer.optimizers[0], self.init_from,
                                   self.trainer.datamodule.feature_spec, self.init_from_optimizer, self._reused)
 
