@@ -12,7 +12,9 @@ sliced from the same preprocessed arrays (numpy → torch), no framework around 
 * ``--mlp-only``: the MLP alone on random inputs of the same width, forward, backward and Adam — the
   dense-compute bound of any DeepFM of these sizes on this machine. With ``--input-grad`` the backward
   also computes the gradient of the embedding columns of the input (a [B, F·D] GEMM more), which a
-  DeepFM needs to train its embeddings: the bound a DeepFM can actually reach.
+  DeepFM needs to train its embeddings: the bound a DeepFM can actually reach. ``--project-mlp`` runs
+  that bound with the project's MLP layers (the embeddings and dense features as blocks of the first
+  layer, hidden layers on oneDNN): the dense compute of the project's own step.
 
     python benchmarks/reference_deepfm.py <store dir> --batch 8192 --epochs 1 --dim 16 [--layout shared]
 prints one JSON line: samples_per_s (training only), test_auc, test_logloss (null for --mlp-only).
@@ -70,17 +72,26 @@ class PlainDeepFM(nn.Module):
         return first + self.linear(dense).squeeze(1) + fm + deep
 
 
-def mlp_bound(width: int, batch: int, steps: int, lr: float, grad_width: int = 0) -> float:
+def mlp_bound(width: int, batch: int, steps: int, lr: float, grad_width: int = 0, project: bool = False) -> float:
     """Samples/s of the MLP alone: forward, backward and Adam on random [batch, width] inputs; the
-    backward also computes the input gradient of the first ``grad_width`` columns (the embeddings)."""
-    mlp = make_mlp(width, [400, 400, 400])
+    backward also computes the input gradient of the first ``grad_width`` columns (the embeddings).
+    ``project``: the project's MLP (:class:`modules.models.layers.MLP`: the embeddings and the dense
+    features as two blocks of the first layer, hidden layers on oneDNN) instead of the plain one."""
+    if project:
+        from modules.models.layers import MLP
+        mlp: nn.Module = MLP((grad_width, width - grad_width), [400, 400, 400], 1)
+    else:
+        mlp = make_mlp(width, [400, 400, 400])
     opt = torch.optim.Adam(mlp.parameters(), lr=lr)
     x, y = torch.randn(batch, width), torch.randint(0, 2, (batch,)).float()
     emb = x[:, :grad_width].clone().requires_grad_() if grad_width else None
     for step in range(steps + 3):
         if step == 3:  # after warm-up
             t0 = time.perf_counter()
-        inputs = x if emb is None else torch.cat([emb, x[:, grad_width:]], 1)  # as DeepFM concatenates them
+        if project:
+            inputs = (emb, x[:, grad_width:])
+        else:
+            inputs = x if emb is None else torch.cat([emb, x[:, grad_width:]], 1)  # as DeepFM concatenates them
         loss = F.binary_cross_entropy_with_logits(mlp(inputs).squeeze(1), y)
         opt.zero_grad()
         loss.backward()
@@ -106,6 +117,7 @@ def main() -> None:
     p.add_argument("--layout", choices=["shared", "per_field"], default="shared")
     p.add_argument("--mlp-only", action="store_true", help="the MLP alone: the dense-compute bound")
     p.add_argument("--input-grad", action="store_true", help="with --mlp-only: also the embedding input's gradient")
+    p.add_argument("--project-mlp", action="store_true", help="with --mlp-only --input-grad: the project's MLP layers")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -115,7 +127,10 @@ def main() -> None:
         steps = store.meta["splits"]["train"] // args.batch * args.epochs
         width = len(sizes) * args.dim + len(store.dense_names)
         grad_width = len(sizes) * args.dim if args.input_grad else 0
-        print(json.dumps({"samples_per_s": mlp_bound(width, args.batch, steps, args.lr, grad_width), "test_auc": None,
+        if args.project_mlp and not args.input_grad:
+            raise SystemExit("--project-mlp needs --input-grad (its first layer takes the embeddings as a block)")
+        print(json.dumps({"samples_per_s": mlp_bound(width, args.batch, steps, args.lr, grad_width, args.project_mlp),
+                          "test_auc": None,
                           "test_logloss": None}))
         return
     train, test = store.split("train", mmap=False), store.split("test", mmap=False)

@@ -8,14 +8,16 @@ preprocessed synthetic Criteo-format data, each in its own subprocess with the s
 * the project, through ``python -m pipeline.commands.train`` (TorchRec, Lightning, its data path,
   FBGEMM's fused row-wise Adagrad for the tables), with its defaults (``model.stack_tables=auto``, which
   stacks the one-id features' tables into one here: same model, one embedding backward) and with
-  ``model.stack_tables=false`` (a table per feature, the default before);
+  ``model.stack_tables=false`` (a table per feature, the default before) and with ``model.onednn_mlp=false``
+  (the MLP's hidden layers on PyTorch's default GEMM, MKL, instead of oneDNN);
 * the baseline, ``benchmarks/reference_deepfm.py --layout shared``: one shared embedding table with
   per-field offsets, ``nn.Embedding(sparse=True)`` + SparseAdam — what a user would write;
 * the weaker per-field baseline (an ``nn.Embedding`` per field), the one earlier numbers used;
 * the bound: the MLP alone (forward, backward, Adam) at the same batch size and threads, and the same
-  with the gradient of its embedding input (which any DeepFM computes: the bound it can reach).
+  with the gradient of its embedding input (which any DeepFM computes: the bound it can reach), and that
+  last bound with the project's own MLP layers (blockwise first layer, oneDNN): its own dense compute.
 
-All six alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs); every run
+All nine alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs); every run
 of round i uses the seed ``--seed`` + i (initial weights, batch order), so the test AUCs compare runs
 over the same seeds and their medians are not one draw's luck. Prints the median samples/s (training
 only), peak RSS and test AUC of each, and per round the project's ratio (each variant) to the
@@ -91,11 +93,14 @@ def main() -> None:
     baselines = {"plain PyTorch, one shared table (baseline)": ["--layout", "shared"],
                  "plain PyTorch, a table per field": ["--layout", "per_field"],
                  "MLP alone (dense-compute bound)": ["--mlp-only"],
-                 "MLP alone + embedding input gradient": ["--mlp-only", "--input-grad"]}
+                 "MLP alone + embedding input gradient": ["--mlp-only", "--input-grad"],
+                 "the project's MLP layers alone + embedding input gradient": ["--mlp-only", "--input-grad",
+                                                                              "--project-mlp"]}
     if args.skip_reference:
         baselines = {}
     variants = {"project (TorchRec + Lightning), defaults": [],
-                "project, model.stack_tables=false": ["model.stack_tables=false"]}
+                "project, model.stack_tables=false": ["model.stack_tables=false"],
+                "project, model.onednn_mlp=false": ["model.onednn_mlp=false"]}
     runs: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name in [*variants, *baselines]}
     for i in range(args.repeats):
         seed = args.seed + i  # one seed per round, the same for every run in it
@@ -118,14 +123,15 @@ def main() -> None:
         print(f"| {name} | {statistics.median(v[0] for v in values):,.0f} | "
               f"{statistics.median(v[1] for v in values):,.0f} | {auc} |")
     if baselines:
-        shared, per_field, bound, grad_bound = (runs[name] for name in baselines)
+        shared, per_field, bound, grad_bound, own_bound = (runs[name] for name in baselines)
         print("\n| round (seed) | project | / shared-table baseline | / per-field baseline | / MLP bound "
-              "| / MLP + input-gradient bound | test AUC: project / baseline |")
-        print("|---:|---|---:|---:|---:|---:|---:|")
+              "| / MLP + input-gradient bound | / its own MLP layers' bound | test AUC: project / baseline |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|")
         for name in variants:
-            for i, (p, s_, f_, b_, g_) in enumerate(zip(runs[name], shared, per_field, bound, grad_bound)):
+            for i, (p, s_, f_, b_, g_, o_) in enumerate(zip(runs[name], shared, per_field, bound, grad_bound, own_bound)):
                 print(f"| {i + 1} ({args.seed + i}) | {name.split(', ', 1)[1]} | {p[0] / s_[0]:.2f}× | "
-                      f"{p[0] / f_[0]:.2f}× | {p[0] / b_[0]:.2f}× | {p[0] / g_[0]:.2f}× | {p[2]:.4f} / {s_[2]:.4f} |")
+                      f"{p[0] / f_[0]:.2f}× | {p[0] / b_[0]:.2f}× | {p[0] / g_[0]:.2f}× | {p[0] / o_[0]:.2f}× | "
+                      f"{p[2]:.4f} / {s_[2]:.4f} |")
 
 
 if __name__ == "__main__":

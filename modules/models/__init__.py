@@ -47,6 +47,9 @@ class ModelConfig:
     # the bag collection's tables as one stacked table (modules/embedding.py): true | false | auto (decided
     # against the topology before the model is built, modules/table_stacking.py)
     stack_tables: Union[bool, str] = "auto"
+    # the MLP's hidden layers (Linear + ReLU) on oneDNN's fp32 GEMM when they run on the CPU in fp32
+    # (modules/models/onednn_linear.py); false: PyTorch's default kernels (MKL). Same model, float rounding apart
+    onednn_mlp: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:

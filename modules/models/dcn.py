@@ -29,7 +29,7 @@ class DCN(nn.Module):
     def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
                  dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01, cross: str = "vector",
                  cross_layers: int = 3, low_rank: int | None = None, num_experts: int = 4, wide: bool = False,
-                 stack_tables: bool = False, device: torch.device | None = None) -> None:
+                 stack_tables: bool = False, onednn_mlp: bool = True, device: torch.device | None = None) -> None:
         super().__init__()
         if cross not in CROSS_TYPES:
             raise ValueError(f"model.cross={cross!r}: expected one of {CROSS_TYPES}")
@@ -41,7 +41,7 @@ class DCN(nn.Module):
             self.cross = LowRankMixtureCrossNet(width, cross_layers, num_experts=num_experts, low_rank=low_rank)
         else:
             self.cross = CrossNet(width, cross_layers)
-        self.mlp = MLP(width, mlp, None, dropout, batch_norm, bn_momentum)
+        self.mlp = MLP(width, mlp, None, dropout, batch_norm, bn_momentum, onednn=onednn_mlp)
         self.head = nn.Linear(width + self.mlp.out_features, 1)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:

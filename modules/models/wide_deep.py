@@ -18,13 +18,13 @@ from modules.models.layers import MLP
 class WideDeep(nn.Module):
     def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
                  dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01,
-                 stack_tables: bool = False, device: torch.device | None = None) -> None:
+                 stack_tables: bool = False, onednn_mlp: bool = True, device: torch.device | None = None) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device, stack=stack_tables)
         n_dense, n_cat = len(spec.dense), len(spec.sparse)
         self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
         deep_in = (n_cat * embedding_dim, n_dense) if n_dense else n_cat * embedding_dim
-        self.mlp = MLP(deep_in, mlp, 1, dropout, batch_norm, bn_momentum)
+        self.mlp = MLP(deep_in, mlp, 1, dropout, batch_norm, bn_momentum, onednn=onednn_mlp)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         emb, first_order = self.sparse_arch(sparse)

@@ -1,0 +1,79 @@
+"""A hidden MLP layer, ``y = relu(b + Σ_k x_k W_kᵀ)``, on oneDNN's fp32 GEMM for CPU training.
+
+PyTorch's CPU ``addmm`` / ``mm`` call MKL's SGEMM for fp32. PyTorch also ships oneDNN, whose fp32
+matmul it reaches through ``torch.ops.mkldnn._linear_pointwise`` (the op its inductor backend emits for
+CPU linears); on the 2-core machines of this project it runs the MLP's [8192, 400] × [400, 400] GEMMs
+in ≈ 13 ms against MKL's ≈ 15 ms, and fuses the bias and the ReLU into the GEMM (docs/throughput.md).
+Same products, summed in another order: results equal up to float rounding.
+
+Forward (one block or several, as :class:`modules.models.layers.ConcatLinear` splits ``W`` by columns)::
+
+    y = relu(x_1 W_1ᵀ + b  [+ Σ_{k>1} x_k W_kᵀ])      oneDNN for block 1 (bias, and ReLU when K = 1, fused)
+
+Backward, with g = ∂L/∂y ⊙ [y > 0]::
+
+    ∂L/∂x_k = g W_k        oneDNN (W_k transposed into a contiguous [in_k, out] copy: out·in_k floats)
+    ∂L/∂W_k = gᵀ x_k       MKL (oneDNN would need both [B, ·] operands transposed first: slower)
+    ∂L/∂b   = Σ_rows g
+
+Used by :class:`modules.models.layers.MLP` where it applies (:func:`applies`): fp32 CPU tensors, no
+autocast, oneDNN present; elsewhere (CUDA, bf16 autocast, float64) the layers run as plain modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+_linear = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
+
+
+# Below this many rows oneDNN's per-call set-up outweighs its faster kernel ([r, 400] × [400, 400] + ReLU,
+# 1 thread: 1 row 29 µs vs addmm's 16 µs, 64 rows 216 vs 219 µs, 1,024 rows 2.97 vs 3.36 ms): serving's
+# small requests keep addmm.
+MIN_ROWS = 64
+
+
+def applies(xs: Sequence[torch.Tensor], weight: torch.Tensor) -> bool:
+    """Whether :func:`linear_relu` runs these inputs: fp32 on the CPU, rows in memory order (a strided view
+    of another layout sends oneDNN to a reference kernel, orders of magnitude slower), at least
+    :data:`MIN_ROWS` rows, outside autocast."""
+    return (_linear is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and xs[0].shape[0] >= MIN_ROWS and not torch.is_autocast_enabled("cpu")
+            and all(x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 for x in xs))
+
+
+class _LinearReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, *xs: torch.Tensor) -> torch.Tensor:
+        blocks = weight.split([x.shape[1] for x in xs], dim=1) if len(xs) > 1 else (weight,)
+        first = blocks[0] if blocks[0].is_contiguous() else blocks[0].contiguous()
+        y = _linear(xs[0], first, bias, "relu" if len(xs) == 1 else "none", [], "")
+        if len(xs) > 1:
+            for x, w in zip(xs[1:], blocks[1:]):
+                y.addmm_(x, w.t())
+            y.relu_()
+        ctx.save_for_backward(weight, y, *xs)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        weight, y, *xs = ctx.saved_tensors
+        g = torch.ops.aten.threshold_backward(grad, y, 0)
+        blocks = weight.split([x.shape[1] for x in xs], dim=1) if len(xs) > 1 else (weight,)
+        need_w, need_b, *need_x = ctx.needs_input_grad
+        grad_w = None
+        if need_w:
+            gt = g.t()
+            grad_w = gt.mm(xs[0]) if len(xs) == 1 else torch.cat([gt.mm(x) for x in xs], dim=1)
+        grad_b = g.sum(dim=0) if need_b else None
+        grad_x = [_linear(g, w.t().contiguous(), None, "none", [], "") if need else None
+                  for w, need in zip(blocks, need_x)]
+        return (grad_w, grad_b, *grad_x)
+
+
+def linear_relu(xs: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``relu(b + Σ_k x_k W_kᵀ)``: ``xs`` K inputs [B, in_k], ``weight`` [out, Σ in_k] (``W_k`` its
+    column blocks), ``bias`` [out] or None → [B, out]. Only where :func:`applies`."""
+    return _LinearReLU.apply(weight, bias, *xs)

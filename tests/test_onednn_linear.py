@@ -1,0 +1,78 @@
+"""The MLP's hidden layers on oneDNN (modules/models/onednn_linear.py) against a float64 reference written
+with plain ``F.linear`` / ``relu`` and autograd, and which kernel a forward actually runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from modules.models import onednn_linear
+from modules.models.layers import MLP
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+def _reference(mlp: MLP, xs: list[torch.Tensor]) -> torch.Tensor:
+    """The same MLP in float64: the first layer over the concatenated inputs, then layer by layer."""
+    h = torch.cat(xs, dim=1)
+    for layer in mlp:
+        h = F.linear(h, layer.weight.double(), layer.bias.double()) if isinstance(layer, torch.nn.Linear) \
+            else torch.relu(h)
+    return h
+
+
+def _kernels(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("widths", [(24,), (24, 5)], ids=["linear", "concat-linear"])
+def test_onednn_mlp_matches_float64_reference_forward_and_backward(widths):
+    torch.manual_seed(0)
+    rows = onednn_linear.MIN_ROWS + 37
+    mlp = MLP(widths if len(widths) > 1 else widths[0], [32, 16], 1)
+    base = torch.randn(rows, sum(widths) + 3)  # a wider array: the first input is a strided column view
+    x0 = base[:, :widths[0]].detach().requires_grad_()
+    xs = [x0] + [torch.randn(rows, w) for w in widths[1:]]  # the dense block needs no gradient
+    g = torch.randn(rows, 1)
+    out = mlp(xs if len(xs) > 1 else xs[0])
+    out.backward(g)
+    got = [out, x0.grad] + [p.grad for p in mlp.parameters()]
+
+    ref_mlp = [p.detach().double().requires_grad_() for p in mlp.parameters()]
+    ref_x0 = x0.detach().double().requires_grad_()
+    ref = MLP(widths if len(widths) > 1 else widths[0], [32, 16], 1).double()
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), ref_mlp):
+            p.copy_(q)
+    want_out = _reference(ref, [ref_x0] + [x.double() for x in xs[1:]])
+    want_out.backward(g.double())
+    want = [want_out, ref_x0.grad] + [p.grad for p in ref.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_runs_where_it_applies_and_plain_kernels_elsewhere():
+    torch.manual_seed(0)
+    mlp = MLP(24, [32, 16], 1)
+    big, small = torch.randn(onednn_linear.MIN_ROWS, 24), torch.randn(onednn_linear.MIN_ROWS - 1, 24)
+    assert "mkldnn::_linear_pointwise" in _kernels(lambda: mlp(big))
+    assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(small))  # small requests: addmm
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(big))
+    mlp.onednn = False
+    assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(big))
+    plain = mlp(big)
+    mlp.onednn = True
+    torch.testing.assert_close(mlp(big), plain, rtol=1e-5, atol=1e-6)  # same model, float rounding apart
+
+
+def test_mlp_with_batch_norm_between_linear_and_relu_keeps_its_layers():
+    torch.manual_seed(0)
+    mlp = MLP(24, [32], 1, batch_norm=True)  # Linear → BatchNorm → ReLU: no (Linear, ReLU) pair to fuse
+    x = torch.randn(onednn_linear.MIN_ROWS, 24)
+    assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(x))
+    torch.testing.assert_close(mlp(x), mlp[3](mlp[2](mlp[1](mlp[0](x)))))
