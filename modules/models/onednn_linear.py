@@ -44,6 +44,12 @@ def applies(xs: Sequence[torch.Tensor], weight: torch.Tensor) -> bool:
             and all(x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 for x in xs))
 
 
+def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``gᵀ x`` [out, in]; a block narrower than ``out`` as ``(xᵀ g)ᵀ``: MKL runs [400, 8192] × [8192, 13]
+    (DeepFM's dense features) at about half the rate of [13, 8192] × [8192, 400] (1.6 vs 0.9 ms)."""
+    return x.t().mm(g).t() if x.shape[1] < g.shape[1] else g.t().mm(x)
+
+
 class _LinearReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, *xs: torch.Tensor) -> torch.Tensor:
@@ -65,8 +71,7 @@ class _LinearReLU(torch.autograd.Function):
         need_w, need_b, *need_x = ctx.needs_input_grad
         grad_w = None
         if need_w:
-            gt = g.t()
-            grad_w = gt.mm(xs[0]) if len(xs) == 1 else torch.cat([gt.mm(x) for x in xs], dim=1)
+            grad_w = _weight_grad(g, xs[0]) if len(xs) == 1 else torch.cat([_weight_grad(g, x) for x in xs], dim=1)
         grad_b = g.sum(dim=0) if need_b else None
         grad_x = [_linear(g, w.t().contiguous(), None, "none", [], "") if need else None
                   for w, need in zip(blocks, need_x)]
