@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from modules.models import onednn_linear
+from modules.models.onednn_linear import applies, linear_relu
 
 
 class ConcatLinear(nn.Linear):
@@ -79,8 +79,8 @@ class MLP(nn.Sequential):
         while i < len(self):
             layer = self[i]
             xs = [x] if isinstance(x, torch.Tensor) else x
-            if self.onednn and i in self._fusable and onednn_linear.applies(xs, layer.weight):
-                x, i = onednn_linear.linear_relu(xs, layer.weight, layer.bias), i + 2
+            if self.onednn and i in self._fusable and applies(xs, layer.weight):
+                x, i = linear_relu(xs, layer.weight, layer.bias), i + 2
             else:
                 x, i = layer(x), i + 1
         return x
