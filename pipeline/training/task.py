@@ -77,6 +77,9 @@ class CTRTask(L.LightningModule):
         self.model_cfg = self._stacking_decided(data)
         net = build_model(self.model_cfg, data.feature_spec, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
+        if self.model_cfg.onednn_mlp and (device.type != "cpu" or self.trainer.precision != "32-true"):
+            log.info("model.onednn_mlp: not used on %s with precision %s (a CPU fp32 kernel): the MLP runs "
+                     "PyTorch's plain layers", device.type, self.trainer.precision)
         spec = data.feature_spec
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.data_parallel, coverage=data.coverage,
