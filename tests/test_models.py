@@ -207,3 +207,14 @@ def test_deciding_auto_stacking_leaves_the_random_state_as_it_was():
                                OptimizerSpec("rowwise_adagrad", 0.1))
     assert cfg.stack_tables is True, why
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_concat_linear_runs_under_bf16_autocast_close_to_fp32():
+    """``addmm_`` is outside autocast's op list: the later blocks are cast to the output's dtype."""
+    torch.manual_seed(0)
+    layer = ConcatLinear((16, 3), 8)
+    xs = [torch.randn(32, 16), torch.randn(32, 3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(xs)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), layer(xs), rtol=0.05, atol=0.05)

@@ -32,7 +32,9 @@ class ConcatLinear(nn.Linear):
         blocks = self.weight.split(self.in_dims, dim=1)
         y = torch.addmm(self.bias, xs[0], blocks[0].t())
         for x, w in zip(xs[1:], blocks[1:]):
-            y = y.addmm_(x, w.t())  # in place: addmm's backward does not need its output
+            # in place: addmm's backward does not need its output; autocast does not cover addmm_, so the
+            # block takes the output's dtype (bf16 under bf16-mixed, where addmm's output is bf16)
+            y = y.addmm_(x.to(y.dtype), w.t().to(y.dtype))
         return y
 
 

@@ -65,6 +65,7 @@ class CTRTask(L.LightningModule):
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
         self._skip_step = False
+        self.onednn_mlp_used = False  # decided with the model (configure_model); logged to MLflow
 
     def scaled_hyperparameters(self) -> dict[str, float]:
         return {f"scaled/{k}": v for k, v in asdict(self.scaled).items()}
@@ -77,7 +78,9 @@ class CTRTask(L.LightningModule):
         self.model_cfg = self._stacking_decided(data)
         net = build_model(self.model_cfg, data.feature_spec, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
-        if self.model_cfg.onednn_mlp and (device.type != "cpu" or self.trainer.precision != "32-true"):
+        # a CPU fp32 kernel (modules/models/onednn_linear.py): elsewhere the MLP runs PyTorch's plain layers
+        self.onednn_mlp_used = self.model_cfg.onednn_mlp and device.type == "cpu" and self.trainer.precision == "32-true"
+        if self.model_cfg.onednn_mlp and not self.onednn_mlp_used:
             log.info("model.onednn_mlp: not used on %s with precision %s (a CPU fp32 kernel): the MLP runs "
                      "PyTorch's plain layers", device.type, self.trainer.precision)
         spec = data.feature_spec
