@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-_linear = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
+_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
 # Below this many rows oneDNN's per-call set-up outweighs its faster kernel ([r, 400] × [400, 400] + ReLU,
