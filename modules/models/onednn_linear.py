@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 _linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+AVAILABLE = _linear is not None  # this PyTorch build has the op
 
 
 # Below this many rows oneDNN's per-call set-up outweighs its faster kernel ([r, 400] × [400, 400] + ReLU,
@@ -39,7 +40,7 @@ def applies(xs: Sequence[torch.Tensor], weight: torch.Tensor) -> bool:
     """Whether :func:`linear_relu` runs these inputs: fp32 on the CPU, rows in memory order (a strided view
     of another layout sends oneDNN to a reference kernel, orders of magnitude slower), at least
     :data:`MIN_ROWS` rows, outside autocast."""
-    return (_linear is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+    return (AVAILABLE and weight.device.type == "cpu" and weight.dtype == torch.float32
             and xs[0].shape[0] >= MIN_ROWS and not torch.is_autocast_enabled("cpu")
             and all(x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 for x in xs))
 
@@ -50,12 +51,17 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x.t().mm(g).t() if x.shape[1] < g.shape[1] else g.t().mm(x)
 
 
+def _blocks(weight: torch.Tensor, xs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``W_k``: the column blocks of ``weight`` the inputs ``xs`` multiply."""
+    return weight.split([x.shape[1] for x in xs], dim=1)
+
+
 class _LinearReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, *xs: torch.Tensor) -> torch.Tensor:
-        blocks = weight.split([x.shape[1] for x in xs], dim=1) if len(xs) > 1 else (weight,)
-        first = blocks[0] if blocks[0].is_contiguous() else blocks[0].contiguous()
-        y = _linear(xs[0], first, bias, "relu" if len(xs) == 1 else "none", [], "")
+        blocks = _blocks(weight, xs)
+        # a non-contiguous weight view sends oneDNN to its reference kernel: the first block is copied
+        y = _linear(xs[0], blocks[0].contiguous(), bias, "relu" if len(xs) == 1 else "none", [], "")
         if len(xs) > 1:
             for x, w in zip(xs[1:], blocks[1:]):
                 y.addmm_(x, w.t())
@@ -67,7 +73,7 @@ class _LinearReLU(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         weight, y, *xs = ctx.saved_tensors
         g = torch.ops.aten.threshold_backward(grad, y, 0)
-        blocks = weight.split([x.shape[1] for x in xs], dim=1) if len(xs) > 1 else (weight,)
+        blocks = _blocks(weight, xs)
         need_w, need_b, *need_x = ctx.needs_input_grad
         grad_w = None
         if need_w:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding import is_table_parameter
 from modules.embedding_l2 import DecayRule
-from modules.models import ModelConfig, build_model
+from modules.models import ModelConfig, build_model, onednn_linear
 from modules.optimizers import OptimizerChain, build_optimizer, replicated_parameters
 from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
@@ -79,7 +79,8 @@ class CTRTask(L.LightningModule):
         net = build_model(self.model_cfg, data.feature_spec, device=torch.device("meta"))
         device = self.trainer.strategy.root_device
         # a CPU fp32 kernel (modules/models/onednn_linear.py): elsewhere the MLP runs PyTorch's plain layers
-        self.onednn_mlp_used = self.model_cfg.onednn_mlp and device.type == "cpu" and self.trainer.precision == "32-true"
+        self.onednn_mlp_used = (self.model_cfg.onednn_mlp and onednn_linear.AVAILABLE and device.type == "cpu"
+                                and self.trainer.precision == "32-true")
         if self.model_cfg.onednn_mlp and not self.onednn_mlp_used:
             log.info("model.onednn_mlp: not used on %s with precision %s (a CPU fp32 kernel): the MLP runs "
                      "PyTorch's plain layers", device.type, self.trainer.precision)
