@@ -136,6 +136,18 @@ def test_bad_input_skip_policy_counts(tmp_path, case):
     assert store.meta["splits"]["train"] == 49
 
 
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_a_short_row_that_is_not_utf8_is_refused_with_its_line(tmp_path, policy):
+    """pyarrow decodes a bad row's text before it hands it over and cannot raise that failure (the Hypothesis
+    fuzz test once met such a row): the reader refuses it with its line under either policy."""
+    lines = [_criteo_line(label=str(i % 2)).encode() for i in range(50)]
+    lines[6] = b"1\t\xff\xfe\t3"
+    path = tmp_path / "bad.tsv"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(BadInputError, match="bad.tsv:7: 3 columns, expected 40"):
+        preprocess([path], builtin_layout("criteo", PreprocessConfig(bad_rows=policy)), tmp_path / "s")
+
+
 def test_line_numbers_are_exact_across_blocks_and_files(tmp_path):
     good = tmp_path / "good.tsv"
     good.write_text("\n".join(_criteo_line() for _ in range(300)) + "\n")

@@ -13,7 +13,9 @@ that are not UTF-8, a label other than 0/1, an empty file — is handled by ``po
 
 * ``error`` (default): stop with a :class:`BadInputError` naming the file, the line, the column,
   the offending value and what was expected;
-* ``skip``: drop such rows and count them per reason (:attr:`RawReader.skipped`).
+* ``skip``: drop such rows and count them per reason (:attr:`RawReader.skipped`) — but for a row
+  with the wrong number of columns in a chunk that holds bytes that are not UTF-8, which is refused
+  as under ``error`` (pyarrow cannot hand such a row over).
 """
 
 from __future__ import annotations
@@ -200,6 +202,12 @@ class RawReader:
             bad_rows.append(row.text)
             return "skip"
 
+        # pyarrow decodes a row's text as UTF-8 before it calls the handler, and cannot raise a failure of
+        # that through its threads (Python reports it as "unraisable"): the handler only takes rows of a
+        # chunk that is UTF-8. Elsewhere a row with the wrong column count fails the parse: the fast pass
+        # then hands the chunk to the careful one, which refuses the row with its file and line.
+        handler = invalid_row if careful and _is_utf8(chunk) else None
+
         types = {c: pa.binary() for c in d.read_columns} if careful else \
             {c: pa.int64() if c == d.label else pa.float64() if c in d.number_columns else pa.string()
              for c in d.read_columns}
@@ -207,7 +215,7 @@ class RawReader:
             pa.py_buffer(chunk),
             read_options=pacsv.ReadOptions(column_names=names, use_threads=True, block_size=1 << 20),
             parse_options=pacsv.ParseOptions(delimiter=d.delimiter, quote_char=d.quoting,
-                                             invalid_row_handler=invalid_row, ignore_empty_lines=False),
+                                             invalid_row_handler=handler, ignore_empty_lines=False),
             convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(d.read_columns),
                                                  strings_can_be_null=True))
 
@@ -294,3 +302,11 @@ class RawReader:
         with tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, leave=False) as bar:
             for path in self.files:
                 yield from self._file_tables(path, bar)
+
+
+def _is_utf8(chunk: memoryview) -> bool:
+    try:
+        str(chunk, "utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
