@@ -8,8 +8,10 @@ preprocessed synthetic Criteo-format data, each in its own subprocess with the s
 * the project, through ``python -m pipeline.commands.train`` (TorchRec, Lightning, its data path,
   FBGEMM's fused row-wise Adagrad for the tables), with its defaults (``model.stack_tables=auto``, which
   stacks the one-id features' tables into one here: same model, one embedding backward) and with
-  ``model.stack_tables=false`` (a table per feature, the default before) and with ``model.onednn_mlp=false``
-  (the MLP's hidden layers on PyTorch's default GEMM, MKL, instead of oneDNN);
+  ``model.stack_tables=false`` (a table per feature, the default before), with ``model.onednn_mlp=false``
+  (the MLP's hidden layers on PyTorch's default GEMM, MKL, instead of oneDNN) and with
+  ``model.overlap_embedding_backward=false`` (the lookups' backward after the MLP's weight gradients
+  instead of beside them, on a second thread);
 * the baseline, ``benchmarks/reference_deepfm.py --layout shared``: one shared embedding table with
   per-field offsets, ``nn.Embedding(sparse=True)`` + SparseAdam — what a user would write;
 * the weaker per-field baseline (an ``nn.Embedding`` per field), the one earlier numbers used;
@@ -17,7 +19,7 @@ preprocessed synthetic Criteo-format data, each in its own subprocess with the s
   with the gradient of its embedding input (which any DeepFM computes: the bound it can reach), and that
   last bound with the project's own MLP layers (blockwise first layer, oneDNN): its own dense compute.
 
-All nine alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs); every run
+All ten alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs); every run
 of round i uses the seed ``--seed`` + i (initial weights, batch order), so the test AUCs compare runs
 over the same seeds and their medians are not one draw's luck. Prints the median samples/s (training
 only), peak RSS and test AUC of each, and per round the project's ratio (each variant) to the
@@ -100,7 +102,8 @@ def main() -> None:
         baselines = {}
     variants = {"project (TorchRec + Lightning), defaults": [],
                 "project, model.stack_tables=false": ["model.stack_tables=false"],
-                "project, model.onednn_mlp=false": ["model.onednn_mlp=false"]}
+                "project, model.onednn_mlp=false": ["model.onednn_mlp=false"],
+                "project, model.overlap_embedding_backward=false": ["model.overlap_embedding_backward=false"]}
     runs: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name in [*variants, *baselines]}
     for i in range(args.repeats):
         seed = args.seed + i  # one seed per round, the same for every run in it

@@ -50,6 +50,10 @@ class ModelConfig:
     # the MLP's hidden layers (Linear + ReLU) on oneDNN's fp32 GEMM when they run on the CPU in fp32
     # (modules/models/onednn_linear.py); false: PyTorch's default kernels (MKL). Same model, float rounding apart
     onednn_mlp: bool = True
+    # CPU, one process, 2+ threads: the lookups' backward (FBGEMM's serial loop and its fused update) on a
+    # second thread beside the MLP's weight gradients (modules/models/backward_overlap.py). Same gradients, float
+    # rounding apart; false: one after the other
+    overlap_embedding_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:

@@ -20,6 +20,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.crossnet import CrossNet, LowRankMixtureCrossNet, VectorCrossNet
 
 from modules.embedding import FeatureSpec, SparseArch
+from modules.models.backward_overlap import overlap_lookup_backward
 from modules.models.layers import MLP
 
 CROSS_TYPES = ("vector", "full")
@@ -29,7 +30,8 @@ class DCN(nn.Module):
     def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
                  dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01, cross: str = "vector",
                  cross_layers: int = 3, low_rank: int | None = None, num_experts: int = 4, wide: bool = False,
-                 stack_tables: bool = False, onednn_mlp: bool = True, device: torch.device | None = None) -> None:
+                 stack_tables: bool = False, onednn_mlp: bool = True, overlap_embedding_backward: bool = True,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         if cross not in CROSS_TYPES:
             raise ValueError(f"model.cross={cross!r}: expected one of {CROSS_TYPES}")
@@ -43,9 +45,12 @@ class DCN(nn.Module):
             self.cross = CrossNet(width, cross_layers)
         self.mlp = MLP(width, mlp, None, dropout, batch_norm, bn_momentum, onednn=onednn_mlp)
         self.head = nn.Linear(width + self.mlp.out_features, 1)
+        self.overlap_embedding_backward = overlap_embedding_backward
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        emb, wide = self.sparse_arch(sparse)
+        # the MLP's weight gradients beside the lookups' backward (modules/models/backward_overlap.py)
+        (emb, wide), deferred = overlap_lookup_backward(self.sparse_arch(sparse), self.mlp,
+                                                        self.overlap_embedding_backward)
         x0 = torch.cat([emb.flatten(1), dense], dim=1)
-        logit = self.head(torch.cat([self.cross(x0), self.mlp(x0)], dim=1)).squeeze(1)
+        logit = self.head(torch.cat([self.cross(x0), self.mlp(x0, deferred)], dim=1)).squeeze(1)
         return logit if wide is None else logit + wide

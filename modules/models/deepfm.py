@@ -17,5 +17,5 @@ from modules.models.wide_deep import WideDeep
 
 class DeepFM(WideDeep):
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        emb, first_order = self.sparse_arch(sparse)
-        return self.wide_and_deep(emb, first_order, dense) + fm_interaction(emb)
+        (emb, first_order), deferred = self.lookups(sparse)
+        return self.wide_and_deep(emb, first_order, dense, deferred) + fm_interaction(emb)

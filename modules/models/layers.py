@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 
 from modules.models.onednn_linear import applies, linear_relu
+
+if TYPE_CHECKING:
+    from modules.models.backward_overlap import DeferredWeightGrads
 
 
 class ConcatLinear(nn.Linear):
@@ -76,16 +79,25 @@ class MLP(nn.Sequential):
         self._fusable = {i for i in range(len(layers) - 1)
                          if isinstance(layers[i], nn.Linear) and isinstance(layers[i + 1], nn.ReLU)}
 
-    def forward(self, x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor | Sequence[torch.Tensor],  # type: ignore[override]
+                deferred: DeferredWeightGrads | None = None) -> torch.Tensor:
+        """``deferred``: the weight gradients of the oneDNN layers are left to it
+        (:func:`modules.models.backward_overlap.overlap_lookup_backward`)."""
         i = 0
         while i < len(self):
             layer = self[i]
             xs = [x] if isinstance(x, torch.Tensor) else x
             if self.onednn and i in self._fusable and applies(xs, layer.weight):
-                x, i = linear_relu(xs, layer.weight, layer.bias), i + 2
+                slot = deferred.slot(layer.weight) if deferred is not None else None
+                x, i = linear_relu(xs, layer.weight, layer.bias, slot), i + 2
             else:
                 x, i = layer(x), i + 1
         return x
+
+    def deferrable_weights(self) -> list[torch.Tensor]:
+        """The weights whose gradients :meth:`forward` can leave to a :class:`DeferredWeightGrads`: those of
+        the layers it may run on oneDNN."""
+        return [self[i].weight for i in sorted(self._fusable)] if self.onednn else []
 
 
 def _linear(in_dim: int | Sequence[int], out_dim: int) -> nn.Linear:

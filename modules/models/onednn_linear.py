@@ -15,6 +15,8 @@ Backward, with g = ∂L/∂y ⊙ [y > 0]::
     ∂L/∂x_k = g W_k        oneDNN (W_k transposed into a contiguous [in_k, out] copy: out·in_k floats)
     ∂L/∂W_k = gᵀ x_k       MKL (oneDNN would need both [B, ·] operands transposed first: slower)
     ∂L/∂b   = Σ_rows g
+    (∂L/∂W left to a later step of the backward where the lookups' backward overlaps it:
+    :mod:`modules.models.backward_overlap`)
 
 Used by :class:`modules.models.layers.MLP` where it applies (:func:`applies`): fp32 CPU tensors, no
 autocast, oneDNN present; elsewhere (CUDA, bf16 autocast, float64) the layers run as plain modules.
@@ -22,9 +24,11 @@ autocast, oneDNN present; elsewhere (CUDA, bf16 autocast, float64) the layers ru
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+
+DeferSlot = Callable[[torch.Tensor, Sequence[torch.Tensor]], None]  # takes (g, xs) for ∂L/∂W = Σ_k gᵀ x_k
 
 _linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 AVAILABLE = _linear is not None  # this PyTorch build has the op
@@ -58,7 +62,9 @@ def _blocks(weight: torch.Tensor, xs: Sequence[torch.Tensor]) -> Sequence[torch.
 
 class _LinearReLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, *xs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, defer: DeferSlot | None,
+                *xs: torch.Tensor) -> torch.Tensor:
+        ctx.defer = defer
         blocks = _blocks(weight, xs)
         # a non-contiguous weight view sends oneDNN to its reference kernel: the first block is copied
         y = _linear(xs[0], blocks[0].contiguous(), bias, "relu" if len(xs) == 1 else "none", [], "")
@@ -74,17 +80,21 @@ class _LinearReLU(torch.autograd.Function):
         weight, y, *xs = ctx.saved_tensors
         g = torch.ops.aten.threshold_backward(grad, y, 0)
         blocks = _blocks(weight, xs)
-        need_w, need_b, *need_x = ctx.needs_input_grad
+        need_w, need_b, _, *need_x = ctx.needs_input_grad
         grad_w = None
-        if need_w:
+        if need_w and ctx.defer is not None:
+            ctx.defer(g, xs)  # computed later in the backward, beside the lookups' (backward_overlap)
+        elif need_w:
             grad_w = _weight_grad(g, xs[0]) if len(xs) == 1 else torch.cat([_weight_grad(g, x) for x in xs], dim=1)
         grad_b = g.sum(dim=0) if need_b else None
         grad_x = [_linear(g, w.t().contiguous(), None, "none", [], "") if need else None
                   for w, need in zip(blocks, need_x)]
-        return (grad_w, grad_b, *grad_x)
+        return (grad_w, grad_b, None, *grad_x)
 
 
-def linear_relu(xs: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_relu(xs: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None,
+                defer: DeferSlot | None = None) -> torch.Tensor:
     """``relu(b + Σ_k x_k W_kᵀ)``: ``xs`` K inputs [B, in_k], ``weight`` [out, Σ in_k] (``W_k`` its
-    column blocks), ``bias`` [out] or None → [B, out]. Only where :func:`applies`."""
-    return _LinearReLU.apply(weight, bias, *xs)
+    column blocks), ``bias`` [out] or None → [B, out]. Only where :func:`applies`. ``defer``: the backward
+    hands ``(g, xs)`` to it instead of computing ∂L/∂W (:mod:`modules.models.backward_overlap`)."""
+    return _LinearReLU.apply(weight, bias, defer, *xs)

@@ -66,7 +66,8 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
     logger.log_hyperparams({**task.scaled_hyperparameters(), "cowclip/global_tables": len(task.cowclip.global_lookups),
                             "cowclip/local_tables": len(task.cowclip.local_lookups),
                             "model/stacked_tables": task.model_cfg.stack_tables,
-                            "model/onednn_mlp_used": task.onednn_mlp_used})
+                            "model/onednn_mlp_used": task.onednn_mlp_used,
+                            "model/overlap_embedding_backward_used": task.overlap_embedding_backward_used})
     meta = datamodule.store.meta
     throughput, comm, best = (find_callback(trainer.callbacks, cls) for cls in (TrainThroughput, CommAccounting,
                                                                                  BestValidation))

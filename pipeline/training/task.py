@@ -66,6 +66,7 @@ class CTRTask(L.LightningModule):
         self.test_metrics = CTRMetrics()
         self._skip_step = False
         self.onednn_mlp_used = False  # decided with the model (configure_model); logged to MLflow
+        self.overlap_embedding_backward_used = False  # likewise
 
     def scaled_hyperparameters(self) -> dict[str, float]:
         return {f"scaled/{k}": v for k, v in asdict(self.scaled).items()}
@@ -84,6 +85,12 @@ class CTRTask(L.LightningModule):
         if self.model_cfg.onednn_mlp and not self.onednn_mlp_used:
             log.info("model.onednn_mlp: not used on %s with precision %s (a CPU fp32 kernel): the MLP runs "
                      "PyTorch's plain layers", device.type, self.trainer.precision)
+        # what modules.models.backward_overlap.applies checks at each forward, decided once for the record
+        self.overlap_embedding_backward_used = (self.model_cfg.overlap_embedding_backward and self.onednn_mlp_used
+                                                and self.trainer.world_size == 1 and torch.get_num_threads() > 1)
+        if self.model_cfg.overlap_embedding_backward and not self.overlap_embedding_backward_used:
+            log.info("model.overlap_embedding_backward: not used (it needs the MLP on oneDNN, one process and 2+ "
+                     "threads; here %d process(es), %d thread(s))", self.trainer.world_size, torch.get_num_threads())
         spec = data.feature_spec
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.data_parallel, coverage=data.coverage,

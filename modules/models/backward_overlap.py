@@ -1,0 +1,197 @@
+"""The embedding lookups' backward on a second thread, beside the MLP's weight gradients (CPU training).
+
+On the CPU, FBGEMM's backward with its fused optimizer is a serial loop over the unique rows for a table
+read by several features (the stacked table and the first-order table are): ≈ 15 ms of DeepFM's ≈ 167 ms
+step at batch 8,192 on 2 cores, during which one core waits (docs/throughput.md). Nothing in the backward
+needs that loop's result, and the MLP's weight gradients do not feed it, so the two can run side by side:
+
+    backward of the dense part, input gradients only:   g_l = ∂L/∂y_l ⊙ [y_l > 0],  ∂L/∂x_l = g_l W_l
+        (each hidden layer leaves its weight gradient ∂L/∂W_l = g_lᵀ x_l pending)
+    then, once ∂L/∂e (every lookup's output gradient) is complete:
+        worker thread, 1 OpenMP thread:   autograd.backward(e, ∂L/∂e)   (pooling, hooks, FBGEMM + update)
+        this thread:                      ∂L/∂W_l = Σ_c g_l[c]ᵀ x_l[c]   over row chunks c of the batch,
+                                          1 thread while the worker runs, then all of them
+
+How it sits in the autograd graph: :func:`overlap_lookup_backward` cuts the graph after the lookups
+(the dense part reads detached copies) and joins the copies and the MLP's weights in one node,
+:class:`_Join`, whose backward runs once the dense part has delivered every gradient of the copies. It
+starts the lookups' own backward on the worker and returns the deferred weight gradients as the
+weights' gradients, so they reach the parameters through autograd as any gradient does (accumulation
+and gradient hooks unchanged). It returns only when the worker has finished: ``loss.backward()`` ends
+with the tables updated, as without the overlap.
+
+Same gradients up to float rounding (the weight gradient summed over fixed row chunks, the same chunks
+whatever thread count computes each: reproducible run to run; the lookups' gradient and the tables'
+update are the same computation). Applies to one training process with at least 2 intra-op threads,
+fp32 on the CPU, when the MLP's layers run on oneDNN (:mod:`modules.models.onednn_linear`); with several
+processes the lookups' backward holds collectives, which must not run beside this thread's.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from modules.models.onednn_linear import MIN_ROWS, DeferSlot
+
+# Rows of the batch per weight-gradient product. Fixed, so the sum's order never depends on timing; small
+# enough that the switch to all threads, when the worker ends, waits ≤ one chunk (512 rows of DeepFM's
+# first layer: ≈ 1.8 ms on one core). On 2 cores of an AMD EPYC, MKL runs [400, 512] × [512, 416] on one
+# thread at the rate of the whole product, on two at 1.5 % below it.
+CHUNK_ROWS = 512
+
+_executor: ThreadPoolExecutor | None = None
+
+
+def _worker() -> ThreadPoolExecutor:
+    """One long-lived thread that runs the lookups' backward with one OpenMP / MKL thread of its own."""
+    global _executor
+    if _executor is None:
+        threads = torch.get_num_threads()
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookup-backward")
+        executor.submit(torch.set_num_threads, 1).result()
+        torch.set_num_threads(threads)  # set_num_threads also sets the count threads started later take
+        _executor = executor
+    return _executor
+
+
+def _forget_worker() -> None:
+    global _executor
+    _executor = None  # a forked child has no thread behind the parent's executor
+
+
+os.register_at_fork(after_in_child=_forget_worker)
+
+
+class DeferredWeightGrads:
+    """Weight gradients the MLP's hidden layers leave pending: per weight ``W = [W_1 … W_K]`` (column
+    blocks), ``g`` [B, out] and the inputs ``x_k`` [B, in_k], for ∂L/∂W_k = gᵀ x_k."""
+
+    def __init__(self, weights: Sequence[torch.Tensor]) -> None:
+        self._pending: dict[int, tuple[torch.Tensor, Sequence[torch.Tensor]] | None] = {id(w): None for w in weights}
+
+    def slot(self, weight: torch.Tensor) -> DeferSlot | None:
+        """Where a layer's backward leaves ``(g, xs)`` for ``weight``; None if ``weight`` is not deferred."""
+        key = id(weight)
+        if key not in self._pending:
+            return None
+
+        def put(g: torch.Tensor, xs: Sequence[torch.Tensor]) -> None:
+            self._pending[key] = (g, xs)
+        return put
+
+    def compute(self, weights: Sequence[torch.Tensor], busy: Callable[[], bool]) -> list[torch.Tensor | None]:
+        """∂L/∂W of each weight (None where nothing was left pending), as ``Σ_c g[c]ᵀ x_k[c]`` over chunks
+        of :data:`CHUNK_ROWS` rows; on one thread while ``busy()``, then on all."""
+        grads: list[torch.Tensor | None] = []
+        chunks = []
+        for w in weights:
+            item = self._pending.pop(id(w), None)
+            if item is None:
+                grads.append(None)
+                continue
+            g, xs = item
+            out = torch.empty_like(w)
+            for block, x in zip(out.split([x.shape[1] for x in xs], dim=1), xs):
+                rows = CHUNK_ROWS if _wide(g, x) else g.shape[0]  # a narrow block is one short product
+                chunks += [(block, g[r:r + rows], x[r:r + rows], r == 0) for r in range(0, g.shape[0], rows)]
+            grads.append(out)
+        threads = torch.get_num_threads()
+        single = threads > 1 and busy()
+        if single:
+            torch.set_num_threads(1)
+        try:
+            for block, g, x, first in chunks:
+                if single and not busy():
+                    torch.set_num_threads(threads)
+                    single = False
+                _accumulate(block, g, x, beta=0.0 if first else 1.0)
+        finally:
+            if single:
+                torch.set_num_threads(threads)
+        return grads
+
+
+def _wide(g: torch.Tensor, x: torch.Tensor) -> bool:
+    return x.shape[1] >= g.shape[1]
+
+
+def _accumulate(out: torch.Tensor, g: torch.Tensor, x: torch.Tensor, beta: float) -> None:
+    """``out ← β·out + gᵀ x`` in place; a block narrower than ``g`` as ``outᵀ ← β·outᵀ + xᵀ g``: MKL runs
+    [400, B] × [B, 13] (DeepFM's dense features) at half the rate of [13, B] × [B, 400]."""
+    if _wide(g, x):
+        out.addmm_(g.t(), x, beta=beta)
+    else:
+        out.t().addmm_(x.t(), g, beta=beta)
+
+
+class _Overlap:
+    """What :class:`_Join`'s backward needs: the lookups (still attached to their graph), the weights, and
+    the gradients left pending for them."""
+
+    def __init__(self, lookups: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                 deferred: DeferredWeightGrads) -> None:
+        self.lookups, self.weights, self.deferred = list(lookups), list(weights), deferred
+
+    def run(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        roots = [(t, g) for t, g in zip(self.lookups, grads) if g is not None]
+        self.lookups = []
+        job: Future | None = None
+        if roots:
+            job = _worker().submit(torch.autograd.backward, [t for t, _ in roots], [g for _, g in roots])
+        try:
+            weight_grads = self.deferred.compute(self.weights, busy=lambda: job is not None and not job.done())
+        except BaseException:
+            if job is not None:
+                wait_for([job])  # nothing of the step may still run when the error surfaces
+            raise
+        if job is not None:
+            job.result()  # the lookups' backward's own error, if any
+        return weight_grads
+
+
+class _Join(torch.autograd.Function):
+    """Identity over the detached lookups; its backward is :meth:`_Overlap.run` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, overlap: _Overlap, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.overlap, ctx.n = overlap, n
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        overlap, ctx.overlap = ctx.overlap, None
+        return (None, None) + (None,) * ctx.n + tuple(overlap.run(grads))
+
+
+def applies(lookups: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`overlap_lookup_backward` overlaps: a backward will follow (grad mode, lookups that
+    need gradients), fp32 on the CPU outside autocast in batches the MLP runs on oneDNN, ≥ 2 intra-op
+    threads, one process, and weights whose gradients the MLP can defer."""
+    return (bool(weights) and bool(lookups) and lookups[0].shape[0] >= MIN_ROWS and torch.is_grad_enabled()
+            and any(t.requires_grad for t in lookups)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in lookups)
+            and not torch.is_autocast_enabled("cpu") and torch.get_num_threads() > 1
+            and not (dist.is_initialized() and dist.get_world_size() > 1))
+
+
+def overlap_lookup_backward(lookups: tuple[torch.Tensor | None, ...], mlp: Any, enabled: bool = True
+                            ) -> tuple[tuple[torch.Tensor | None, ...], DeferredWeightGrads | None]:
+    """``lookups`` (a sparse arch's outputs, None for an absent one) as the dense part should read them,
+    and the :class:`DeferredWeightGrads` to hand to ``mlp`` (a :class:`modules.models.layers.MLP`);
+    unchanged and None where the overlap does not apply (:func:`applies`) or is not ``enabled``."""
+    present = [t for t in lookups if t is not None]
+    weights = mlp.deferrable_weights()
+    if not (enabled and applies(present, weights)):
+        return lookups, None
+    deferred = DeferredWeightGrads(weights)
+    joined = iter(_Join.apply(_Overlap(present, weights, deferred), len(present),
+                              *(t.detach() for t in present), *weights))
+    return tuple(None if t is None else next(joined) for t in lookups), deferred
