@@ -74,7 +74,8 @@ class DeferredWeightGrads:
     blocks), ``g`` [B, out] and the inputs ``x_k`` [B, in_k], for ∂L/∂W_k = gᵀ x_k."""
 
     def __init__(self, weights: Sequence[torch.Tensor]) -> None:
-        self._pending: dict[int, tuple[torch.Tensor, Sequence[torch.Tensor]] | None] = {id(w): None for w in weights}
+        self._pending: dict[int, tuple[torch.Tensor, Sequence[torch.Tensor]] | None] = \
+            {id(w): None for w in weights}
 
     def slot(self, weight: torch.Tensor) -> DeferSlot | None:
         """Where a layer's backward leaves ``(g, xs)`` for ``weight``; None if ``weight`` is not deferred."""

@@ -13,9 +13,8 @@ that are not UTF-8, a label other than 0/1, an empty file — is handled by ``po
 
 * ``error`` (default): stop with a :class:`BadInputError` naming the file, the line, the column,
   the offending value and what was expected;
-* ``skip``: drop such rows and count them per reason (:attr:`RawReader.skipped`) — but for a row
-  with the wrong number of columns in a chunk that holds bytes that are not UTF-8, which is refused
-  as under ``error`` (pyarrow cannot hand such a row over).
+* ``skip``: drop such rows and count them per reason (:attr:`RawReader.skipped`); a row with the wrong
+  column count in a chunk with non-UTF-8 bytes is refused as under ``error`` (pyarrow cannot hand it over).
 """
 
 from __future__ import annotations
@@ -202,12 +201,9 @@ class RawReader:
             bad_rows.append(row.text)
             return "skip"
 
-        # pyarrow decodes a row's text as UTF-8 before it calls the handler, and cannot raise a failure of
-        # that through its threads (Python reports it as "unraisable"): the handler only takes rows of a
-        # chunk that is UTF-8. Elsewhere a row with the wrong column count fails the parse: the fast pass
-        # then hands the chunk to the careful one, which refuses the row with its file and line.
+        # pyarrow decodes a row's text before calling the handler and cannot raise that failure ("unraisable"):
+        # the handler is for UTF-8 chunks; elsewhere the bad row fails the parse (fast → careful → file:line)
         handler = invalid_row if careful and _is_utf8(chunk) else None
-
         types = {c: pa.binary() for c in d.read_columns} if careful else \
             {c: pa.int64() if c == d.label else pa.float64() if c in d.number_columns else pa.string()
              for c in d.read_columns}
@@ -306,7 +302,6 @@ class RawReader:
 
 def _is_utf8(chunk: memoryview) -> bool:
     try:
-        str(chunk, "utf-8")
+        return str(chunk, "utf-8") is not None
     except UnicodeDecodeError:
         return False
-    return True
