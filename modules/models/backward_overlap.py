@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from modules.models.onednn_linear import MIN_ROWS, DeferSlot
+from modules.models.onednn_linear import MIN_ROWS, DeferSlot, add_weight_grad, narrow
 
 # Rows of the batch per weight-gradient product. Fixed, so the sum's order never depends on timing; small
 # enough that the switch to all threads, when the worker ends, waits ≤ one chunk (512 rows of DeepFM's
@@ -74,6 +74,7 @@ class DeferredWeightGrads:
     blocks), ``g`` [B, out] and the inputs ``x_k`` [B, in_k], for ∂L/∂W_k = gᵀ x_k."""
 
     def __init__(self, weights: Sequence[torch.Tensor]) -> None:
+        self.weights = list(weights)
         self._pending: dict[int, tuple[torch.Tensor, Sequence[torch.Tensor]] | None] = \
             {id(w): None for w in weights}
 
@@ -87,12 +88,12 @@ class DeferredWeightGrads:
             self._pending[key] = (g, xs)
         return put
 
-    def compute(self, weights: Sequence[torch.Tensor], busy: Callable[[], bool]) -> list[torch.Tensor | None]:
+    def compute(self, busy: Callable[[], bool]) -> list[torch.Tensor | None]:
         """∂L/∂W of each weight (None where nothing was left pending), as ``Σ_c g[c]ᵀ x_k[c]`` over chunks
         of :data:`CHUNK_ROWS` rows; on one thread while ``busy()``, then on all."""
         grads: list[torch.Tensor | None] = []
         chunks = []
-        for w in weights:
+        for w in self.weights:
             item = self._pending.pop(id(w), None)
             if item is None:
                 grads.append(None)
@@ -100,7 +101,7 @@ class DeferredWeightGrads:
             g, xs = item
             out = torch.empty_like(w)
             for block, x in zip(out.split([x.shape[1] for x in xs], dim=1), xs):
-                rows = CHUNK_ROWS if _wide(g, x) else g.shape[0]  # a narrow block is one short product
+                rows = g.shape[0] if narrow(g, x) else CHUNK_ROWS  # a narrow block is one short product
                 chunks += [(block, g[r:r + rows], x[r:r + rows], r == 0) for r in range(0, g.shape[0], rows)]
             grads.append(out)
         threads = torch.get_num_threads()
@@ -112,33 +113,19 @@ class DeferredWeightGrads:
                 if single and not busy():
                     torch.set_num_threads(threads)
                     single = False
-                _accumulate(block, g, x, beta=0.0 if first else 1.0)
+                add_weight_grad(block, g, x, beta=0.0 if first else 1.0)
         finally:
             if single:
                 torch.set_num_threads(threads)
         return grads
 
 
-def _wide(g: torch.Tensor, x: torch.Tensor) -> bool:
-    return x.shape[1] >= g.shape[1]
-
-
-def _accumulate(out: torch.Tensor, g: torch.Tensor, x: torch.Tensor, beta: float) -> None:
-    """``out ← β·out + gᵀ x`` in place; a block narrower than ``g`` as ``outᵀ ← β·outᵀ + xᵀ g``: MKL runs
-    [400, B] × [B, 13] (DeepFM's dense features) at half the rate of [13, B] × [B, 400]."""
-    if _wide(g, x):
-        out.addmm_(g.t(), x, beta=beta)
-    else:
-        out.t().addmm_(x.t(), g, beta=beta)
-
-
 class _Overlap:
-    """What :class:`_Join`'s backward needs: the lookups (still attached to their graph), the weights, and
-    the gradients left pending for them."""
+    """What :class:`_Join`'s backward needs: the lookups (still attached to their graph) and the weight
+    gradients left pending."""
 
-    def __init__(self, lookups: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                 deferred: DeferredWeightGrads) -> None:
-        self.lookups, self.weights, self.deferred = list(lookups), list(weights), deferred
+    def __init__(self, lookups: Sequence[torch.Tensor], deferred: DeferredWeightGrads) -> None:
+        self.lookups, self.deferred = list(lookups), deferred
 
     def run(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         roots = [(t, g) for t, g in zip(self.lookups, grads) if g is not None]
@@ -147,7 +134,7 @@ class _Overlap:
         if roots:
             job = _worker().submit(torch.autograd.backward, [t for t, _ in roots], [g for _, g in roots])
         try:
-            weight_grads = self.deferred.compute(self.weights, busy=lambda: job is not None and not job.done())
+            weight_grads = self.deferred.compute(busy=lambda: job is not None and not job.done())
         except BaseException:
             if job is not None:
                 wait_for([job])  # nothing of the step may still run when the error surfaces
@@ -193,6 +180,6 @@ def overlap_lookup_backward(lookups: tuple[torch.Tensor | None, ...], mlp: Any, 
     if not (enabled and applies(present, weights)):
         return lookups, None
     deferred = DeferredWeightGrads(weights)
-    joined = iter(_Join.apply(_Overlap(present, weights, deferred), len(present),
+    joined = iter(_Join.apply(_Overlap(present, deferred), len(present),
                               *(t.detach() for t in present), *weights))
     return tuple(None if t is None else next(joined) for t in lookups), deferred
