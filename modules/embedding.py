@@ -57,7 +57,7 @@ from torchrec import (
     PoolingType,
 )
 
-from modules.lookup_inputs import pool_bags, shifted_keys, stacked_normal_
+from modules.lookup_inputs import check_ids, pool_bags, shifted_keys, stacked_normal_
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -256,12 +256,16 @@ class SparseArch(nn.Module):
                              persistent=False)
         self.register_buffer("_seq_wide_offsets", torch.tensor([seq_offsets[f] for f in self.seq_fields]),
                              persistent=False)
+        self.register_buffer("_table_rows", torch.tensor([spec.table_sizes[self.tables[f]] for f in self.fields]),
+                             persistent=False)
         self.register_buffer("_seq_mean", torch.tensor([spec.pooling.get(f) == "mean" for f in self.seq_fields],
                                                        dtype=torch.bool), persistent=False)
 
     def forward(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if features.keys() != self.fields:
             raise ValueError(f"SparseArch expects the KJT keys {self.fields}, got {features.keys()}")
+        if features.values().device.type == "cpu":  # on CUDA, FBGEMM's parallel check, without a host sync
+            check_ids(features, self._table_rows)
         if self.ec is None:
             return self._bags(features)
         if self.ebc is None:

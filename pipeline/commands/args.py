@@ -1,7 +1,8 @@
 """How the commands end on a user error: one clean line naming the cause, a hint, exit status 2.
 
 User errors are the classes of :mod:`pipeline.runtime.errors` (each with its hint), tables that cannot
-be placed (:class:`modules.placement.PlacementError`) and a missing file. Anything else is a bug and
+be placed (:class:`modules.placement.PlacementError`), an id outside its table
+(:class:`modules.lookup_inputs.IdOutOfRangeError`) and a missing file. Anything else is a bug and
 keeps its traceback; ``HYDRA_FULL_ERROR=1`` shows the traceback of user errors too.
 """
 
@@ -13,13 +14,14 @@ from typing import Callable, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from modules.lookup_inputs import IdOutOfRangeError
 from modules.placement import PlacementError
 from pipeline.config import to_typed
 from pipeline.runtime.errors import UserError
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
-USER_ERRORS = (UserError, PlacementError, FileNotFoundError)
+USER_ERRORS = (UserError, PlacementError, IdOutOfRangeError, FileNotFoundError)
 
 
 def command_args(cfg: DictConfig, schema: type[T]) -> T:

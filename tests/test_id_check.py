@@ -1,0 +1,92 @@
+"""Ids are checked against their tables by the model, and FBGEMM's own CPU check is off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torchrec import KeyedJaggedTensor
+
+from modules.embedding import FeatureSpec
+from modules.lookup_inputs import IdOutOfRangeError, check_ids
+from modules.models.deepfm import DeepFM
+from pipeline.data.batches import make_batch
+from pipeline.data.store import SplitArrays
+from tests.dist_utils import run_workers
+
+SPEC = FeatureSpec(("I1",), ("a", "b", "c"), {"a": 10, "b": 7, "c": 20})
+
+
+@st.composite
+def _kjts(draw):
+    """(keys, rows per key, stride, bags: per key per row a list of ids), some ids possibly outside."""
+    k, b = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    rows = draw(st.lists(st.integers(1, 50), min_size=k, max_size=k))
+    bags = [[draw(st.lists(st.integers(-3, n + 3), max_size=3)) for _ in range(b)] for n in rows]
+    return [f"f{i}" for i in range(k)], rows, b, bags
+
+
+@settings(max_examples=200, deadline=None)
+@given(_kjts())
+def test_check_ids_refuses_exactly_the_batches_with_an_id_outside_its_table(case):
+    keys, rows, b, bags = case
+    kjt = KeyedJaggedTensor(keys=keys, values=torch.tensor([i for key in bags for bag in key for i in bag],
+                                                           dtype=torch.int32),
+                            lengths=torch.tensor([len(bag) for key in bags for bag in key], dtype=torch.int32),
+                            stride=b)
+    first_bad = next(((keys[k], i) for k, key in enumerate(bags) for bag in key for i in bag
+                      if not 0 <= i < rows[k]), None)  # in value order: key after key, bag after bag
+    if first_bad is None:
+        check_ids(kjt, torch.tensor(rows))
+        return
+    with pytest.raises(IdOutOfRangeError) as e:
+        check_ids(kjt, torch.tensor(rows))
+    key, bad = first_bad
+    assert str(e.value) == (f"feature {key!r}: id {bad} is outside its table's rows "
+                            f"[0, {rows[keys.index(key)]})")
+
+
+def _batch(c_ids: list[int]):
+    n = len(c_ids)
+    rng = np.random.default_rng(0)
+    sparse = np.stack([rng.integers(0, 10, n), rng.integers(0, 7, n), np.array(c_ids)], 1).astype(np.int32)
+    arrays = SplitArrays(rng.integers(0, 2, n).astype(np.int8), rng.normal(size=(n, 1)).astype(np.float32), sparse)
+    return make_batch(arrays, np.arange(n), list(SPEC.categorical))
+
+
+def _sharded_worker(rank: int, world_size: int, stack: bool) -> None:
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    from modules.optimizers import OptimizerSpec
+    from modules.sharding import shard_model
+    from modules.topology import TopologySpec
+
+    net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], stack_tables=stack, device=torch.device("meta"))
+    dmp, _ = shard_model(net, OptimizerSpec("rowwise_adagrad", 0.1), TopologySpec(compute_device="cpu"),
+                         torch.device("cpu"))
+    kernels = [kernel._emb_module for lookup in dmp.module.sparse_arch.ebc._lookups  # TorchRec's internals:
+               for kernel in lookup._emb_modules]  # its FBGEMM modules are not registered submodules
+    assert all(isinstance(k, SplitTableBatchedEmbeddingBagsCodegen) for k in kernels)
+    assert kernels and all(k.bounds_check_mode_int == BoundsCheckMode.NONE.value for k in kernels)
+
+    def state() -> list[torch.Tensor]:
+        return [w.clone() for k in kernels for w in k.split_embedding_weights()]
+
+    before = state()
+    valid = _batch([0, 19, 5, 3])
+    dmp(valid.dense_features, valid.sparse_features).sum().backward()  # the tables' fused update runs
+    trained = state()
+    assert any(not torch.equal(a, b) for a, b in zip(before, trained))
+    for bad in (20, -1):
+        batch = _batch([0, bad, 5, 3])
+        with pytest.raises(IdOutOfRangeError, match=rf"^feature 'c': id {bad} is outside its table's rows \[0, 20\)$"):
+            dmp(batch.dense_features, batch.sparse_features)
+        assert all(torch.equal(a, b) for a, b in zip(trained, state()))  # refused before any lookup
+
+
+def test_sharded_model_refuses_an_id_outside_its_table_without_fbgemms_check():
+    for stack in (False, True):
+        run_workers(_sharded_worker, 1, stack)
