@@ -54,7 +54,9 @@ class MLP(nn.Sequential):
     With ``onednn`` (``model.onednn_mlp``), each Linear directly followed by its ReLU runs as one
     :func:`modules.models.onednn_linear.linear_relu` call where that applies (fp32 CPU batches of at least
     64 rows): oneDNN's GEMM with the bias and ReLU fused, ≈ 5 % off the 400-400-400 MLP's step at batch
-    8,192 on 2 cores. The modules, parameters and state-dict keys stay those of the plain layers.
+    8,192 on 2 cores; a :class:`ConcatLinear`'s blocks then run as one GEMM over their concatenation
+    (oneDNN would copy the strided lookups anyway). The modules, parameters and state-dict keys stay
+    those of the plain layers.
     """
 
     def __init__(self, in_dim: int | Sequence[int], hidden: Sequence[int], out_dim: int | None = 1,
