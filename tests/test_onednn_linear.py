@@ -73,3 +73,27 @@ def test_mlp_with_batch_norm_between_linear_and_relu_keeps_its_layers():
     x = torch.randn(onednn_linear.MIN_ROWS, 24)
     assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(x))
     torch.testing.assert_close(mlp(x), mlp[3](mlp[2](mlp[1](mlp[0](x)))))
+
+
+def test_gradients_masked_in_place_only_where_no_one_else_holds_them():
+    torch.manual_seed(0)
+    rows = onednn_linear.MIN_ROWS + 5
+    x = torch.randn(rows, 24, requires_grad=True)
+    w, b = torch.randn(32, 24, requires_grad=True), torch.randn(32, requires_grad=True)
+    g = torch.randn(rows, 32)
+    grads = []
+    for private in (False, True):
+        given = g.clone()
+        onednn_linear.linear_relu([x], w, b, private=private).backward(given)
+        grads.append([t.grad.clone() for t in (x, w, b)])
+        for t in (x, w, b):
+            t.grad = None
+        assert torch.equal(given, g) != private  # the private gradient was masked where it was
+    for a, c in zip(*grads):
+        assert torch.equal(a, c)
+    mlp = MLP(24, [32, 16], None)  # the last hidden layer's output is the caller's: its gradient too
+    out = mlp(torch.randn(rows, 24))
+    given = torch.randn_like(out)
+    kept = given.clone()
+    out.backward(given)
+    assert torch.equal(given, kept)

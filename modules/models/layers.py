@@ -80,6 +80,8 @@ class MLP(nn.Sequential):
         # (Linear, its ReLU right after it) pairs by position: what onednn_linear computes in one call
         self._fusable = {i for i in range(len(layers) - 1)
                          if isinstance(layers[i], nn.Linear) and isinstance(layers[i + 1], nn.ReLU)}
+        # the pairs whose output a later Linear takes: its gradient comes from that Linear alone
+        self._private = {i for i in self._fusable if any(isinstance(m, nn.Linear) for m in layers[i + 2:])}
 
     def forward(self, x: torch.Tensor | Sequence[torch.Tensor],  # type: ignore[override]
                 deferred: DeferredWeightGrads | None = None) -> torch.Tensor:
@@ -91,7 +93,7 @@ class MLP(nn.Sequential):
             xs = [x] if isinstance(x, torch.Tensor) else x
             if self.onednn and i in self._fusable and applies(xs, layer.weight):
                 slot = deferred.slot(layer.weight) if deferred is not None else None
-                x, i = linear_relu(xs, layer.weight, layer.bias, slot), i + 2
+                x, i = linear_relu(xs, layer.weight, layer.bias, slot, private=i in self._private), i + 2
             else:
                 x, i = layer(x), i + 1
         return x

@@ -77,8 +77,8 @@ def add_weight_grad(out: torch.Tensor, g: torch.Tensor, x: torch.Tensor, beta: f
 class _LinearReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, defer: DeferSlot | None,
-                *xs: torch.Tensor) -> torch.Tensor:
-        ctx.defer, ctx.widths = defer, [x.shape[1] for x in xs]
+                private: bool, *xs: torch.Tensor) -> torch.Tensor:
+        ctx.defer, ctx.private, ctx.widths = defer, private, [x.shape[1] for x in xs]
         # one GEMM over [x_1 … x_K]: oneDNN copies a strided input (the lookups' columns of FBGEMM's output)
         # into a contiguous one anyway, and the copy is made here instead, with the other blocks in it
         x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
@@ -89,8 +89,11 @@ class _LinearReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         weight, y, x = ctx.saved_tensors
-        g = torch.ops.aten.threshold_backward(grad, y, 0)
-        need_w, need_b, _, *need_x = ctx.needs_input_grad
+        if ctx.private and grad.is_contiguous():  # nothing else holds ∂L/∂y: masked where it is
+            g = torch.ops.aten.threshold_backward.grad_input(grad, y, 0, grad_input=grad)
+        else:
+            g = torch.ops.aten.threshold_backward(grad, y, 0)
+        need_w, need_b, _, _, *need_x = ctx.needs_input_grad
         grad_w = None
         if need_w and ctx.defer is not None:
             ctx.defer(g, [x])  # computed later in the backward, beside the lookups' (backward_overlap)
@@ -99,12 +102,16 @@ class _LinearReLU(torch.autograd.Function):
         grad_b = g.sum(dim=0) if need_b else None
         grad_x = [_linear(g, w.t().contiguous(), None, "none", [], "") if need else None
                   for w, need in zip(weight.split(ctx.widths, dim=1), need_x)]
-        return (grad_w, grad_b, None, *grad_x)
+        return (grad_w, grad_b, None, None, *grad_x)
 
 
 def linear_relu(xs: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None,
-                defer: DeferSlot | None = None) -> torch.Tensor:
+                defer: DeferSlot | None = None, private: bool = False) -> torch.Tensor:
     """``relu(b + Σ_k x_k W_kᵀ)``: ``xs`` K inputs [B, in_k], ``weight`` [out, Σ in_k] (``W_k`` its
     column blocks), ``bias`` [out] or None → [B, out]. Only where :func:`applies`. ``defer``: the backward
-    hands ``(g, xs)`` to it instead of computing ∂L/∂W (:mod:`modules.models.backward_overlap`)."""
-    return _LinearReLU.apply(weight, bias, defer, *xs)
+    hands ``(g, xs)`` to it instead of computing ∂L/∂W (:mod:`modules.models.backward_overlap`).
+
+    ``private``: the output goes only to later layers of the caller, so its gradient is a tensor no one
+    else holds, and the backward applies the ReLU's mask to it in place instead of writing a new
+    [B, out] tensor (batch 8,192 × 400: 0.67 against 1.1 ms, and the bias sum then reads it warm)."""
+    return _LinearReLU.apply(weight, bias, defer, private, *xs)
