@@ -17,10 +17,12 @@ preprocessed synthetic Criteo-format data, each in its own subprocess with the s
 * the weaker per-field baseline (an ``nn.Embedding`` per field), the one earlier numbers used;
 * the bound: the MLP alone (forward, backward, Adam) at the same batch size and threads, and the same
   with the gradient of its embedding input (which any DeepFM computes: the bound it can reach), and that
-  last bound with the project's own MLP layers (blockwise first layer, oneDNN): its own dense compute.
+  last bound with the project's own MLP layers (:class:`modules.models.layers.MLP`, oneDNN): its own dense
+  compute.
 
-All ten alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs); every run
-of round i uses the seed ``--seed`` + i (initial weights, batch order), so the test AUCs compare runs
+All nine alternate in each of ``--repeats`` rounds (the machine's speed drifts between runs): the
+defaults and the shared-table baseline run one after the other, in turns first, then the rest. Every
+run of round i uses the seed ``--seed`` + i (initial weights, batch order), so the test AUCs compare runs
 over the same seeds and their medians are not one draw's luck. Prints the median samples/s (training
 only), peak RSS and test AUC of each, and per round the project's ratio (each variant) to the
 shared-table baseline and to the bounds, with each run's test AUC.
@@ -105,16 +107,23 @@ def main() -> None:
                 "project, model.onednn_mlp=false": ["model.onednn_mlp=false"],
                 "project, model.overlap_embedding_backward=false": ["model.overlap_embedding_backward=false"]}
     runs: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name in [*variants, *baselines]}
+    baseline = next(iter(baselines), None)
     for i in range(args.repeats):
         seed = args.seed + i  # one seed per round, the same for every run in it
-        for j, (name, extra) in enumerate(variants.items()):
-            _, rss = _run_measured([*project_cmd, *extra, f"seed={seed}", f"hydra.run.dir={tmp}/run{i}-{j}"], env)
-            result = read_result(tmp / f"run{i}-{j}")
-            runs[name].append((result.samples_per_s, rss, result.test_auc))
-        for name, extra in baselines.items():
-            out, rss = _run_measured([*reference_cmd, *extra, "--seed", str(seed)], env)
-            r = json.loads(out.strip().splitlines()[-1])
-            runs[name].append((r["samples_per_s"], rss, r["test_auc"]))
+        order = [("project", name) for name in variants] + [("reference", name) for name in baselines]
+        if baseline is not None:  # the defaults and the baseline side by side, in turns first: drift cancels
+            order.remove(("reference", baseline))
+            order.insert(i % 2, ("reference", baseline))
+        for kind, name in order:
+            if kind == "project":
+                run_dir = tmp / f"run{i}-{list(variants).index(name)}"
+                _, rss = _run_measured([*project_cmd, *variants[name], f"seed={seed}", f"hydra.run.dir={run_dir}"], env)
+                result = read_result(run_dir)
+                runs[name].append((result.samples_per_s, rss, result.test_auc))
+            else:
+                out, rss = _run_measured([*reference_cmd, *baselines[name], "--seed", str(seed)], env)
+                r = json.loads(out.strip().splitlines()[-1])
+                runs[name].append((r["samples_per_s"], rss, r["test_auc"]))
     print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
           f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {args.precision}"
           f"{f', median of {args.repeats} alternating rounds' if args.repeats > 1 else ''}\n")
