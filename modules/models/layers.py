@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 
-from modules.models.onednn_linear import applies, linear_relu
+from modules.models.onednn_linear import applies, linear
 
 if TYPE_CHECKING:
     from modules.models.backward_overlap import DeferredWeightGrads
@@ -51,8 +51,8 @@ class MLP(nn.Sequential):
     ``in_dim`` given as several widths makes the first layer a :class:`ConcatLinear`: the MLP then
     takes the inputs as a sequence instead of their concatenation.
 
-    With ``onednn`` (``model.onednn_mlp``), each Linear directly followed by its ReLU runs as one
-    :func:`modules.models.onednn_linear.linear_relu` call where that applies (fp32 CPU batches of at least
+    With ``onednn`` (``model.onednn_mlp``), each Linear (with its ReLU when one follows it directly) runs as
+    one :func:`modules.models.onednn_linear.linear` call where that applies (fp32 CPU batches of at least
     64 rows): oneDNN's GEMM with the bias and ReLU fused, ≈ 5 % off the 400-400-400 MLP's step at batch
     8,192 on 2 cores; a :class:`ConcatLinear`'s blocks then run as one GEMM over their concatenation
     (oneDNN would copy the strided lookups anyway). The modules, parameters and state-dict keys stay
@@ -91,9 +91,11 @@ class MLP(nn.Sequential):
         while i < len(self):
             layer = self[i]
             xs = [x] if isinstance(x, torch.Tensor) else x
-            if self.onednn and i in self._fusable and applies(xs, layer.weight):
+            if self.onednn and isinstance(layer, nn.Linear) and applies(xs, layer.weight):
                 slot = deferred.slot(layer.weight) if deferred is not None else None
-                x, i = linear_relu(xs, layer.weight, layer.bias, slot, private=i in self._private), i + 2
+                relu = i in self._fusable  # the ReLU right after it, in the same call
+                x = linear(xs, layer.weight, layer.bias, relu, slot, private=i in self._private)
+                i += 2 if relu else 1
             else:
                 x, i = layer(x), i + 1
         return x
