@@ -40,7 +40,7 @@ def check_ids(features: KeyedJaggedTensor, rows: torch.Tensor) -> None:
     (one id per bag: the batch builder's layout), else one per key. FBGEMM's own CPU check
     (``bounds_check_indices``, on by default in TorchRec) is a serial loop over the ids of both the
     embedding and the first-order lookups, 1.8 ms of DeepFM's step at batch 8,192 on 2 cores against
-    ≈ 0.2 ms here, so it is switched off on the CPU (docs/throughput.md). It also clamps a bad id to row
+    0.08 ms here for 8,192 × 26 ids, so it is switched off on the CPU (docs/throughput.md). It also clamps a bad id to row
     0 with a warning, where this refuses the batch and names the first bad id."""
     keys, values = features.keys(), features.values()
     if values.numel() == 0:
