@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ from modules.lookup_inputs import IdOutOfRangeError, check_ids
 from modules.models.deepfm import DeepFM
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays
+from tests.conftest import compose_config, train_cli
 from tests.dist_utils import run_workers
 
 SPEC = FeatureSpec(("I1",), ("a", "b", "c"), {"a": 10, "b": 7, "c": 20})
@@ -90,3 +94,26 @@ def _sharded_worker(rank: int, world_size: int, stack: bool) -> None:
 def test_sharded_model_refuses_an_id_outside_its_table_without_fbgemms_check():
     for stack in (False, True):
         run_workers(_sharded_worker, 1, stack)
+
+
+def test_train_on_a_store_with_an_id_past_its_table_ends_with_a_user_error(small_overrides, cache_dir, tmp_path):
+    from pipeline.config import parse_config
+    from pipeline.data.sources import store_dir
+    from pipeline.data.store import ColumnarStore
+
+    cfg = parse_config(compose_config(small_overrides))
+    source = store_dir(cfg.data, cache_dir)
+    copy = tmp_path / "cache" / source.relative_to(cache_dir)
+    shutil.copytree(source, copy)
+    store = ColumnarStore(copy)
+    feature = store.categorical_names[2]
+    rows = store.table_sizes[feature]
+    sparse = np.load(Path(copy) / "train" / "sparse.npy", mmap_mode="r+")
+    sparse[5, 2] = rows  # one past the last row of its table
+    sparse.flush()
+    del sparse
+    proc, _ = train_cli([*small_overrides, f"paths.cache_dir={tmp_path / 'cache'}", "trainer.max_epochs=1"],
+                        tmp_path / "run", check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert (f"Error (IdOutOfRangeError): feature '{feature}': id {rows} is outside its table's rows "
+            f"[0, {rows})") in proc.stdout + proc.stderr
