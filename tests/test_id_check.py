@@ -112,8 +112,8 @@ def test_train_on_a_store_with_an_id_past_its_table_ends_with_a_user_error(small
     sparse[5, 2] = rows  # one past the last row of its table
     sparse.flush()
     del sparse
-    proc, _ = train_cli([*small_overrides, f"paths.cache_dir={tmp_path / 'cache'}", "trainer.max_epochs=1"],
-                        tmp_path / "run", check=False)
+    proc, _ = train_cli([*small_overrides, f"paths.cache_dir={tmp_path / 'cache'}", "trainer.max_epochs=1",
+                         f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path / "run", check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert (f"Error (IdOutOfRangeError): feature '{feature}': id {rows} is outside its table's rows "
             f"[0, {rows})") in proc.stdout + proc.stderr
