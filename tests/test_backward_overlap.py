@@ -72,27 +72,25 @@ def test_overlapped_backward_gives_the_plain_backwards_gradients(two_threads):
 
 
 def _pending(weights, rows: int) -> tuple[DeferredWeightGrads, list]:
-    """``(g, xs)`` left for each weight but the last (the first in a wide block and a narrow one), as layers
-    leave them; the last one's layer leaves nothing (it computed its own gradient)."""
+    """``(g, x)`` left for each weight but the last, as layers leave them; the last one's layer leaves
+    nothing (it computed its own gradient)."""
     gen = torch.Generator().manual_seed(0)
     deferred, items = DeferredWeightGrads(weights), []
     for w in weights[:-1]:
-        g = torch.randn(rows, w.shape[0], generator=gen)
-        widths = (w.shape[1] - 3, 3) if w.shape[1] > 10 else (w.shape[1],)
-        items.append((g, [torch.randn(rows, k, generator=gen) for k in widths]))
+        items.append((torch.randn(rows, w.shape[0], generator=gen), torch.randn(rows, w.shape[1], generator=gen)))
         deferred.slot(w)(*items[-1])
     return deferred, items
 
 
 def test_deferred_weight_grads_match_float64_and_not_the_thread_timing(two_threads):
-    weights = [torch.empty(24, 40), torch.empty(16, 8), torch.empty(5, 5)]
+    weights = [torch.empty(24, 40), torch.empty(16, 8), torch.empty(5, 5)]  # a wide input, a narrow one
     rows = 2 * CHUNK_ROWS + 37
     deferred, items = _pending(weights, rows)
     assert deferred.slot(torch.empty(3)) is None  # not one of its weights
     got = deferred.compute(busy=lambda: False)
     assert got[2] is None  # nothing was left for it
-    for (g, xs), dw in zip(items, got):
-        want = g.double().t() @ torch.cat(xs, dim=1).double()
+    for (g, x), dw in zip(items, got):
+        want = g.double().t() @ x.double()
         torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-4)
     # one thread throughout, or a switch to all threads after the first chunk or two: the same bits
     results = []

@@ -70,26 +70,25 @@ os.register_at_fork(after_in_child=_forget_worker)
 
 
 class DeferredWeightGrads:
-    """Weight gradients the MLP's hidden layers leave pending: per weight ``W = [W_1 … W_K]`` (column
-    blocks), ``g`` [B, out] and the inputs ``x_k`` [B, in_k], for ∂L/∂W_k = gᵀ x_k."""
+    """Weight gradients the MLP's layers leave pending: per weight ``W``, ``g`` [B, out] and the layer's
+    input ``x`` [B, in], for ∂L/∂W = gᵀ x."""
 
     def __init__(self, weights: Sequence[torch.Tensor]) -> None:
         self.weights = list(weights)
-        self._pending: dict[int, tuple[torch.Tensor, Sequence[torch.Tensor]] | None] = \
-            {id(w): None for w in weights}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {id(w): None for w in weights}
 
     def slot(self, weight: torch.Tensor) -> DeferSlot | None:
-        """Where a layer's backward leaves ``(g, xs)`` for ``weight``; None if ``weight`` is not deferred."""
+        """Where a layer's backward leaves ``(g, x)`` for ``weight``; None if ``weight`` is not deferred."""
         key = id(weight)
         if key not in self._pending:
             return None
 
-        def put(g: torch.Tensor, xs: Sequence[torch.Tensor]) -> None:
-            self._pending[key] = (g, xs)
+        def put(g: torch.Tensor, x: torch.Tensor) -> None:
+            self._pending[key] = (g, x)
         return put
 
     def compute(self, busy: Callable[[], bool]) -> list[torch.Tensor | None]:
-        """∂L/∂W of each weight (None where nothing was left pending), as ``Σ_c g[c]ᵀ x_k[c]`` over chunks
+        """∂L/∂W of each weight (None where nothing was left pending), as ``Σ_c g[c]ᵀ x[c]`` over chunks
         of :data:`CHUNK_ROWS` rows; on one thread while ``busy()``, then on all."""
         grads: list[torch.Tensor | None] = []
         chunks = []
@@ -98,22 +97,21 @@ class DeferredWeightGrads:
             if item is None:
                 grads.append(None)
                 continue
-            g, xs = item
+            g, x = item
             out = torch.empty_like(w)
-            for block, x in zip(out.split([x.shape[1] for x in xs], dim=1), xs):
-                rows = g.shape[0] if narrow(g, x) else CHUNK_ROWS  # a narrow block is one short product
-                chunks += [(block, g[r:r + rows], x[r:r + rows], r == 0) for r in range(0, g.shape[0], rows)]
+            rows = g.shape[0] if narrow(g, x) else CHUNK_ROWS  # a narrow input is one short product
+            chunks += [(out, g[r:r + rows], x[r:r + rows], r == 0) for r in range(0, g.shape[0], rows)]
             grads.append(out)
         threads = torch.get_num_threads()
         single = threads > 1 and busy()
         if single:
             torch.set_num_threads(1)
         try:
-            for block, g, x, first in chunks:
+            for out, g, x, first in chunks:
                 if single and not busy():
                     torch.set_num_threads(threads)
                     single = False
-                add_weight_grad(block, g, x, beta=0.0 if first else 1.0)
+                add_weight_grad(out, g, x, beta=0.0 if first else 1.0)
         finally:
             if single:
                 torch.set_num_threads(threads)

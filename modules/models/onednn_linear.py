@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-DeferSlot = Callable[[torch.Tensor, Sequence[torch.Tensor]], None]  # takes (g, xs) for ∂L/∂W = Σ_k gᵀ x_k
+DeferSlot = Callable[[torch.Tensor, torch.Tensor], None]  # takes (g, x) for ∂L/∂W = gᵀ x
 
 _linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 AVAILABLE = _linear is not None  # this PyTorch build has the op
@@ -55,9 +55,8 @@ def applies(xs: Sequence[torch.Tensor], weight: torch.Tensor) -> bool:
 
 
 def narrow(g: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether ∂L/∂W = gᵀ x is taken as ``(xᵀ g)ᵀ``: for a block narrower than the layer's output, as MKL
-    runs [400, 8192] × [8192, 13] (DeepFM's dense features) at about half the rate of [13, 8192] ×
-    [8192, 400] (1.6 vs 0.9 ms)."""
+    """Whether ∂L/∂W = gᵀ x is taken as ``(xᵀ g)ᵀ``: for an input narrower than the layer's output, as MKL
+    runs [400, 8192] × [8192, 13] at about half the rate of [13, 8192] × [8192, 400] (1.6 vs 0.9 ms)."""
     return x.shape[1] < g.shape[1]
 
 
@@ -98,7 +97,7 @@ class _Linear(torch.autograd.Function):
         need_w, need_b, _, _, _, *need_x = ctx.needs_input_grad
         grad_w = None
         if need_w and ctx.defer is not None:
-            ctx.defer(g, [x])  # computed later in the backward, beside the lookups' (backward_overlap)
+            ctx.defer(g, x)  # computed later in the backward, beside the lookups' (backward_overlap)
         elif need_w:
             grad_w = _weight_grad(g, x)
         grad_b = g.sum(dim=0) if need_b else None
@@ -112,7 +111,7 @@ def linear(xs: Sequence[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor 
     """``relu(b + Σ_k x_k W_kᵀ)`` (``relu`` False: without the ReLU): ``xs`` K inputs [B, in_k], ``weight``
     [out, Σ in_k] (``W_k`` its column blocks), ``bias`` [out] or None → [B, out]. Only where
     :func:`applies`; for DeepFM's 400 → 1 output layer at batch 8,192, 0.61 against ``addmm``'s 1.26 ms.
-    ``defer``: the backward hands ``(g, xs)`` to it instead of computing ∂L/∂W
+    ``defer``: the backward hands ``(g, x)`` (x = [x_1 … x_K]) to it instead of computing ∂L/∂W
     (:mod:`modules.models.backward_overlap`).
 
     ``private``: the output goes only to later layers of the caller, so its gradient is a tensor no one

@@ -302,6 +302,7 @@ class RawReader:
 
 def _is_utf8(chunk: memoryview) -> bool:
     try:
-        return str(chunk, "utf-8") is not None
+        str(chunk, "utf-8")
     except UnicodeDecodeError:
         return False
+    return True

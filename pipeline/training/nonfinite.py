@@ -14,11 +14,13 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from pipeline.runtime.launch import group_size
+
 
 def anywhere(flag: torch.Tensor) -> bool:
     """True if ``flag`` holds on any rank."""
     flag = flag.detach().to(torch.float32).reshape(1)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if group_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item() > 0)
 
