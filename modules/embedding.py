@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from itertools import accumulate
 from typing import Any, Sequence
 
 import torch
@@ -57,7 +56,8 @@ from torchrec import (
     PoolingType,
 )
 
-from modules.lookup_inputs import check_ids, pool_bags, shifted_keys, stacked_normal_
+from modules.lookup_inputs import check_ids, pool_bags, shifted_keys
+from modules.row_init import RowInit
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -166,10 +166,13 @@ def lookup_name(table: str, feature: str) -> str:
 
 
 def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
-                  unpooled: bool = False, stack: bool = False) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
+                  unpooled: bool = False, stack: bool = False,
+                  seed: int = 0) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
     """The tables of the bag collection (``unpooled`` False) or of the sequence collection (True):
     ``emb_<t>`` per table in order of first use (with ``stack``, the bag collection's as one table
-    ``stacked``), then the first-order table of their features."""
+    ``stacked``), then the first-order table of their features. Rows start as N(0, ``init_std``²) drawn
+    from (``seed``, table, row) (:mod:`modules.row_init`; a stacked table draws each of its tables' rows
+    as that table would), the first-order rows as zeros."""
     if embedding_dim % 4:
         raise ValueError(f"model.embedding_dim={embedding_dim}: FBGEMM kernels need a multiple of 4")
     features = spec.seq_features if unpooled else spec.bag_features
@@ -177,21 +180,23 @@ def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: 
     by_table: dict[str, list[str]] = {}
     for f in features:
         by_table.setdefault(spec.table_of(f), []).append(f)
-    normal = partial(nn.init.normal_, mean=0.0, std=init_std)
     tables = [make(name=EMB_PREFIX + t, embedding_dim=embedding_dim, num_embeddings=spec.table_sizes[t],
-                   feature_names=names, init_fn=normal) for t, names in by_table.items()]
+                   feature_names=names, init_fn=RowInit.of_tables(seed, init_std, [EMB_PREFIX + t],
+                                                                  [spec.table_sizes[t]]))
+              for t, names in by_table.items()]
     if stack and not unpooled and tables:  # a bag feature's table is its own (FeatureSpec.unpooled_tables)
-        bounds = list(accumulate((t.num_embeddings for t in tables), initial=0))
+        init = RowInit.of_tables(seed, init_std, [t.name for t in tables], [t.num_embeddings for t in tables])
         tables = [make(name=STACKED_TABLE, embedding_dim=embedding_dim, feature_names=list(features),
-                       init_fn=partial(stacked_normal_, bounds=bounds, std=init_std), num_embeddings=bounds[-1])]
+                       init_fn=init, num_embeddings=sum(t.num_embeddings for t in tables))]
     if wide and features:
         clash = [f for f in features if f.startswith(WIDE_PREFIX)]
         if clash:
             raise ValueError(f"sparse features {clash}: names starting with {WIDE_PREFIX!r} are reserved for the "
                              "first-order lookups")
-        tables.append(make(name=WIDE_SEQ_TABLE if unpooled else WIDE_TABLE, embedding_dim=WIDE_COLUMNS,
-                           num_embeddings=sum(spec.table_sizes[t] for t in by_table),
-                           feature_names=[WIDE_PREFIX + f for f in features], init_fn=nn.init.zeros_))
+        name, rows = WIDE_SEQ_TABLE if unpooled else WIDE_TABLE, sum(spec.table_sizes[t] for t in by_table)
+        tables.append(make(name=name, embedding_dim=WIDE_COLUMNS, num_embeddings=rows,
+                           feature_names=[WIDE_PREFIX + f for f in features],
+                           init_fn=RowInit.of_tables(seed, 0.0, [name], [rows])))
     return tables
 
 
@@ -232,10 +237,13 @@ class SparseArch(nn.Module):
         self.embedding_dim = embedding_dim
         self.wide, self.stack = wide, stack
         self.bag_fields, self.seq_fields = list(spec.bag_features), list(spec.seq_features)
-        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide, stack=stack),
+        # one draw of the global random state: the tables' rows come from (seed, table, row) (modules.row_init)
+        self.init_seed = int(torch.randint(0, 2**62, ()).item())
+        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide, stack=stack,
+                                                               seed=self.init_seed),
                                           device=device) if self.bag_fields else None
         # a collection's tables share one width: the first-order rows (4 columns) are a collection of their own
-        seq_tables = table_configs(spec, embedding_dim, init_std, wide, unpooled=True)
+        seq_tables = table_configs(spec, embedding_dim, init_std, wide, unpooled=True, seed=self.init_seed)
         self.ec = EmbeddingCollection(tables=[t for t in seq_tables if t.name != WIDE_SEQ_TABLE], device=device) \
             if self.seq_fields else None
         self.ec_wide = EmbeddingCollection(tables=[t for t in seq_tables if t.name == WIDE_SEQ_TABLE], device=device) \

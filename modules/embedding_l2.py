@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
+from modules.cached_tbe import CachedRowsTBE
 from modules.cowclip import CowClipConfig, CowClipStats, RowBuckets
 
 L2_SCOPES = ("batch", "all")
@@ -163,8 +164,9 @@ class LazyRowsL2:
         self.lrs[step] = lr
         self.step = step
 
-    def _catch_up(self, kernel: _LazyKernel, table: int, rows: torch.Tensor, upto: int) -> None:
-        """Apply the steps ``last + 1 … upto`` to ``rows`` of the kernel's ``table``."""
+    def _catch_up(self, kernel: _LazyKernel, table: int, rows: torch.Tensor, upto: int, cached: bool = True) -> None:
+        """Apply the steps ``last + 1 … upto`` to ``rows`` of the kernel's ``table`` (through its row cache when
+        the table has one and ``cached``; else in the table itself)."""
         last = kernel.last[table]
         count = upto - last[rows]
         pending = count > 0
@@ -172,14 +174,18 @@ class LazyRowsL2:
             return
         rows, count = rows[pending], count[pending]
         emb = kernel.module.emb_module
-        weights = emb.split_embedding_weights()[table]
         n_states = STATES[self.rule.kind]
-        states = emb.split_optimizer_states()[table][:n_states] if n_states else []
-        w, st = weights[rows].float(), [s[rows].float() for s in states]
+        if cached and isinstance(emb, CachedRowsTBE):
+            weights, states, at = emb.rows_for_update(table, rows)
+            states = states[:n_states]
+        else:
+            weights, at = emb.split_embedding_weights()[table], rows
+            states = emb.split_optimizer_states()[table][:n_states] if n_states else []
+        w, st = weights[at].float(), [s[at].float() for s in states]
         replay_decay(w, st, self.rule, last[rows] + 1, count, self.lrs, kernel.iteration0 or 0)
-        weights[rows] = w.to(weights.dtype)
+        weights[at] = w.to(weights.dtype)
         for s, new in zip(states, st):
-            s[rows] = new.to(s.dtype)
+            s[at] = new.to(s.dtype)
         last[rows] = upto
 
     def _pre_hook(self, kernel: _LazyKernel):
@@ -199,13 +205,21 @@ class LazyRowsL2:
     @torch.no_grad()
     def flush(self) -> None:
         """Bring every row up to date with the last step run, in blocks of ``FLUSH_ROWS`` rows (a table in
-        memory-mapped files is never copied whole)."""
+        memory-mapped files is never copied whole; a row-cached one is brought up to date in its files, which
+        the cache first writes every row to and afterwards reads again)."""
         if self.step < 0:
             return
         for kernel in self.kernels:
+            emb = kernel.module.emb_module
+            cached = isinstance(emb, CachedRowsTBE)
+            if cached:
+                emb.sync_to_file()
             for table, last in enumerate(kernel.last):
                 for start in range(0, len(last), FLUSH_ROWS):
-                    self._catch_up(kernel, table, torch.arange(start, min(len(last), start + FLUSH_ROWS)), self.step)
+                    rows = torch.arange(start, min(len(last), start + FLUSH_ROWS))
+                    self._catch_up(kernel, table, rows, self.step, cached=False)
+            if cached:
+                emb.reload()
 
 
 @dataclass

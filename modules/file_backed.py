@@ -5,10 +5,11 @@ CPU kernel as a table in host memory (fused SGD / Adagrad / row-wise Adagrad); o
 differs. Each table batch (TBE) that holds such tables gets its flat ``weights_host`` and
 ``momentum1_host`` buffers as shared memory maps of files under ``topology.ssd.path``
 (``torch.from_file(shared=True)``: ``mmap(MAP_SHARED)``), handed to FBGEMM's
-``SplitTableBatchedEmbeddingBagsCodegen(preallocated_host_buffers=...)``. The kernels read and
-update rows in place; the operating system's page cache holds the hot rows and writes dirty pages
-back to the file, so no cache of our own exists and the table is never whole in anonymous memory:
-the file starts sparse (zeros) and TorchRec's uniform initialisation streams into it.
+``SplitTableBatchedEmbeddingBagsCodegen(preallocated_host_buffers=...)``, and is then turned into a
+:class:`modules.cached_tbe.CachedRowsTBE`: the kernel runs on a row cache in host memory
+(:mod:`modules.row_cache`) sized by the placement, and the files are its backing store. The files
+start sparse (zeros) and are not written at initialisation: a row is drawn from (seed, table, row)
+when the cache first meets it (:mod:`modules.row_init`), so the table is never whole in memory.
 
 File-backed tables sit in TBEs of their own: their parameter shardings carry a cache precision
 (FP32, what the CPU kernels use anyway) that no host table carries, and TorchRec groups tables into
@@ -25,12 +26,17 @@ import ctypes
 import ctypes.util
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType, SplitTableBatchedEmbeddingBagsCodegen
+from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
 from torchrec.distributed.types import CacheParams, DataType, ShardingPlan
+
+from modules.cached_tbe import CachedRowsTBE
+from modules.row_init import RowInit
 
 MARK = CacheParams(precision=DataType.FP32)
 FILE_NAME_MAX = 200
@@ -90,11 +96,22 @@ def _group_file_stem(names: list[str]) -> str:
     return stem
 
 
+@dataclass(frozen=True)
+class CachedTable:
+    """What the seam needs of a file-backed table: its row-cache size (rows) and its initialiser."""
+
+    slots: int
+    init: RowInit
+
+
 @contextlib.contextmanager
-def file_backed_tables(tables: set[str], folder: str | os.PathLike, rank: int) -> Iterator[list[Path]]:
+def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathLike, rank: int,
+                       policy: str = "lru") -> Iterator[list[Path]]:
     """While DistributedModelParallel builds the sharded modules: every CPU TBE made only of ``tables``
-    gets file-backed host buffers under ``folder/rank<rank>``. Yields the list of files made. The
-    constructor is wrapped for the duration of the block only (restored on exit)."""
+    gets file-backed host buffers under ``folder/rank<rank>`` and becomes a row-cached TBE, which TorchRec's
+    kernels do not fill with their uniform initialisation (the rows are drawn when first met). Yields the
+    list of files made. FBGEMM's constructor and TorchRec's ``init_parameters`` are wrapped for the
+    duration of the block only (restored on exit)."""
     made: list[Path] = []
     if not tables:
         yield made
@@ -103,20 +120,39 @@ def file_backed_tables(tables: set[str], folder: str | os.PathLike, rank: int) -
 
     def init(self: SplitTableBatchedEmbeddingBagsCodegen, *args: Any, **kwargs: Any) -> None:
         names = list(kwargs.get("table_names") or [])
-        if names and set(names) <= tables:
-            specs = list(kwargs["embedding_specs"] if "embedding_specs" in kwargs else args[0])
+        if names and set(names) <= set(tables):
+            if args:
+                raise RuntimeError("file-backed tables: TorchRec built its FBGEMM module with positional arguments")
+            specs = list(kwargs["embedding_specs"])
             optimizer = kwargs.get("optimizer", OptimType.EXACT_SGD)
             stem = Path(folder) / f"rank{rank}" / _group_file_stem(names)
             buffers = {state: mapped_file(stem.with_name(f"{stem.name}.{state}.f32"), n)
                        for state, n in state_sizes(specs, optimizer).items()}
             made.extend(stem.with_name(f"{stem.name}.{state}.f32") for state in buffers)
             kwargs["preallocated_host_buffers"] = buffers
-        elif names and set(names) & tables:
+            original(self, *args, **kwargs)
+            slots = [min(tables[n].slots, rows) for n, (rows, *_) in zip(names, specs)]
+            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy)
+            return
+        if names and set(names) & set(tables):
             raise RuntimeError(f"a TBE mixes file-backed and in-memory tables: {names} (ssd: {sorted(tables)})")
         original(self, *args, **kwargs)
 
+    kernels = (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)
+    initialisers = [k.init_parameters for k in kernels]
+
+    def skip_cached(initialise: Any):
+        def init_parameters(kernel: Any) -> None:  # TorchRec's uniform fill would write every row of the files
+            if not isinstance(getattr(kernel, "_emb_module", None), CachedRowsTBE):
+                initialise(kernel)
+        return init_parameters
+
     SplitTableBatchedEmbeddingBagsCodegen.__init__ = init  # type: ignore[method-assign]
+    for k, initialise in zip(kernels, initialisers):
+        k.init_parameters = skip_cached(initialise)  # type: ignore[method-assign]
     try:
         yield made
     finally:
         SplitTableBatchedEmbeddingBagsCodegen.__init__ = original  # type: ignore[method-assign]
+        for k, initialise in zip(kernels, initialisers):
+            k.init_parameters = initialise  # type: ignore[method-assign]

@@ -8,7 +8,7 @@ Tables that share one physical table at row offsets (the first-order table, and 
 
 ``o_f`` is the first row of f's table (:func:`modules.embedding.wide_row_offsets`); both shared tables
 lay the same tables out in the same order, so one shift serves both. The stacked table's rows are
-initialised table by table (:func:`stacked_normal_`), as the tables would be one after the other.
+drawn table by table (:class:`modules.row_init.RowInit`), the values the tables would have alone.
 
 Every id is checked against its own table before any lookup (:func:`check_ids`), once per batch and
 vectorised; the tables' FBGEMM kernels then run without their own check on the CPU
@@ -21,7 +21,6 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import KeyedJaggedTensor
 
 
@@ -94,17 +93,3 @@ def pool_bags(rows: torch.Tensor, lengths: torch.Tensor, mean: torch.Tensor) -> 
         divisor = torch.where(mean[:, None], per_key.clamp_min(1), torch.ones_like(per_key)).reshape(-1, 1)
         pooled = pooled / divisor.to(rows.dtype)
     return pooled
-
-
-def stacked_normal_(weight: torch.Tensor, bounds: Sequence[int], std: float) -> torch.Tensor:
-    """N(0, std²) over the stacked rows, one table ``[bounds[i], bounds[i+1])`` after the other: the draws of
-    the tables initialised in turn, so on one rank the same numbers as the unstacked tables. ``weight``: the
-    table, or (sharded) its local shards, each starting at its row offset."""
-    shards = [(s.tensor, s.metadata.shard_offsets[0]) for s in weight.local_shards()] \
-        if isinstance(weight, ShardedTensor) else [(weight, 0)]
-    for local, start in shards:
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            a, b = max(lo, start), min(hi, start + local.shape[0])
-            if a < b:
-                nn.init.normal_(local[a - start:b - start], mean=0.0, std=std)
-    return weight

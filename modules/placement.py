@@ -9,14 +9,20 @@ tier           kernel                where the table lives
 ``uvm_cache``  ``fused_uvm_caching``  host memory, with a GPU cache of its hottest rows
 ``ssd``        ``key_value``          SSD (FBGEMM SSD TBE), with a GPU cache
 ``host``       ``fused`` / ``dense``  CPU training: host memory
-``ssd`` (CPU)  ``fused``              CPU training: files under ``topology.ssd.path``, memory-mapped
-                                     (:mod:`modules.file_backed`; the page cache holds the hot rows)
+``ssd`` (CPU)  ``fused``              CPU training: files under ``topology.ssd.path``, trained through
+                                     a row cache in host memory (:mod:`modules.file_backed`)
 =============  ====================  ==============================================================
 
-On CPU, every table stays in host memory while the tables fit the host budget (``ddr_cap_gb`` ×
-nodes × (1 − ``ddr_reserve``), weights + optimizer state); otherwise the largest move to ``ssd``
-until the rest fits (tables forced to a tier in ``table_overrides`` stay where they are forced). The
-``ssd`` budget is ``ssd.cap_gb`` per node, or the free space of ``ssd.path`` when ``cap_gb`` is 0.
+On CPU, the host budget is what the stated memory leaves for tables once the process itself is
+counted: ``nodes × (ddr_cap_gb × (1 − ddr_reserve) − ranks per node × process)``, where *process* is
+the anonymous memory the planning process holds (measured, :func:`own_anonymous_bytes`: Python,
+torch, the data's index, …) and ``ddr_reserve`` is left to the page cache and a step's activations.
+Every table stays in host memory while the tables fit that budget (weights + optimizer state);
+otherwise the largest move to ``ssd`` until the rest fits (tables forced to a tier in
+``table_overrides`` stay where they are forced). What the host tables leave is the ``ssd`` tables'
+row cache (:mod:`modules.row_cache`), shared in proportion to their bytes (``Placement.cache_rows``);
+``ssd.cache_mb`` sets it outright instead. The ``ssd`` budget is ``ssd.cap_gb`` per node, or the free
+space of ``ssd.path`` when ``cap_gb`` is 0.
 
 Rule (per table, weights + optimizer state): everything goes to GPU memory while it fits the HBM
 budget (``hbm_cap_gb`` per GPU × GPUs × (1 − ``hbm_reserve``), the rest left to dense layers and
@@ -50,6 +56,8 @@ KERNELS = {
 }
 TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
+DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
+MIN_CACHE_ROWS = 1024    # below this a row cache is refused (a batch's rows must fit it)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }
@@ -90,6 +98,11 @@ class Placement:
     dim: int
     cache_load_factor: float | None = None
     forced: bool = False
+    cache_rows: int | None = None  # CPU ssd tier: rows of its row cache in host memory
+
+    @property
+    def row_bytes(self) -> float:
+        return self.bytes / max(1, self.rows)
 
     @property
     def hbm_bytes(self) -> float:
@@ -102,15 +115,25 @@ def _gb(x: float) -> str:
     return f"{x / GB:,.1f} GB"
 
 
+def own_anonymous_bytes() -> int:
+    """This process's anonymous resident memory (``RssAnon``; 0 where /proc does not say)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
-                 fusable: bool = True) -> dict[str, Placement]:
-    """Choose each table's tier (see the module docstring)."""
+                 fusable: bool = True, process_bytes: float = 0.0) -> dict[str, Placement]:
+    """Choose each table's tier (see the module docstring); ``process_bytes``: what one training process
+    holds besides its tables (CPU topologies)."""
     overrides: Mapping[str, TableOverride] = topology.table_overrides
     unknown = sorted(set(overrides) - {t.name for t in tables})
     if unknown:
         raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {sorted(t.name for t in tables)}")
     if topology.compute_device != "cuda":
-        return _place_on_cpu(tables, topology, optimizer, fusable)
+        return _place_on_cpu(tables, topology, optimizer, fusable, process_bytes)
     hosted = sorted(name for name, o in overrides.items() if o.tier == "host")
     if hosted:
         raise PlacementError(f"topology.table_overrides: {hosted} tier=host is a CPU tier; on a GPU topology the "
@@ -167,7 +190,7 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
 
 
 def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
-                  fusable: bool) -> dict[str, Placement]:
+                  fusable: bool, process_bytes: float) -> dict[str, Placement]:
     """CPU tiers: host memory, or files (``ssd``) for the largest tables the host budget cannot hold."""
     kernel = KERNELS["host"] if fusable else EmbeddingComputeKernel.DENSE.value
     place: dict[str, Placement] = {}
@@ -181,6 +204,8 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     budget = topology.budgets()
     if topology.ddr_cap_gb <= 0:  # host memory not described: nothing moves on its own
         budget["host"] = math.inf
+    else:
+        budget["host"] -= topology.world_size * process_bytes
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
     while use("host") > budget["host"]:
         movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)
@@ -198,13 +223,39 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     ssd_budget = budget["ssd"] or (topology.nodes * shutil.disk_usage(_existing(topology.ssd.path)).free
                                    if on_disk else 0.0)
     needs = {"host": use("host"), "ssd": use("ssd")}
-    over = [tier for tier in needs if needs[tier] > (budget["host"] if tier == "host" else ssd_budget)]
+    over = [tier for tier in needs if needs[tier] > (max(0.0, budget["host"]) if tier == "host" else ssd_budget)]
     if over:
         raise PlacementError(f"the embedding tables do not fit topology '{topology.name}': host needs "
                              f"{_gb(needs['host'])} of {_gb(budget['host'])} (tables forced there), ssd needs "
                              f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
                              f"topology.ssd.cap_gb, or use smaller tables")
-    return place
+    return _row_caches(place, topology, budget["host"] - use("host"), process_bytes)
+
+
+def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float,
+                process_bytes: float) -> dict[str, Placement]:
+    """Each ``ssd`` table's row cache: ``left`` bytes (or ``ssd.cache_mb`` per rank) shared in proportion
+    to the tables' bytes, at most the whole table."""
+    on_disk = [p for p in place.values() if p.tier == "ssd"]
+    if not on_disk:
+        return place
+    if topology.ssd.cache_mb is not None:
+        left = topology.ssd.cache_mb * 2**20 * topology.world_size
+    elif math.isinf(left):  # host memory not described: tables forced to ssd get the default cache
+        left = DEFAULT_CACHE_MB * 2**20 * topology.world_size
+    total = sum(p.bytes for p in on_disk)
+    rows = {p.table: min(p.rows, int(max(0.0, left) * p.bytes / total / p.row_bytes)) for p in on_disk}
+    short = sorted(t for t, n in rows.items() if n < MIN_CACHE_ROWS and n < place[t].rows)
+    if short and topology.ssd.cache_mb is not None:
+        raise PlacementError(f"tables {short} on tier ssd: topology.ssd.cache_mb={topology.ssd.cache_mb:g} gives their "
+                             f"row caches fewer than {MIN_CACHE_ROWS} rows each; raise it")
+    if short:
+        raise PlacementError(
+            f"tables {short} on tier ssd get no row cache: topology.ddr_cap_gb={topology.ddr_cap_gb:g} × (1 − "
+            f"ddr_reserve) leaves {max(0.0, left) / 2**20:,.0f} MB after the host tables and this process's own "
+            f"{process_bytes / 2**20:,.0f} MB per rank. Raise topology.ddr_cap_gb, or set the cache outright with "
+            f"topology.ssd.cache_mb=<MB per rank>")
+    return {name: replace(p, cache_rows=rows[name]) if name in rows else p for name, p in place.items()}
 
 
 def stacking_blocker(placements: Mapping[str, Placement], tables: Sequence[str], topology: TopologySpec) -> str | None:

@@ -40,9 +40,10 @@ from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.embedding import field_of
-from modules.file_backed import file_backed_tables, mark_file_backed
+from modules.file_backed import CachedTable, file_backed_tables, mark_file_backed
+from modules.row_init import DrawnLater
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.placement import KERNELS, Placement, TableInfo, place_tables
+from modules.placement import KERNELS, Placement, TableInfo, own_anonymous_bytes, place_tables
 from modules.topology import GB, TopologySpec
 
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
@@ -188,8 +189,10 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
+    process = own_anonymous_bytes()  # what this process holds besides its tables (CPU host budget)
     for ebc in ebcs.values():
-        placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable))
+        placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
+                                       process))
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
     # on CPU the planner would count file-backed tables against host memory: those plans are built here
@@ -250,7 +253,24 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     if device.type == "cpu":
         without_fbgemm_bounds_check(result.plan)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
-    with file_backed_tables(result.file_backed, topology.ssd.path or "", dist.get_rank()):
+    with drawn_later(ebcs, result) as cached, \
+            file_backed_tables(cached, topology.ssd.path or "", dist.get_rank(), topology.ssd.cache_policy):
         dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[cls() for cls in SHARDERS],
                                        data_parallel_wrapper=wrapper)
     return dmp, result
+
+
+@contextlib.contextmanager
+def drawn_later(collections: list[Collection], result: PlanResult) -> Iterator[dict[str, CachedTable]]:
+    """While DMP is built: file-backed tables are not initialised (their rows are drawn when the row cache
+    first meets them); yields each one's cache size and initialiser for :func:`file_backed_tables`."""
+    configs = [c for ebc in collections for c in collection_tables(ebc) if c.name in result.file_backed]
+    inits = {c.name: c.init_fn for c in configs}
+    cached = {c.name: CachedTable(result.placements[c.name].cache_rows or 0, inits[c.name]) for c in configs}
+    for c in configs:
+        c.init_fn = DrawnLater(inits[c.name])
+    try:
+        yield cached
+    finally:
+        for c in configs:
+            c.init_fn = inits[c.name]

@@ -1,8 +1,8 @@
 """``model.stack_tables=auto``: the one-id features' tables become one stacked table
 (:mod:`modules.embedding`) when placement and sharding lose nothing by it.
 
-Stacking keeps the model: the same rows, initialised with the same draws on one rank
-(:func:`modules.lookup_inputs.stacked_normal_`), updated the same way. It changes what the planner sees:
+Stacking keeps the model: the same rows, initialised with the same values (drawn per table and row,
+:mod:`modules.row_init`), updated the same way. It changes what the planner sees:
 one table instead of one per feature, so FBGEMM's CPU backward runs once instead of once per table
 (≈ 7 % of a DeepFM step at batch 8,192 on CPU, docs/throughput.md). The tables are placed one by one
 first (:func:`modules.placement.place_tables`); :func:`modules.placement.stacking_blocker` says when
@@ -21,7 +21,7 @@ from torchrec import EmbeddingBagCollection
 from modules.embedding import EMB_PREFIX, FeatureSpec
 from modules.models import ModelConfig, build_model
 from modules.optimizers import OptimizerSpec, is_fusable
-from modules.placement import PlacementError, place_tables, stacking_blocker
+from modules.placement import PlacementError, own_anonymous_bytes, place_tables, stacking_blocker
 from modules.sharding import table_infos
 from modules.topology import TopologySpec
 
@@ -41,7 +41,7 @@ def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec,
     else:
         try:
             placements = place_tables(table_infos(ebc, coverage), topology, optimizer.name,
-                                      is_fusable(optimizer, topology.compute_device))
+                                      is_fusable(optimizer, topology.compute_device), own_anonymous_bytes())
             why = stacking_blocker(placements, tables, topology)
         except PlacementError as e:  # the plan of the unstacked model says it again
             why = f"the tables cannot be placed ({e})"

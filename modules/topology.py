@@ -19,6 +19,14 @@ PLANNERS = ("auto", "manual")
 class SsdSpec:
     path: Optional[str] = None     # where ssd-tier tables keep their files (GPU: FBGEMM's SSD TBE; CPU: memory maps)
     cap_gb: float = 0.0            # per node; on CPU 0 means the free space at path
+    cache_mb: Optional[float] = None  # CPU: the row cache per rank, outright (None: what ddr_cap_gb leaves)
+    cache_policy: str = "lru"      # CPU row cache eviction: lru | lfu (modules.row_cache)
+
+    def __post_init__(self) -> None:
+        if self.cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"ssd.cache_policy={self.cache_policy!r}: expected lru or lfu")
+        if self.cache_mb is not None and self.cache_mb <= 0:
+            raise ValueError(f"ssd.cache_mb={self.cache_mb}: expected a positive size in MB (or null)")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from modules.topology import GB, SsdSpec, TopologySpec
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 ALL_ON_SSD = "topology.ddr_cap_gb=1e-12"  # a host budget below one row: every table goes to the ssd tier
+SMALL_CACHE = "topology.ssd.cache_mb=2"   # the row cache, set outright: a few thousand rows per table
 
 
 def _cpu(ddr_gb: float, ssd_path: str | None, **overrides) -> TopologySpec:
@@ -59,7 +60,7 @@ def test_ssd_tier_trains_with_cowclip_and_l2_on_every_row_exactly_like_host_memo
     base = [*small_overrides, "trainer.max_epochs=1", "logger.log_model=true", "scaling=cowclip",
             f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "model.stack_tables=false"]
     _, host = train_cli(base, tmp_path / "host")
-    _, ssd = train_cli([*base, f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD], tmp_path / "on_ssd")
+    _, ssd = train_cli([*base, f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD, SMALL_CACHE, SMALL_CACHE], tmp_path / "on_ssd")
     plan = [line for line in (tmp_path / "on_ssd" / "sharding_plan.txt").read_text().splitlines()
             if line.startswith("| emb_") or line.startswith("| wide")]
     assert plan and all("| ssd | fused |" in line for line in plan), plan
@@ -75,7 +76,7 @@ def test_ssd_tier_trains_with_cowclip_and_l2_on_every_row_exactly_like_host_memo
                                              v.dim() == 2 and ("embedding_bags" in k or "embeddings" in k))
     # init_from a host-memory model into file-backed tables; learning rates 0: the tables stay the source's
     train_cli([*small_overrides, "trainer.max_steps=2", "logger.log_model=true", f"trainer.init_from={tmp_path}/host/model",
-               "optim.embedding.lr=0", f"topology.ssd.path={tmp_path}/ssd2", ALL_ON_SSD,
+               "optim.embedding.lr=0", f"topology.ssd.path={tmp_path}/ssd2", ALL_ON_SSD, SMALL_CACHE,
                f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path / "init")
     c = _tables_of(tmp_path / "init" / "model")
     tables = [k for k in a if a[k].dim() == 2 and ("embedding_bags" in k or "embeddings" in k)]
@@ -146,7 +147,7 @@ def test_a_table_of_a_few_gb_on_the_ssd_tier_is_never_loaded_into_memory(tmp_pat
     args = ["--config-dir", str(tmp_path / "conf"), "data=big", f"data.path={tmp_path / 'log.csv'}",
             f"paths.cache_dir={tmp_path / 'cache'}", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
             "model.mlp=[16]", "trainer.batch_size=4096", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
-            f"topology.ssd.path={tmp_path / 'ssd'}", ALL_ON_SSD, f"trainer.checkpoint.dir={tmp_path / 'ckpt'}",
+            f"topology.ssd.path={tmp_path / 'ssd'}", ALL_ON_SSD, SMALL_CACHE, f"trainer.checkpoint.dir={tmp_path / 'ckpt'}",
             "logger.log_model=false"]
     train_cli([*args, "trainer.max_steps=1"], tmp_path / "prep")  # builds the store (hashing counts 40M buckets)
     peaks = {}

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from modules.cached_tbe import reload_tables
 from pipeline.checkpoint.skeleton import split_tensors
 
 
@@ -69,6 +70,7 @@ class TrainingState(Callback):
             sd = fused.state_dict()
             sd["state"] = checkpoint["fused_optimizer"]
             fused.load_state_dict(sd)
+        reload_tables(pl_module.model)  # read into the ssd tier's files: their row caches start empty
         trainer.datamodule.resume_position = tuple(state["data_position"])
         pl_module.nonfinite.skipped = state["skipped_nonfinite"]
         torch.set_rng_state(state["rng"]["torch"])

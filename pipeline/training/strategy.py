@@ -25,6 +25,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from modules.cached_tbe import reload_tables
 from pipeline.checkpoint.full_state import without_doubled_prefix
 
 
@@ -72,6 +73,7 @@ class TorchRecStrategy(DDPStrategy):
             missing, unexpected = module.load_state_dict(rest, strict=False)
             if strict and unexpected:
                 raise RuntimeError(f"unexpected keys in the checkpoint: {unexpected}")
+        reload_tables(module.model)  # the checkpoint was read into the ssd tier's files: their caches start empty
 
     def remove_checkpoint(self, filepath: str) -> None:
         if self.is_global_zero:

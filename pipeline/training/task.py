@@ -19,6 +19,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from modules.cached_tbe import cached_tbes, reload_tables, sync_tables
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding import is_table_parameter
 from modules.embedding_l2 import DecayRule
@@ -98,7 +99,9 @@ class CTRTask(L.LightningModule):
         if self.init_from and not self.resume_from:  # a resumed run takes its own checkpoint's weights
             store = data.store
             self._reused = reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
+            sync_tables(self.model)  # file-backed tables: every row in the files, the rows not copied too
             initialize_from(self.model, self.init_from, spec, self._reused)
+            reload_tables(self.model)
         e = self.embedding_optim
         buckets = data.row_buckets() if self.cowclip_cfg.enabled else None  # only clipped ids are counted
         self.cowclip = attach_cowclip(self.model, self.cowclip_cfg, self.scaled.l2, self.l2_scope,
@@ -124,8 +127,15 @@ class CTRTask(L.LightningModule):
     def on_train_start(self) -> None:
         """``trainer.init_from_optimizer``: the source checkpoint's optimizer state, once the optimizers exist."""
         if self.init_from and self.init_from_optimizer != "none" and not self.resume_from:
+            sync_tables(self.model)
             carry_optimizer_state(self.model, self.trainer.optimizers[0], self.init_from,
                                   self.trainer.datamodule.feature_spec, self.init_from_optimizer, self._reused)
+            reload_tables(self.model)
+        caches = cached_tbes(self.model)
+        if caches and self.logger is not None:
+            self.logger.log_hyperparams({"ssd/cache_rows": sum(t.cache_slots for t in caches),
+                                         "ssd/cache_mb": round(sum(t.cache_bytes for t in caches) / 2**20, 1),
+                                         "ssd/cache_policy": self.topology.ssd.cache_policy})
 
     def forward(self, batch: CTRBatch) -> torch.Tensor:
         return self.model(batch.dense_features, batch.sparse_features)
@@ -147,7 +157,22 @@ class CTRTask(L.LightningModule):
         if self._skip_step:
             return (logits * 0.0).sum()  # zero gradients: every rank still runs the same collectives
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
+        self._log_row_caches()
         return loss
+
+    def _log_row_caches(self) -> None:
+        """The ssd tier's row caches in this step (:mod:`modules.row_cache`): hit rate, rows and bytes moved."""
+        tbes = cached_tbes(self.model)
+        if not tbes:
+            return
+        stats = [(t.take_stats(), t.row_bytes) for t in tbes]
+        lookups = sum(s.lookups for s, _ in stats)
+        self.log_dict({"ssd/hit_rate": sum(s.hits for s, _ in stats) / max(1, lookups),
+                       "ssd/rows_read": float(sum(s.rows_read for s, _ in stats)),
+                       "ssd/rows_drawn": float(sum(s.rows_drawn for s, _ in stats)),
+                       "ssd/rows_written": float(sum(s.rows_written for s, _ in stats)),
+                       "ssd/bytes_read": float(sum(s.rows_read * b for s, b in stats)),
+                       "ssd/bytes_written": float(sum(s.rows_written * b for s, b in stats))})
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Closure (forward + backward), then the dense step — skipped for non-finite values."""
@@ -195,9 +220,11 @@ class CTRTask(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._flush_l2()
+        sync_tables(self.model)  # the ssd tier's files hold every row (the state dict holds views of them)
 
     def on_train_end(self) -> None:
         self._flush_l2()
+        sync_tables(self.model)
 
     def on_validation_model_train(self) -> None:
         """Back to training mode after validation, every module: Lightning's default restores the modes it

@@ -1,0 +1,247 @@
+"""A row cache in host memory in front of file-backed tables (the CPU ``ssd`` tier).
+
+Rows — weights and optimizer state together — sit in slot arrays; FBGEMM's CPU kernel runs on the
+slots with each id remapped to its slot (:mod:`modules.cached_tbe`), so the update math is the
+kernel's own. A cache holds the rows of one table (shard). It is set-associative, as FBGEMM's
+``lxu_cache`` is on GPU: row ℓ may sit in one of the ``W`` ways of set ``ℓ mod S``, slot ``set·W + way``
+(hashed ids are spread already; frequency-ordered ids put consecutive hot rows in different sets).
+For each batch (unique ids, sorted):
+
+    hit     keys[set, way] = ℓ                       → that slot
+    miss    the unpinned way of its set that the policy ranks first (empty ways before all):
+              lru: least recently used;  lfu: fewest uses since admission, ties by lru
+            a dirty victim is written back to the file first; the row is then read from the file —
+            or, if it was never written there, drawn from its initialiser (:mod:`modules.row_init`):
+            a file-backed table is never written whole, its file stays sparse until a checkpoint.
+
+Rows of the batch under way are pinned (their last use is this call), so a batch's rows are all
+resident when the kernel runs; more distinct rows of one batch in a set than ``W`` ways cannot be,
+and is refused with a message (the cache is then too small for the batch: the pinned rows of one
+batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ROW`).
+
+Rows go to and from the file through its shared memory map (``file_backed.mapped_file``), sorted by
+file offset, in the call that needs them: the cache absorbs the repeated updates of hot rows, so
+the file sees one write per eviction of a dirty row instead of a dirty 4 KiB page per update.
+Which rows the file holds is one bit per row (``written``).
+
+Anchors read, not copied: FBGEMM ``split_table_batched_embeddings_ops_training`` (lxu_cache,
+LRU/LFU over sets), ColossalAI ``CachedEmbeddingBag`` (frequency-aware), HierarchicalKV (scored
+eviction), OneFlow OneEmbedding (cached SSD store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from modules.row_init import RowInit
+
+POLICIES = ("lru", "lfu")
+WAYS = 32
+MIN_SLOTS_PER_ROW = 4  # slots per distinct row of one batch for which a set overflows about never
+BLOCK_ROWS = 1 << 16   # rows materialised at once
+USE_BITS = 40          # lfu score: uses << 40 | last use
+
+
+class CacheTooSmallError(RuntimeError):
+    """More distinct rows of one batch fall into one cache set than it has ways."""
+
+
+@dataclass
+class CacheStats:
+    """Counts since the last :meth:`take` (rows are unique rows of a call)."""
+
+    lookups: int = 0
+    hits: int = 0
+    rows_read: int = 0     # misses read from the file
+    rows_drawn: int = 0    # misses never written to the file: drawn from their initialiser
+    rows_written: int = 0  # dirty rows written back
+
+    def add(self, other: "CacheStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def take(self) -> "CacheStats":
+        out = CacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        for f in fields(self):
+            setattr(self, f.name, 0)
+        return out
+
+
+@dataclass
+class BackingTable:
+    """The table (shard) behind a cache: views of its rows in the files, its initialiser, and where the shard
+    sits in the whole table (first row and column, the table's width)."""
+
+    weights: torch.Tensor        # [rows, D] (a view of the memory-mapped weights file)
+    states: list[torch.Tensor]   # optimizer state views, [rows] or [rows, D]
+    init: RowInit
+    row_offset: int = 0
+    col_offset: int = 0
+    table_dim: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.weights.shape[0]
+
+    def draw(self, rows: torch.Tensor) -> torch.Tensor:
+        """The initial values of the shard's ``rows``."""
+        dim = self.weights.shape[1]
+        full = self.init.rows(rows + self.row_offset, self.table_dim or dim)
+        return full[:, self.col_offset:self.col_offset + dim]
+
+
+class RowCache:
+    """The slots of one table: ``weights`` [C, D] and ``states`` ([C] or [C, D]) are the slot arrays the
+    kernel updates; ``table`` the files behind them (module docstring)."""
+
+    def __init__(self, table: BackingTable, weights: torch.Tensor, states: Sequence[torch.Tensor],
+                 policy: str = "lru") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"topology.ssd.cache_policy={policy!r}: expected one of {POLICIES}")
+        self.table, self.weights, self.states, self.policy = table, weights, list(states), policy
+        slots = weights.shape[0]
+        self.ways = min(WAYS, slots)
+        self.sets = slots // self.ways
+        shape = (self.sets, self.ways)
+        self.keys = torch.full(shape, -1, dtype=torch.int64)
+        self.used = torch.zeros(shape, dtype=torch.int64)
+        self.uses = torch.zeros(shape, dtype=torch.int64)
+        self.dirty = torch.zeros(shape, dtype=torch.bool)
+        self.written = np.zeros((table.rows + 7) // 8, dtype=np.uint8)
+        self.clock = 0
+        self.stats = CacheStats()
+
+    @property
+    def slots(self) -> int:
+        return self.sets * self.ways
+
+    # -- the batch path ----------------------------------------------------------------------------
+    def assign(self, ids: torch.Tensor, dirty: bool) -> torch.Tensor:
+        """Slots of the unique linear ``ids`` (int64), loading the missing rows; ``dirty``: the kernel will
+        update them (a training forward)."""
+        self.clock += 1
+        sets = ids % self.sets
+        match = self.keys[sets] == ids[:, None]
+        hit = match.any(dim=1)
+        slot = sets * self.ways + match.to(torch.uint8).argmax(dim=1)
+        hit_slots = slot[hit]
+        self._touch(hit_slots, dirty, admitted=False)
+        misses = int(ids.numel() - hit_slots.numel())
+        self.stats.lookups += int(ids.numel())
+        self.stats.hits += int(hit_slots.numel())
+        if misses:
+            miss = ~hit
+            slot[miss] = self._admit(ids[miss], sets[miss], dirty)
+        return slot
+
+    def _touch(self, slots: torch.Tensor, dirty: bool, admitted: bool) -> None:
+        self.used.view(-1)[slots] = self.clock
+        if admitted:
+            self.uses.view(-1)[slots] = 1
+            self.dirty.view(-1)[slots] = dirty
+        else:
+            self.uses.view(-1)[slots] += 1
+            if dirty:
+                self.dirty.view(-1)[slots] = True
+
+    def _admit(self, ids: torch.Tensor, sets: torch.Tensor, dirty: bool) -> torch.Tensor:
+        order = torch.argsort(sets, stable=True)
+        ids, sets = ids[order], sets[order]
+        uniq, counts = torch.unique_consecutive(sets, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(ids.numel()) - torch.repeat_interleave(starts, counts)
+        used, keys = self.used[uniq], self.keys[uniq]
+        score = used if self.policy == "lru" else (self.uses[uniq] << USE_BITS) | used
+        score = torch.where(keys < 0, -1, torch.where(used == self.clock, torch.iinfo(torch.int64).max, score))
+        free = (used != self.clock).sum(dim=1)
+        if bool((counts > free).any()):
+            worst = int((counts - free).argmax())
+            raise CacheTooSmallError(
+                f"row cache: {int(counts[worst])} rows of one batch fall into one set of {self.ways} ways "
+                f"({int(free[worst])} free): the cache of {self.slots:,} rows is too small for this batch "
+                f"(about {MIN_SLOTS_PER_ROW}× its distinct rows are needed); raise topology.ssd.cache_mb or "
+                f"topology.ddr_cap_gb, or lower trainer.batch_size")
+        ways = torch.argsort(score, dim=1, stable=True)
+        owner = torch.repeat_interleave(torch.arange(uniq.numel()), counts)  # each miss's set, as a row of `ways`
+        victim = uniq[owner] * self.ways + ways[owner, rank]
+        old = self.keys.view(-1)[victim]
+        back = self.dirty.view(-1)[victim] & (old >= 0)
+        if bool(back.any()):
+            self._write(old[back], victim[back])
+        self._read(ids, victim)
+        self.keys.view(-1)[victim] = ids
+        self._touch(victim, dirty, admitted=True)
+        out = torch.empty_like(victim)
+        out[order] = victim
+        return out
+
+    # -- rows to and from the files -----------------------------------------------------------------
+    def _is_written(self, rows: torch.Tensor) -> torch.Tensor:
+        i = rows.numpy()
+        return torch.from_numpy(((self.written[i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool))
+
+    def _mark_written(self, rows: torch.Tensor) -> None:
+        i = rows.numpy()
+        np.bitwise_or.at(self.written, i >> 3, (1 << (i & 7)).astype(np.uint8))
+
+    def _read(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fill ``slots`` with ``rows``: from the file (in file order) where written there, else drawn."""
+        order = torch.argsort(rows)
+        rows, slots = rows[order], slots[order]
+        on_file = self._is_written(rows)
+        if bool(on_file.any()):
+            r, s = rows[on_file], slots[on_file]
+            self.weights[s] = self.table.weights[r]
+            for cache, file in zip(self.states, self.table.states):
+                cache[s] = file[r]
+            self.stats.rows_read += int(r.numel())
+        drawn = ~on_file
+        if bool(drawn.any()):
+            r, s = rows[drawn], slots[drawn]
+            self.weights[s] = self.table.draw(r)
+            for cache in self.states:
+                cache[s] = 0.0
+            self.stats.rows_drawn += int(r.numel())
+
+    def _write(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``slots`` back to ``rows`` of the file, in file order; they are clean afterwards."""
+        order = torch.argsort(rows)
+        rows, slots = rows[order], slots[order]
+        self.table.weights[rows] = self.weights[slots]
+        for cache, file in zip(self.states, self.table.states):
+            file[rows] = cache[slots]
+        self._mark_written(rows)
+        self.stats.rows_written += int(rows.numel())
+        self.dirty.view(-1)[slots] = False
+
+    # -- the whole cache ----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Write every dirty row back to the files (they stay cached, clean)."""
+        slots = torch.nonzero(self.dirty.view(-1)).view(-1)
+        if slots.numel():
+            self._write(self.keys.view(-1)[slots], slots)
+
+    def materialise(self) -> None:
+        """Make the file hold every row: :meth:`flush`, then draw the rows never written (in blocks; zero rows
+        — the first-order tables, optimizer state — are what a sparse file reads already)."""
+        self.flush()
+        if self.table.init.std != 0.0:
+            for a in range(0, self.table.rows, BLOCK_ROWS):
+                rows = torch.arange(a, min(self.table.rows, a + BLOCK_ROWS))
+                fresh = rows[~self._is_written(rows)]
+                if fresh.numel():
+                    self.table.weights[fresh] = self.table.draw(fresh)
+        self.written[:] = 0xFF
+
+    def invalidate(self) -> None:
+        """Forget every slot without writing it back: the files were written from outside (a checkpoint
+        or ``init_from`` loaded into them) and hold every row."""
+        self.keys.fill_(-1)
+        self.dirty.fill_(False)
+        self.used.zero_()
+        self.uses.zero_()
+        self.written[:] = 0xFF
