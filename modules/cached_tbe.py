@@ -36,7 +36,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 from torch import nn
 
-from modules.row_cache import BackingTable, CacheStats, RowCache
+from modules.row_cache import WAYS, BackingTable, CacheStats, RowCache
 from modules.row_init import RowInit
 from modules.sharded_kernels import kernels
 
@@ -57,6 +57,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         table, ``inits`` each table's initialiser."""
         tbe.__class__ = cls
         self: CachedRowsTBE = tbe  # type: ignore[assignment]
+        slots = [-(-n // WAYS) * WAYS if n > WAYS else n for n in slots]  # whole sets (a whole table then fits)
         outer = self.split_embedding_weights()
         states = _states(self, len(outer))
         dims = [w.shape[1] for w in outer]

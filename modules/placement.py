@@ -57,7 +57,8 @@ KERNELS = {
 TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
-MIN_CACHE_ROWS = 1024    # below this a row cache is refused (a batch's rows must fit it)
+MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
+MIN_SLOTS_PER_ID = 4     # cache rows per id of one batch: a set overflows about never (modules.row_cache)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }
@@ -75,6 +76,7 @@ class TableInfo:
     rows: int
     dim: int
     coverage_rows: Mapping[float, int] = field(default_factory=dict)  # share of occurrences → hottest rows
+    features: int = 1  # features (KJT keys) reading the table: ids per sample, for one-id features
 
     def bytes(self, optimizer: str) -> int:
         per, per_col = OPTIMIZER_STATE_PER_ROW.get(optimizer, (2, True))
@@ -125,15 +127,15 @@ def own_anonymous_bytes() -> int:
 
 
 def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
-                 fusable: bool = True, process_bytes: float = 0.0) -> dict[str, Placement]:
+                 fusable: bool = True, process_bytes: float = 0.0, batch_rows: int = 0) -> dict[str, Placement]:
     """Choose each table's tier (see the module docstring); ``process_bytes``: what one training process
-    holds besides its tables (CPU topologies)."""
+    holds besides its tables, ``batch_rows``: the most samples one lookup sees (CPU topologies)."""
     overrides: Mapping[str, TableOverride] = topology.table_overrides
     unknown = sorted(set(overrides) - {t.name for t in tables})
     if unknown:
         raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {sorted(t.name for t in tables)}")
     if topology.compute_device != "cuda":
-        return _place_on_cpu(tables, topology, optimizer, fusable, process_bytes)
+        return _place_on_cpu(tables, topology, optimizer, fusable, process_bytes, batch_rows)
     hosted = sorted(name for name, o in overrides.items() if o.tier == "host")
     if hosted:
         raise PlacementError(f"topology.table_overrides: {hosted} tier=host is a CPU tier; on a GPU topology the "
@@ -190,7 +192,7 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
 
 
 def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
-                  fusable: bool, process_bytes: float) -> dict[str, Placement]:
+                  fusable: bool, process_bytes: float, batch_rows: int) -> dict[str, Placement]:
     """CPU tiers: host memory, or files (``ssd``) for the largest tables the host budget cannot hold."""
     kernel = KERNELS["host"] if fusable else EmbeddingComputeKernel.DENSE.value
     place: dict[str, Placement] = {}
@@ -229,13 +231,16 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
                              f"{_gb(needs['host'])} of {_gb(budget['host'])} (tables forced there), ssd needs "
                              f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
                              f"topology.ssd.cap_gb, or use smaller tables")
-    return _row_caches(place, topology, budget["host"] - use("host"), process_bytes)
+    floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
+              for t in tables}
+    return _row_caches(place, topology, budget["host"] - use("host"), process_bytes, floors)
 
 
-def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float,
-                process_bytes: float) -> dict[str, Placement]:
-    """Each ``ssd`` table's row cache: ``left`` bytes (or ``ssd.cache_mb`` per rank) shared in proportion
-    to the tables' bytes, at most the whole table."""
+def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float, process_bytes: float,
+                floor: Mapping[str, int]) -> dict[str, Placement]:
+    """Each ``ssd`` table's row cache: at least ``floor`` rows (the distinct ids one batch can bring, ×
+    :data:`MIN_SLOTS_PER_ID`: :mod:`modules.row_cache`), plus ``left`` bytes (or ``ssd.cache_mb`` per rank)
+    beyond the floors shared in proportion to the tables' bytes; at most the whole table."""
     on_disk = [p for p in place.values() if p.tier == "ssd"]
     if not on_disk:
         return place
@@ -243,18 +248,19 @@ def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float
         left = topology.ssd.cache_mb * 2**20 * topology.world_size
     elif math.isinf(left):  # host memory not described: tables forced to ssd get the default cache
         left = DEFAULT_CACHE_MB * 2**20 * topology.world_size
-    total = sum(p.bytes for p in on_disk)
-    rows = {p.table: min(p.rows, int(max(0.0, left) * p.bytes / total / p.row_bytes)) for p in on_disk}
-    short = sorted(t for t, n in rows.items() if n < MIN_CACHE_ROWS and n < place[t].rows)
-    if short and topology.ssd.cache_mb is not None:
-        raise PlacementError(f"tables {short} on tier ssd: topology.ssd.cache_mb={topology.ssd.cache_mb:g} gives their "
-                             f"row caches fewer than {MIN_CACHE_ROWS} rows each; raise it")
-    if short:
+    need = sum(floor[p.table] * p.row_bytes for p in on_disk)
+    if need > left and topology.ssd.cache_mb is not None:
+        raise PlacementError(f"topology.ssd.cache_mb={topology.ssd.cache_mb:g} cannot give the {len(on_disk)} ssd tables "
+                             f"their row caches, {need / 2**20:,.1f} MB for the rows one batch can bring (× {MIN_SLOTS_PER_ID}); "
+                             f"raise it or lower the batch size")
+    if need > left:
         raise PlacementError(
-            f"tables {short} on tier ssd get no row cache: topology.ddr_cap_gb={topology.ddr_cap_gb:g} × (1 − "
-            f"ddr_reserve) leaves {max(0.0, left) / 2**20:,.0f} MB after the host tables and this process's own "
-            f"{process_bytes / 2**20:,.0f} MB per rank. Raise topology.ddr_cap_gb, or set the cache outright with "
-            f"topology.ssd.cache_mb=<MB per rank>")
+            f"the {len(on_disk)} tables on tier ssd get no row cache: topology.ddr_cap_gb={topology.ddr_cap_gb:g} × "
+            f"(1 − ddr_reserve) leaves {max(0.0, left) / 2**20:,.0f} MB after the host tables and this process's own "
+            f"{process_bytes / 2**20:,.0f} MB per rank, {need / 2**20:,.1f} MB are needed. Raise topology.ddr_cap_gb, "
+            f"or set the cache outright with topology.ssd.cache_mb=<MB per rank>")
+    total = sum(p.bytes for p in on_disk)
+    rows = {p.table: min(p.rows, floor[p.table] + int((left - need) * p.bytes / total / p.row_bytes)) for p in on_disk}
     return {name: replace(p, cache_rows=rows[name]) if name in rows else p for name, p in place.items()}
 
 

@@ -107,7 +107,7 @@ class RowInit:
             for shard in weight.local_shards():
                 offsets = shard.metadata.shard_offsets
                 self.fill_(shard.tensor, int(offsets[0]), int(offsets[1]), dim)
-        else:
+        elif weight.dim() == 2:  # (a rank that holds no shard of the table gets an empty 1-d tensor)
             self.fill_(weight, 0, 0, weight.shape[1])
         return weight
 

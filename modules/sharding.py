@@ -97,7 +97,7 @@ def table_infos(ebc: Collection, coverage: Mapping[str, Mapping[float, int]] | N
         per_field = [coverage.get(name, {}) for name in sources]
         levels = set.intersection(*(set(c) for c in per_field)) if all(per_field) else set()
         infos.append(TableInfo(t.name, t.num_embeddings, t.embedding_dim,
-                               {q: sum(int(c[q]) for c in per_field) for q in sorted(levels)}))
+                               {q: sum(int(c[q]) for c in per_field) for q in sorted(levels)}, len(t.feature_names)))
     return infos
 
 
@@ -183,16 +183,17 @@ def file_backed_names(placements: Mapping[str, Placement]) -> set[str]:
 
 def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
                coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False,
-               table_of: Mapping[str, str] | None = None) -> PlanResult:
+               table_of: Mapping[str, str] | None = None, batch_rows: int = 0) -> PlanResult:
     """Place every table on a tier and plan its sharding over ``topology.world_size`` ranks (a topology
-    :meth:`~modules.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts."""
+    :meth:`~modules.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts.
+    ``batch_rows``: the most samples one kernel sees at once (sizes the ``ssd`` tier's row caches)."""
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
     process = own_anonymous_bytes()  # what this process holds besides its tables (CPU host budget)
     for ebc in ebcs.values():
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
-                                       process))
+                                       process, batch_rows))
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
     # on CPU the planner would count file-backed tables against host memory: those plans are built here
@@ -233,7 +234,8 @@ class DeviceOnlyWrapper(DataParallelWrapper):
 def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
                 device: torch.device, data_parallel: bool = True,
                 coverage: Mapping[str, Mapping[float, int]] | None = None,
-                table_of: Mapping[str, str] | None = None) -> tuple[DistributedModelParallel, PlanResult]:
+                table_of: Mapping[str, str] | None = None,
+                batch_rows: int = 0) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
@@ -249,7 +251,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
                                         embedding_optim.fused_kwargs())
     world = dist.get_world_size()
     topology = topology.on_ranks(world)
-    result = plan_model(model, embedding_optim, topology, coverage, collective=True, table_of=table_of)
+    result = plan_model(model, embedding_optim, topology, coverage, collective=True, table_of=table_of,
+                        batch_rows=batch_rows * world)  # table-wise kernels see every rank's batch
     if device.type == "cpu":
         without_fbgemm_bounds_check(result.plan)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()

@@ -119,7 +119,7 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
 
     ckpt = tmp_path / "ckpt"
     ssd = [*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", f"topology.ssd.path={tmp_path}/ssd",
-           "topology.ddr_cap_gb=1e-12", "topology.ssd.cache_mb=2", "trainer.checkpoint.chunk_mb=0.05"]
+           "topology.ddr_cap_gb=1e-12", "topology.ssd.cache_mb=40", "trainer.checkpoint.chunk_mb=0.05"]
     stopped, _ = _run([*ssd, _kill(0, 33)], tmp_path, check=False)
     assert stopped.returncode != 0 and complete_checkpoints(ckpt)[-1].name == "step-000000030"
     assert len(list((tmp_path / "ssd").glob("rank[01]/*.weights.f32"))) == 2  # each rank's tables in its file

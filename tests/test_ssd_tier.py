@@ -18,23 +18,32 @@ from modules.topology import GB, SsdSpec, TopologySpec
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 ALL_ON_SSD = "topology.ddr_cap_gb=1e-12"  # a host budget below one row: every table goes to the ssd tier
-SMALL_CACHE = "topology.ssd.cache_mb=2"   # the row cache, set outright: a few thousand rows per table
+SMALL_CACHE = "topology.ssd.cache_mb=40"  # the row cache, set outright: the floors (4 × ids of a 4,096-row batch) and a little more
 
 
-def _cpu(ddr_gb: float, ssd_path: str | None, **overrides) -> TopologySpec:
-    return TopologySpec(name="cpu", compute_device="cpu", ddr_cap_gb=ddr_gb, ssd=SsdSpec(path=ssd_path),
+def _cpu(ddr_gb: float, ssd_path: str | None, cache_mb: float | None = None, **overrides) -> TopologySpec:
+    return TopologySpec(name="cpu", compute_device="cpu", ddr_cap_gb=ddr_gb, ssd=SsdSpec(path=ssd_path, cache_mb=cache_mb),
                         table_overrides=overrides)
 
 
 def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_hold_them(tmp_path):
     # bytes with row-wise Adagrad: rows · 4 · (16 + 1)
     tables = [TableInfo("a", 1_000, 16), TableInfo("b", 10_000, 16), TableInfo("c", 100, 16)]
-    budget = 100_000  # holds a (68,000 B) and c (6,800 B), not b (680,000 B)
+    budget = 174_800  # holds a (68,000 B) and c (6,800 B), not b (680,000 B); 100,000 B left for b's row cache
     ddr = budget / 0.75 / GB
-    tiers = {n: p.tier for n, p in place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad").items()}
-    assert tiers == {"a": "host", "b": "ssd", "c": "host"}
+    placed = place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad")
+    assert {n: p.tier for n, p in placed.items()} == {"a": "host", "b": "ssd", "c": "host"}
+    assert placed["b"].cache_rows == 100_000 // 68 and placed["a"].cache_rows is None
+    # what the process holds itself is taken from the budget: the cache shrinks, then cannot be
+    assert place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=20_000)["b"].cache_rows \
+        == 80_000 // 68
+    with pytest.raises(PlacementError, match=r"the 1 tables on tier ssd get no row cache.*Raise topology.ddr_cap_gb"):
+        place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=50_000)
+    assert place_tables(tables, _cpu(ddr, str(tmp_path), cache_mb=0.5), "rowwise_adagrad",
+                        process_bytes=50_000)["b"].cache_rows == 2**19 // 68  # set outright
     forced = place_tables(tables, _cpu(1.0, str(tmp_path), c={"tier": "ssd"}), "sgd")
     assert {n: p.tier for n, p in forced.items()} == {"a": "host", "b": "host", "c": "ssd"}
+    assert forced["c"].cache_rows == 100  # the whole table: the budget holds it
     assert {p.kernel for p in forced.values()} == {"fused"}  # the same FBGEMM CPU kernel on both tiers
     with pytest.raises(PlacementError, match="host needs 0.0 GB of 0.0 GB .tables forced there"):
         place_tables(tables, _cpu(ddr, str(tmp_path), b={"tier": "host"}), "sgd")  # a moves, b cannot

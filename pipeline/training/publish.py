@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 from mlflow.exceptions import MlflowException
 
+from modules.cached_tbe import sync_tables
 from modules.plan_report import format_plan
 from pipeline.config import RunConfig
 from pipeline.data.datamodule import CTRDataModule
@@ -45,6 +46,7 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
         return None
     scratch = output_dir / ".model-tables"  # every rank writes its shards of each table here (table_files)
     try:
+        sync_tables(task.model)  # the ssd tier's files hold every row (tables are read from them)
         weights = unsharded_state(task.model, scratch)
         if weights is None:
             return None

@@ -57,6 +57,7 @@ class CTRTask(L.LightningModule):
         self.l2_scope = cfg.optim.embedding_l2_scope
         self.warmup_epochs = cfg.scaling.warmup_epochs
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
+        self.batch_rows = max(cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank, at most
         self.lr_factor = 1.0
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
@@ -95,7 +96,8 @@ class CTRTask(L.LightningModule):
         spec = data.feature_spec
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.data_parallel, coverage=data.coverage,
-                                            table_of={f: spec.table_of(f) for f in spec.sparse})
+                                            table_of={f: spec.table_of(f) for f in spec.sparse},
+                                            batch_rows=self.batch_rows)
         if self.init_from and not self.resume_from:  # a resumed run takes its own checkpoint's weights
             store = data.store
             self._reused = reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
@@ -224,7 +226,6 @@ class CTRTask(L.LightningModule):
 
     def on_train_end(self) -> None:
         self._flush_l2()
-        sync_tables(self.model)
 
     def on_validation_model_train(self) -> None:
         """Back to training mode after validation, every module: Lightning's default restores the modes it
