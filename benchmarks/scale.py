@@ -1,7 +1,8 @@
 """How the pipeline grows with rows and with table size, on one CPU machine.
 
     python benchmarks/scale.py data --rows 5000000 20000000 45000000
-    python benchmarks/scale.py tables --limit-gb 3 --fractions 0.25 1 2 --rows 2000000
+    python benchmarks/scale.py tables --limit-gb 2 --fractions 0.25 1 2 4 8 --rows 1000000
+    python benchmarks/scale.py tables --vocab-rows 5000000 --fractions 2 --max-steps 400
 
 ``data``: generated Criteo-format logs (Criteo Kaggle's per-field cardinalities, Zipf ids; the
 synthetic generator) of each size, DeepFM dim 16, 1 epoch. Per size: preprocessing seconds, rows/s and
@@ -9,21 +10,23 @@ peak memory (a process of its own); training samples/s and peak memory; checkpoi
 seconds (a resume reads it); export seconds and peak memory; test AUC. The first size is the
 baseline: each cost is also shown per row relative to it (1.00 = linear in rows).
 
-``tables``: one model at ``fractions`` × the memory the run may use. Each run is put in a memory
-cgroup (cgroup v1, ``memory.limit_in_bytes``, which also caps the page cache) with every table on the
-``ssd`` tier; the baseline is the same model in host memory with no limit. Two ways to size it:
+``tables``: one model at ``fractions`` × the memory the run may use. Each ``ssd`` run is put in a
+memory cgroup (cgroup v1, ``memory.limit_in_bytes``, which also caps the page cache) and told that
+limit (``topology.ddr_cap_gb``): placement counts the process, keeps what fits in host memory, moves
+the rest to files and gives the row cache what is left (docs/scale.md). The baseline is the same
+model in host memory with no limit, in the same script. Two ways to size it:
 
 * ``--limit-gb L`` (hashed): every table hashed to ``H`` rows so the tables total fraction × L, limit L.
-  Hashing scatters the hot ids over the whole table: each hot 64-byte row keeps its 4 KiB page in
-  the page cache — the worst case for a memory-mapped table.
+  Hashing scatters the hot ids over the whole table (the worst case for pages; a row cache does not care).
 * ``--vocab-rows N``: the log of N rows with its frequency-sorted vocabulary (ids by descending count,
   ``data.preprocess.categorical=vocab``, the default): hot rows are packed at the start of each
   table; the limit is the tables' size / fraction. ``--max-steps`` bounds each run.
- Reported: samples/s and
-the ratio to the in-memory run, the run's user / system / wall seconds (where a step's time goes:
-page faults and reads show up as system and waiting time), major page faults per embedding lookup
-(1 − that ≈ the share served from the page cache), and the disk's 4 KiB random-read rate measured
-here with O_DIRECT — a lower bound of samples/s if every lookup missed: IOPS / lookups per sample.
+
+Reported: samples/s and the ratio to the in-memory run; the row caches' size, hit rate (unique rows
+of a step found in the cache), rows drawn (met for the first time: no disk read), MB read from and
+written to the files, the files' allocated size on disk; peak anonymous memory and the cgroup's peak
+(page cache included); wall seconds. The disk's 4 KiB random-read rate (O_DIRECT) and sequential
+write rate are measured at the end, for the I/O volume to be read against.
 
 Peak memory: ``VmHWM`` (resident, file pages included) and the peak of ``RssAnon`` (anonymous memory
 only: what the process itself holds), sampled every 20 ms from ``/proc``.
@@ -44,7 +47,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOOKUPS_PER_SAMPLE = 52  # 26 fields × (their table + the first-order table)
 BYTES_PER_HASH_ROW = 26 * (4 * (16 + 1) + 4 * (4 + 1))  # all tables, dim 16 + wide 4, row-wise Adagrad state
 
 
@@ -166,6 +168,33 @@ def random_read_iops(path: Path, seconds: float = 10.0) -> float:
     return n / (time.perf_counter() - t0)
 
 
+ROW_CACHE = re.compile(r"Row caches \(rank 0\): ([\d,]+) rows, ([\d,]+) MB; training: hit rate ([\d.]+) of ([\d,]+) "
+                       r"row lookups, rows read ([\d,]+) \(([\d,]+) MB\), drawn ([\d,]+), written ([\d,]+) \(([\d,]+) MB\)")
+
+
+def row_cache_line(out: str) -> dict:
+    m = ROW_CACHE.search(out)
+    if m is None:
+        return {}
+    n = [float(x.replace(",", "")) for x in m.groups()]
+    return {"cache_rows": n[0], "cache_mb": n[1], "hit_rate": n[2], "read_mb": n[5], "drawn": n[6], "written_mb": n[8]}
+
+
+def sequential_write_mb_s(folder: Path, mb: int = 512) -> float:
+    """Buffered sequential write then fsync, MB/s (the rate write-back can reach)."""
+    path = folder / "write-rate.tmp"
+    block = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(mb):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    rate = mb / (time.perf_counter() - t0)
+    path.unlink()
+    return rate
+
+
 def table_scale(args: argparse.Namespace) -> None:
     work = Path(args.work)
     group = memory_cgroup(64)
@@ -181,7 +210,6 @@ def table_scale(args: argparse.Namespace) -> None:
                     sum(sizes.values()) * 4 * (4 + 1) / 2**30  # tables + the first-order table, row-wise state
                 limit = gib / fraction
                 common += [*data, f"trainer.max_steps={args.max_steps}"]
-                samples_run = args.max_steps * args.batch_size
             else:
                 buckets = int(fraction * args.limit_gb * 2**30 / BYTES_PER_HASH_ROW)
                 data = [f"data.synthetic.rows={args.rows}", "data.preprocess.categorical=hash",
@@ -189,30 +217,38 @@ def table_scale(args: argparse.Namespace) -> None:
                 prepare(data)
                 gib, limit = buckets * BYTES_PER_HASH_ROW / 2**30, args.limit_gb
                 common += data
-                samples_run = args.rows * 0.85  # the training split
             (group / "memory.limit_in_bytes").write_text(str(int(limit * 2**30)))
             if host is None or not args.vocab_rows:  # the vocab model is the same at every fraction
                 host = train(common, work / f"tables-{fraction}-host")
             ssd_dir = work / f"tables-{fraction}-ssd"
-            ssd = train([*common, f"topology.ssd.path={ssd_dir / 'files'}", "topology.ddr_cap_gb=1e-12"],
-                        ssd_dir / "run", group)
-            lines.append((fraction, gib, limit, host, ssd, ssd["majflt"] / (samples_run * LOOKUPS_PER_SAMPLE)))
+            # told the truth: the run's memory is the cgroup's limit; placement moves what does not fit to files
+            ssd = train([*common, f"topology.ssd.path={ssd_dir / 'files'}", f"topology.ddr_cap_gb={limit:.4f}",
+                         f"topology.ssd.cache_policy={args.policy}"], ssd_dir / "run", group)
+            ssd["cache"] = row_cache_line(ssd["out"])
+            ssd["peak_mb"] = int((group / "memory.max_usage_in_bytes").read_text()) / 2**20
+            (group / "memory.max_usage_in_bytes").write_text("0")
+            files = sum(f.stat().st_blocks * 512 for f in (ssd_dir / "files").rglob("*.f32")) / 2**30
+            lines.append((fraction, gib, limit, host, ssd, files))
             print(f"fraction {fraction}: tables {gib:.2f} GiB, limit {limit:.2f} GiB: host "
-                  f"{host['result']['samples_per_s']:,.0f}/s, ssd {ssd['result']['samples_per_s']:,.0f}/s", flush=True)
-        table_file = max((work / f"tables-{args.fractions[-1]}-ssd" / "files").rglob("*.weights.f32"),
-                         key=lambda p: p.stat().st_size)
+                  f"{host['result']['samples_per_s']:,.0f}/s, ssd {ssd['result']['samples_per_s']:,.0f}/s "
+                  f"{ssd['cache']}", flush=True)
+        table_file = max((work / "cache").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
         iops = random_read_iops(table_file)
+        write_rate = sequential_write_mb_s(work)
     finally:
         group.rmdir()
-    print(f"\nMemory limit per run: cgroup, page cache included; disk: {iops:,.0f} random 4 KiB reads/s "
-          f"(O_DIRECT) → {iops / LOOKUPS_PER_SAMPLE:,.0f} samples/s if every lookup missed the page cache\n")
-    print("| tables / limit | tables GiB | limit GiB | in memory samples/s | ssd samples/s | ssd / memory | user s "
-          "| sys s | wall s | major faults per lookup | peak anon MB |")
-    print("|" + "---:|" * 11)
-    for fraction, gib, limit, host, ssd, faults in lines:
+    print(f"\nMemory limit per run: cgroup, page cache included, and topology.ddr_cap_gb = the limit. Disk: "
+          f"{iops:,.0f} random 4 KiB reads/s (O_DIRECT, one at a time), {write_rate:,.0f} MB/s sequential write "
+          f"(fsync)\n")
+    print("| tables / limit | tables GiB | limit GiB | in memory samples/s | ssd samples/s | ssd / memory | row cache MB "
+          "| hit rate | rows drawn | read MB | written MB | files on disk GiB | peak anon MB | cgroup peak MB | wall s |")
+    print("|" + "---:|" * 15)
+    for fraction, gib, limit, host, ssd, files in lines:
         h, s = host["result"]["samples_per_s"], ssd["result"]["samples_per_s"]
-        print(f"| {fraction:g}× | {gib:.2f} | {limit:.2f} | {h:,.0f} | {s:,.0f} | {s / h:.2f} | {ssd['user']:.0f} "
-              f"| {ssd['sys']:.0f} | {ssd['wall']:.0f} | {faults:.4f} | {ssd['anon_mb']:,.0f} |")
+        c = ssd["cache"] or {"cache_mb": 0, "hit_rate": float("nan"), "drawn": 0, "read_mb": 0, "written_mb": 0}
+        print(f"| {fraction:g}× | {gib:.2f} | {limit:.2f} | {h:,.0f} | {s:,.0f} | {s / h:.2f} | {c['cache_mb']:,.0f} "
+              f"| {c['hit_rate']:.4f} | {c['drawn']:,.0f} | {c['read_mb']:,.0f} | {c['written_mb']:,.0f} | {files:.2f} "
+              f"| {ssd['anon_mb']:,.0f} | {ssd['peak_mb']:,.0f} | {ssd['wall']:.0f} |")
 
 
 def main() -> None:
@@ -226,6 +262,7 @@ def main() -> None:
     t.add_argument("--rows", type=int, default=2_000_000)
     t.add_argument("--vocab-rows", type=int, default=None, help="size by this log's vocabulary instead of hashing")
     t.add_argument("--max-steps", type=int, default=1000)
+    t.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="topology.ssd.cache_policy")
     for q in (d, t):
         q.add_argument("--work", default=str(ROOT / ".cache" / "scale"))
         q.add_argument("--batch-size", type=int, default=8192)

@@ -166,13 +166,11 @@ def lookup_name(table: str, feature: str) -> str:
 
 
 def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
-                  unpooled: bool = False, stack: bool = False,
-                  seed: int = 0) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
-    """The tables of the bag collection (``unpooled`` False) or of the sequence collection (True):
-    ``emb_<t>`` per table in order of first use (with ``stack``, the bag collection's as one table
-    ``stacked``), then the first-order table of their features. Rows start as N(0, ``init_std``²) drawn
-    from (``seed``, table, row) (:mod:`modules.row_init`; a stacked table draws each of its tables' rows
-    as that table would), the first-order rows as zeros."""
+                  unpooled: bool = False, stack: bool = False, seed: int = 0) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
+    """The tables of the bag collection (``unpooled`` False) or of the sequence collection (True): ``emb_<t>``
+    per table in order of first use (with ``stack``, the bag collection's as one table ``stacked``), then the
+    first-order table of their features. Rows start as N(0, ``init_std``²) drawn from (``seed``, table, row)
+    (:mod:`modules.row_init`: a stacked table's rows as its tables' own), the first-order rows as zeros."""
     if embedding_dim % 4:
         raise ValueError(f"model.embedding_dim={embedding_dim}: FBGEMM kernels need a multiple of 4")
     features = spec.seq_features if unpooled else spec.bag_features
@@ -180,17 +178,15 @@ def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: 
     by_table: dict[str, list[str]] = {}
     for f in features:
         by_table.setdefault(spec.table_of(f), []).append(f)
-    tables = [make(name=EMB_PREFIX + t, embedding_dim=embedding_dim, num_embeddings=spec.table_sizes[t],
-                   feature_names=names, init_fn=RowInit.of_tables(seed, init_std, [EMB_PREFIX + t],
-                                                                  [spec.table_sizes[t]]))
-              for t, names in by_table.items()]
+    tables = [make(name=EMB_PREFIX + t, embedding_dim=embedding_dim, num_embeddings=n, feature_names=names,
+                   init_fn=RowInit.of_tables(seed, init_std, [EMB_PREFIX + t], [n]))
+              for t, names in by_table.items() for n in [spec.table_sizes[t]]]
     if stack and not unpooled and tables:  # a bag feature's table is its own (FeatureSpec.unpooled_tables)
         init = RowInit.of_tables(seed, init_std, [t.name for t in tables], [t.num_embeddings for t in tables])
         tables = [make(name=STACKED_TABLE, embedding_dim=embedding_dim, feature_names=list(features),
                        init_fn=init, num_embeddings=sum(t.num_embeddings for t in tables))]
     if wide and features:
-        clash = [f for f in features if f.startswith(WIDE_PREFIX)]
-        if clash:
+        if clash := [f for f in features if f.startswith(WIDE_PREFIX)]:
             raise ValueError(f"sparse features {clash}: names starting with {WIDE_PREFIX!r} are reserved for the "
                              "first-order lookups")
         name, rows = WIDE_SEQ_TABLE if unpooled else WIDE_TABLE, sum(spec.table_sizes[t] for t in by_table)
@@ -237,13 +233,11 @@ class SparseArch(nn.Module):
         self.embedding_dim = embedding_dim
         self.wide, self.stack = wide, stack
         self.bag_fields, self.seq_fields = list(spec.bag_features), list(spec.seq_features)
-        # one draw of the global random state: the tables' rows come from (seed, table, row) (modules.row_init)
-        self.init_seed = int(torch.randint(0, 2**62, ()).item())
-        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide, stack=stack,
-                                                               seed=self.init_seed),
+        seed = int(torch.randint(0, 2**62, ()).item())  # one draw: rows come from (seed, table, row), row_init
+        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide, stack=stack, seed=seed),
                                           device=device) if self.bag_fields else None
         # a collection's tables share one width: the first-order rows (4 columns) are a collection of their own
-        seq_tables = table_configs(spec, embedding_dim, init_std, wide, unpooled=True, seed=self.init_seed)
+        seq_tables = table_configs(spec, embedding_dim, init_std, wide, unpooled=True, seed=seed)
         self.ec = EmbeddingCollection(tables=[t for t in seq_tables if t.name != WIDE_SEQ_TABLE], device=device) \
             if self.seq_fields else None
         self.ec_wide = EmbeddingCollection(tables=[t for t in seq_tables if t.name == WIDE_SEQ_TABLE], device=device) \

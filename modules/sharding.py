@@ -41,7 +41,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from modules.embedding import field_of
 from modules.file_backed import CachedTable, file_backed_tables, mark_file_backed
-from modules.row_init import DrawnLater
+from modules.row_init import DrawnLater, RowInit
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
 from modules.placement import KERNELS, Placement, TableInfo, own_anonymous_bytes, place_tables
 from modules.topology import GB, TopologySpec
@@ -269,6 +269,10 @@ def drawn_later(collections: list[Collection], result: PlanResult) -> Iterator[d
     first meets them); yields each one's cache size and initialiser for :func:`file_backed_tables`."""
     configs = [c for ebc in collections for c in collection_tables(ebc) if c.name in result.file_backed]
     inits = {c.name: c.init_fn for c in configs}
+    other = sorted(name for name, init in inits.items() if not isinstance(init, RowInit))
+    if other:
+        raise ValueError(f"tables {other} on the ssd tier: their rows must be drawn one by one when first met, which "
+                         f"needs modules.row_init.RowInit as their init_fn")
     cached = {c.name: CachedTable(result.placements[c.name].cache_rows or 0, inits[c.name]) for c in configs}
     for c in configs:
         c.init_fn = DrawnLater(inits[c.name])

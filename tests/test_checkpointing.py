@@ -48,6 +48,13 @@ def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=True)
 
 
+def _run_id_of(checkpoint: Path) -> str:
+    """The MLflow run a checkpoint was written by (its rank-0 state file)."""
+    run_id = read_rank0_state(checkpoint)["pipeline"]["mlflow_run_id"]
+    assert run_id, checkpoint
+    return run_id
+
+
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix: tuple[str, ...]) -> None:
     keys = [k for k in a if k.startswith(prefix)]
     assert keys and set(keys) == {k for k in b if k.startswith(prefix)}
@@ -102,8 +109,12 @@ def test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_and_resumes_
                            tmp_path, check=False)
     assert stopped.returncode != 0 and result is None, stopped.stderr[-3000:]
     assert "Stopped by SIGTERM after step 27" in stopped.stderr
+    # each rank ended with 128 + SIGTERM (torchrun's report lists every failed rank with its exit code)
+    assert len(re.findall(r"exitcode\s*: 143 ", stopped.stderr)) == 2, stopped.stderr[-3000:]
     assert [p.name for p in complete_checkpoints(ckpt)][-2:] == ["step-000000020", "step-000000027"]
     _, resumed = _run([*args, "trainer.resume=auto"], tmp_path)
+    # a resume, not a fresh start (which with the same seed would end the same): the killed run's MLflow run
+    assert resumed.mlflow_run_id == _run_id_of(complete_checkpoints(ckpt)[-2])
     straight, straight_tensors, _ = straight_run
     assert (resumed.test_auc, resumed.test_logloss) == (straight.test_auc, straight.test_logloss)
     _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_tensors, ("state_dict/", "fused_optimizer/"))
@@ -123,7 +134,9 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
     stopped, _ = _run([*ssd, _kill(0, 33)], tmp_path, check=False)
     assert stopped.returncode != 0 and complete_checkpoints(ckpt)[-1].name == "step-000000030"
     assert len(list((tmp_path / "ssd").glob("rank[01]/*.weights.f32"))) == 2  # each rank's tables in its file
+    killed_run = _run_id_of(complete_checkpoints(ckpt)[-1])
     _, resumed = _run([*ssd, "trainer.resume=auto"], tmp_path)
+    assert resumed.mlflow_run_id == killed_run  # it continued the killed run, not a fresh one
     straight_ckpt = tmp_path / "host" / "ckpt"
     straight_ckpt.mkdir(parents=True)
     _, straight = _run([*ckpt_overrides, f"trainer.checkpoint.dir={straight_ckpt}", "topology.planner=manual"],

@@ -84,11 +84,19 @@ def _sharded_worker(rank: int, world_size: int, stack: bool) -> None:
     dmp(valid.dense_features, valid.sparse_features).sum().backward()  # the tables' fused update runs
     trained = state()
     assert any(not torch.equal(a, b) for a, b in zip(before, trained))
+    # every FBGEMM lookup counted: a check placed after the lookups would let a kernel run on the bad id
+    # (out of bounds: FBGEMM's own check is off) even though the forward still raises before any backward
+    lookups = [0]
+    for k in kernels:
+        k.register_forward_pre_hook(lambda module, inputs: lookups.__setitem__(0, lookups[0] + 1))
     for bad in (20, -1):
         batch = _batch([0, bad, 5, 3])
         with pytest.raises(IdOutOfRangeError, match=rf"^feature 'c': id {bad} is outside its table's rows \[0, 20\)$"):
-            dmp(batch.dense_features, batch.sparse_features)
-        assert all(torch.equal(a, b) for a, b in zip(trained, state()))  # refused before any lookup
+            dmp(batch.dense_features, batch.sparse_features).sum().backward()
+        assert lookups[0] == 0  # refused before any lookup
+        assert all(torch.equal(a, b) for a, b in zip(trained, state()))  # nor any update
+    dmp(valid.dense_features, valid.sparse_features).sum().backward()
+    assert lookups[0] == len(kernels)  # the counter sees lookups: a valid batch makes one per kernel
 
 
 def test_sharded_model_refuses_an_id_outside_its_table_without_fbgemms_check():

@@ -140,7 +140,7 @@ def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "| table | rows | dim | bytes | sharding | tier | kernel | cache load factor | ranks |" in out
+    assert "| table | rows | dim | bytes | sharding | tier | kernel | cache load factor | row cache | ranks |" in out
     assert "| emb_C3 | 10,131,229 | 16 |" in out and out.count("| emb_C") == 26 and out.count("| wide |") == 1
     assert "| rank | HBM GiB | host DDR GiB | SSD GiB |" in out and "\n| 7 |" in out
 

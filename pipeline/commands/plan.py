@@ -49,8 +49,9 @@ def plan_for_config(cfg: DictConfig) -> str:
     optim = run.optim.embedding
     model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage)
     model = build_model(model_cfg, feature_spec, device=torch.device("meta"))
-    result = plan_model(model, optim, topology, coverage,
-                        table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse})
+    result = plan_model(model, optim, topology, coverage,  # row caches sized as training sizes them (CTRTask)
+                        table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse},
+                        batch_rows=max(run.trainer.batch_size, run.trainer.eval_batch_size) * topology.world_size)
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "

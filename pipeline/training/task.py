@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from modules.cached_tbe import cached_tbes, reload_tables, sync_tables
+from modules.row_cache import CacheStats
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding import is_table_parameter
 from modules.embedding_l2 import DecayRule
@@ -67,6 +68,8 @@ class CTRTask(L.LightningModule):
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
         self._skip_step = False
+        self.row_cache_totals = CacheStats()  # the ssd tier's row caches over training (modules.row_cache)
+        self.row_cache_bytes = [0.0, 0.0]     # read, written
         self.onednn_mlp_used = False  # decided with the model (configure_model); logged to MLflow
         self.overlap_embedding_backward_used = False  # likewise
 
@@ -168,6 +171,10 @@ class CTRTask(L.LightningModule):
         if not tbes:
             return
         stats = [(t.take_stats(), t.row_bytes) for t in tbes]
+        for step, row_bytes in stats:
+            self.row_cache_bytes[0] += step.rows_read * row_bytes
+            self.row_cache_bytes[1] += step.rows_written * row_bytes
+            self.row_cache_totals.add(step)
         lookups = sum(s.lookups for s, _ in stats)
         self.log_dict({"ssd/hit_rate": sum(s.hits for s, _ in stats) / max(1, lookups),
                        "ssd/rows_read": float(sum(s.rows_read for s, _ in stats)),
@@ -226,6 +233,13 @@ class CTRTask(L.LightningModule):
 
     def on_train_end(self) -> None:
         self._flush_l2()
+        tbes = cached_tbes(self.model)
+        if tbes:
+            t, (read, written) = self.row_cache_totals, self.row_cache_bytes
+            print(f"Row caches (rank {self.global_rank}): {sum(x.cache_slots for x in tbes):,} rows, "
+                  f"{sum(x.cache_bytes for x in tbes) / 2**20:,.0f} MB; training: hit rate {t.hits / max(1, t.lookups):.4f} "
+                  f"of {t.lookups:,} row lookups, rows read {t.rows_read:,} ({read / 2**20:,.0f} MB), drawn "
+                  f"{t.rows_drawn:,}, written {t.rows_written:,} ({written / 2**20:,.0f} MB)", flush=True)
 
     def on_validation_model_train(self) -> None:
         """Back to training mode after validation, every module: Lightning's default restores the modes it
