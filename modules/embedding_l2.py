@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from modules.cached_tbe import CachedRowsTBE
+from modules.ssd_tier.cached_tbe import CachedRowsTBE
 from modules.cowclip import CowClipConfig, CowClipStats, RowBuckets
 
 L2_SCOPES = ("batch", "all")

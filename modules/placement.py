@@ -10,7 +10,7 @@ tier           kernel                where the table lives
 ``ssd``        ``key_value``          SSD (FBGEMM SSD TBE), with a GPU cache
 ``host``       ``fused`` / ``dense``  CPU training: host memory
 ``ssd`` (CPU)  ``fused``              CPU training: files under ``topology.ssd.path``, trained through
-                                     a row cache in host memory (:mod:`modules.file_backed`)
+                                     a row cache in host memory (:mod:`modules.ssd_tier.files`)
 =============  ====================  ==============================================================
 
 On CPU, the host budget is what the stated memory leaves for tables once the process itself is
@@ -20,7 +20,7 @@ torch, the data's index, …) and ``ddr_reserve`` is left to the page cache and 
 Every table stays in host memory while the tables fit that budget (weights + optimizer state);
 otherwise the largest move to ``ssd`` until the rest fits (tables forced to a tier in
 ``table_overrides`` stay where they are forced). What the host tables leave is the ``ssd`` tables'
-row cache (:mod:`modules.row_cache`), shared in proportion to their bytes (``Placement.cache_rows``);
+row cache (:mod:`modules.ssd_tier.row_cache`), shared in proportion to their bytes (``Placement.cache_rows``);
 ``ssd.cache_mb`` sets it outright instead. The ``ssd`` budget is ``ssd.cap_gb`` per node, or the free
 space of ``ssd.path`` when ``cap_gb`` is 0.
 
@@ -58,7 +58,7 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
-MIN_SLOTS_PER_ID = 4     # cache rows per id of one batch: a set overflows about never (modules.row_cache)
+MIN_SLOTS_PER_ID = 4     # cache rows per id of one batch: a set overflows about never (modules.ssd_tier.row_cache)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }
@@ -239,7 +239,7 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
 def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float, process_bytes: float,
                 floor: Mapping[str, int]) -> dict[str, Placement]:
     """Each ``ssd`` table's row cache: at least ``floor`` rows (the distinct ids one batch can bring, ×
-    :data:`MIN_SLOTS_PER_ID`: :mod:`modules.row_cache`), plus ``left`` bytes (or ``ssd.cache_mb`` per rank)
+    :data:`MIN_SLOTS_PER_ID`: :mod:`modules.ssd_tier.row_cache`), plus ``left`` bytes (or ``ssd.cache_mb`` per rank)
     beyond the floors shared in proportion to the tables' bytes; at most the whole table."""
     on_disk = [p for p in place.values() if p.tier == "ssd"]
     if not on_disk:

@@ -40,7 +40,7 @@ from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.embedding import field_of
-from modules.file_backed import CachedTable, file_backed_tables, mark_file_backed
+from modules.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
 from modules.row_init import DrawnLater, RowInit
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
 from modules.placement import KERNELS, Placement, TableInfo, own_anonymous_bytes, place_tables
@@ -177,7 +177,7 @@ class PlanResult:
 
 
 def file_backed_names(placements: Mapping[str, Placement]) -> set[str]:
-    """Tables on the CPU ``ssd`` tier (:mod:`modules.file_backed`): ``ssd`` with a CPU kernel, not ``key_value``."""
+    """Tables on the CPU ``ssd`` tier (:mod:`modules.ssd_tier.files`): ``ssd`` with a CPU kernel, not ``key_value``."""
     return {p.table for p in placements.values() if p.tier == "ssd" and p.kernel != KERNELS["ssd"]}
 
 

@@ -1,4 +1,4 @@
-"""The ``ssd`` tier's row cache (modules/row_cache.py, modules/cached_tbe.py) against tables in host
+"""The ``ssd`` tier's row cache (modules/ssd_tier/row_cache.py, modules/ssd_tier/cached_tbe.py) against tables in host
 memory: the same FBGEMM kernel on slots gives the same numbers to the last bit, with caches small
 enough that most rows are evicted and read back; the files hold exactly the trained rows after a
 sync; rows are drawn from (seed, table, row) wherever they sit (modules/row_init.py)."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from modules.cached_tbe import cached_tbes, reload_tables, sync_tables
+from modules.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
 from modules.optimizers import OptimizerSpec
-from modules.row_cache import CacheTooSmallError
+from modules.ssd_tier.row_cache import CacheTooSmallError
 from modules.row_init import RowInit, normal_rows
 from modules.sharding import shard_model
 from modules.topology import SsdSpec, TopologySpec

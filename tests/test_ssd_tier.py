@@ -1,4 +1,4 @@
-"""The ``ssd`` tier on CPU (modules/file_backed.py): tables in memory-mapped files train, checkpoint,
+"""The ``ssd`` tier on CPU (modules/ssd_tier/files.py): tables in memory-mapped files train, checkpoint,
 resume, export and score exactly as in host memory, and are never loaded whole into memory."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 from mlflow.exceptions import MlflowException
 
-from modules.cached_tbe import sync_tables
+from modules.ssd_tier.cached_tbe import sync_tables
 from modules.plan_report import format_plan
 from pipeline.config import RunConfig
 from pipeline.data.datamodule import CTRDataModule

@@ -19,8 +19,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from modules.cached_tbe import cached_tbes, reload_tables, sync_tables
-from modules.row_cache import CacheStats
+from modules.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
+from modules.ssd_tier.row_cache import CacheStats
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding import is_table_parameter
 from modules.embedding_l2 import DecayRule
@@ -68,7 +68,7 @@ class CTRTask(L.LightningModule):
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
         self._skip_step = False
-        self.row_cache_totals = CacheStats()  # the ssd tier's row caches over training (modules.row_cache)
+        self.row_cache_totals = CacheStats()  # the ssd tier's row caches over training (modules.ssd_tier.row_cache)
         self.row_cache_bytes = [0.0, 0.0]     # read, written
         self.onednn_mlp_used = False  # decided with the model (configure_model); logged to MLflow
         self.overlap_embedding_backward_used = False  # likewise
@@ -166,7 +166,7 @@ class CTRTask(L.LightningModule):
         return loss
 
     def _log_row_caches(self) -> None:
-        """The ssd tier's row caches in this step (:mod:`modules.row_cache`): hit rate, rows and bytes moved."""
+        """The ssd tier's row caches in this step (:mod:`modules.ssd_tier.row_cache`): hit rate, rows and bytes moved."""
         tbes = cached_tbes(self.model)
         if not tbes:
             return

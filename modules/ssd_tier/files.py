@@ -6,8 +6,8 @@ differs. Each table batch (TBE) that holds such tables gets its flat ``weights_h
 ``momentum1_host`` buffers as shared memory maps of files under ``topology.ssd.path``
 (``torch.from_file(shared=True)``: ``mmap(MAP_SHARED)``), handed to FBGEMM's
 ``SplitTableBatchedEmbeddingBagsCodegen(preallocated_host_buffers=...)``, and is then turned into a
-:class:`modules.cached_tbe.CachedRowsTBE`: the kernel runs on a row cache in host memory
-(:mod:`modules.row_cache`) sized by the placement, and the files are its backing store. The files
+:class:`modules.ssd_tier.cached_tbe.CachedRowsTBE`: the kernel runs on a row cache in host memory
+(:mod:`modules.ssd_tier.row_cache`) sized by the placement, and the files are its backing store. The files
 start sparse (zeros) and are not written at initialisation: a row is drawn from (seed, table, row)
 when the cache first meets it (:mod:`modules.row_init`), so the table is never whole in memory.
 
@@ -35,7 +35,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType, Sp
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
 from torchrec.distributed.types import CacheParams, DataType, ShardingPlan
 
-from modules.cached_tbe import CachedRowsTBE
+from modules.ssd_tier.cached_tbe import CachedRowsTBE
 from modules.row_init import RowInit
 
 MARK = CacheParams(precision=DataType.FP32)

@@ -1,7 +1,7 @@
 """A row cache in host memory in front of file-backed tables (the CPU ``ssd`` tier).
 
 Rows — weights and optimizer state together — sit in slot arrays; FBGEMM's CPU kernel runs on the
-slots with each id remapped to its slot (:mod:`modules.cached_tbe`), so the update math is the
+slots with each id remapped to its slot (:mod:`modules.ssd_tier.cached_tbe`), so the update math is the
 kernel's own. A cache holds the rows of one table (shard). It is set-associative, as FBGEMM's
 ``lxu_cache`` is on GPU: row ℓ may sit in one of the ``W`` ways of set ``ℓ mod S``, slot ``set·W + way``
 (hashed ids are spread already; frequency-ordered ids put consecutive hot rows in different sets).
@@ -19,7 +19,7 @@ resident when the kernel runs; more distinct rows of one batch in a set than ``W
 and is refused with a message (the cache is then too small for the batch: the pinned rows of one
 batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ROW`).
 
-Rows go to and from the file through its shared memory map (``file_backed.mapped_file``), sorted by
+Rows go to and from the file through its shared memory map (:func:`modules.ssd_tier.files.mapped_file`), sorted by
 file offset, in the call that needs them: the cache absorbs the repeated updates of hot rows, so
 the file sees one write per eviction of a dirty row instead of a dirty 4 KiB page per update.
 Which rows the file holds is one bit per row (``written``).

@@ -1,0 +1,13 @@
+"""The ``ssd`` tier on CPU: embedding tables in files, trained through a row cache in host memory.
+
+* :mod:`.files` — the seam: while DistributedModelParallel builds the sharded modules, each FBGEMM
+  table batch made only of ``ssd`` tables gets memory-mapped files as its host buffers and becomes a
+  :class:`~.cached_tbe.CachedRowsTBE`;
+* :mod:`.cached_tbe` — that module: ids remapped to slots, FBGEMM's own kernel run on the slots;
+  ``sync_tables`` / ``reload_tables`` for everything that reads or writes the files from outside;
+* :mod:`.row_cache` — the set-associative cache of one table: lookup, LRU/LFU eviction, write-back,
+  rows drawn when first met (their initial values: :mod:`modules.row_init`).
+
+Placement (which tables, how many cache rows) is :mod:`modules.placement`; docs/scale.md has the
+measurements.
+"""
