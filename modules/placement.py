@@ -209,7 +209,10 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     else:
         budget["host"] -= topology.world_size * process_bytes
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
-    while use("host") > budget["host"]:
+    floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
+              for t in tables}  # each ssd table's least row cache (rows one batch can bring)
+    cached = lambda: sum(floors[p.table] * p.row_bytes for p in place.values() if p.tier == "ssd")  # noqa: E731
+    while use("host") + cached() > budget["host"] and topology.ssd.cache_mb is None or use("host") > budget["host"]:
         movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)
         if not movable:
             break
@@ -231,8 +234,6 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
                              f"{_gb(needs['host'])} of {_gb(budget['host'])} (tables forced there), ssd needs "
                              f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
                              f"topology.ssd.cap_gb, or use smaller tables")
-    floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
-              for t in tables}
     return _row_caches(place, topology, budget["host"] - use("host"), process_bytes, floors)
 
 

@@ -190,7 +190,8 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
-    process = own_anonymous_bytes()  # what this process holds besides its tables (CPU host budget)
+    # what this process holds besides its tables (CPU host budget): now, and what a step adds
+    process = own_anonymous_bytes() + step_bytes(model, batch_rows // max(1, topology.world_size))
     for ebc in ebcs.values():
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
                                        process, batch_rows))
@@ -208,6 +209,19 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if collective \
             else planner.plan(model, sharders)
     return PlanResult(plan, placements, planner)
+
+
+STEP_COPIES = 4  # activations, their gradients, masks and the allocator's slack: measured +300 MB for DeepFM at
+                 # batch 8,192 / eval 16,384 (docs/scale.md), estimated 424 MB by this rule
+
+
+def step_bytes(model: nn.Module, batch_rows: int) -> int:
+    """What a training step adds to the process, estimated for ``batch_rows`` samples: ``STEP_COPIES`` float32
+    copies of every Linear layer's output and of the looked-up rows (outputs of the collections)."""
+    widths = sum(m.out_features for m in model.modules() if isinstance(m, nn.Linear))
+    rows = sum(c.embedding_dim * len(c.feature_names) for ebc in model.modules()
+               if isinstance(ebc, (EmbeddingBagCollection, EmbeddingCollection)) for c in collection_tables(ebc))
+    return STEP_COPIES * 4 * batch_rows * (widths + rows)
 
 
 def without_fbgemm_bounds_check(plan: ShardingPlan) -> None:

@@ -67,7 +67,7 @@ def _run_against_host(rank: int, world: int, folder: str, policy: str, optimizer
     cached, dmp = _train(ssd, batches, optimizer)
     tbes = cached_tbes(dmp)
     assert tbes and all(t.cache_slots < sum(ROWS.values()) / 3 for t in tbes)
-    stats = [c.stats for t in tbes for c in t.caches]
+    stats = [t.cache.stats for t in tbes]
     assert sum(s.rows_written for s in stats) > 0 and sum(s.rows_read for s in stats) > 0, stats  # evictions
     for kind in ("weights", "states"):
         assert host[kind].keys() == cached[kind].keys()

@@ -37,7 +37,7 @@ def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_h
     # what the process holds itself is taken from the budget: the cache shrinks, then cannot be
     assert place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=20_000)["b"].cache_rows \
         == 80_000 // 68
-    with pytest.raises(PlacementError, match=r"the 1 tables on tier ssd get no row cache.*Raise topology.ddr_cap_gb"):
+    with pytest.raises(PlacementError, match=r"tables on tier ssd get no row cache.*Raise topology.ddr_cap_gb"):
         place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=50_000)
     assert place_tables(tables, _cpu(ddr, str(tmp_path), cache_mb=0.5), "rowwise_adagrad",
                         process_bytes=50_000)["b"].cache_rows == 2**19 // 68  # set outright

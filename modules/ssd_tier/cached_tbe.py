@@ -2,12 +2,12 @@
 
 :class:`CachedRowsTBE` is FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` whose host buffers are
 the memory-mapped files (:mod:`modules.ssd_tier.files`): TorchRec's state dict, checkpoints, export
-and ``init_from`` see the whole tables there. Its forward does not run on them: each of its tables
-has a :class:`modules.ssd_tier.row_cache.RowCache`, whose slots are the rows of a second, private TBE of the
-same optimizer (``inner``: a table of C_t slots per table). A batch
+and ``init_from`` see the whole tables there. Its forward does not run on them: its tables have a
+:class:`modules.ssd_tier.row_cache.RowCache`, whose slots are the rows of a second, private TBE of the
+same optimizer (``inner``: a slot table of C_t rows per table). A batch
 
     indices [N] (rows of the features' tables), offsets [F·B + 1]
-      → per table: its features' ids → unique → slots
+      → linear ids (first row of the feature's table + row) → unique → slots → rows of the slot tables
       → inner(slots[inverse], offsets)                       pooled output, identical layout
 
 so FBGEMM's own kernel pools the rows and, in the backward, updates them (with their optimizer state)
@@ -47,33 +47,32 @@ NOT_INNER = ("embedding_specs", "feature_table_map", "table_names", "preallocate
 class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
     """A file-backed TBE trained through row caches (module docstring). Made by :meth:`attach`."""
 
-    caches: list[RowCache]
+    cache: RowCache
     _inner: list[SplitTableBatchedEmbeddingBagsCodegen]  # in a list: not a submodule (no state dict)
 
     @classmethod
     def attach(cls, tbe: SplitTableBatchedEmbeddingBagsCodegen, kwargs: dict[str, Any], slots: Sequence[int],
                inits: Sequence[RowInit], policy: str) -> "CachedRowsTBE":
         """Turn a built file-backed ``tbe`` (constructor ``kwargs``) into this class: ``slots`` cache rows per
-        table, ``inits`` each table's initialiser."""
+        table (rounded up to whole sets), ``inits`` each table's initialiser."""
         tbe.__class__ = cls
         self: CachedRowsTBE = tbe  # type: ignore[assignment]
-        slots = [-(-n // WAYS) * WAYS if n > WAYS else n for n in slots]  # whole sets (a whole table then fits)
+        slots = [max(WAYS, -(-n // WAYS) * WAYS) for n in slots]
         outer = self.split_embedding_weights()
-        states = _states(self, len(outer))
         dims = [w.shape[1] for w in outer]
         inner = SplitTableBatchedEmbeddingBagsCodegen(
             embedding_specs=[(n, d, EmbeddingLocation.HOST, ComputeDevice.CPU) for n, d in zip(slots, dims)],
             feature_table_map=list(self.feature_table_map), table_names=[f"row_cache{t}" for t in range(len(dims))],
             **{k: v for k, v in kwargs.items() if k not in NOT_INNER})
         inner.learning_rate_tensor = self.learning_rate_tensor  # one rate: TorchRec sets the outer one
-        inner_weights, inner_states = inner.split_embedding_weights(), _states(inner, len(dims))
         # (first row, first column, width) of each shard in its whole table
         info = kwargs.get("embedding_shard_info") or [(w.shape[0], d, 0, 0) for w, d in zip(outer, dims)]
+        states = _states(self, len(dims))
+        backing = [BackingTable(outer[t], states[t], inits[t], int(row), int(col), int(width))
+                   for t, (_, width, row, col) in enumerate(info)]
         self._inner = [inner]
-        self.caches = [RowCache(BackingTable(outer[t], states[t], inits[t], int(row), int(col), int(width)),
-                                inner_weights[t], inner_states[t], policy)
-                       for t, (_, width, row, col) in enumerate(info)]
-        self._features_of = [[f for f, u in enumerate(self.feature_table_map) if u == t] for t in range(len(dims))]
+        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy)
+        self._first_of_feature = torch.tensor([int(self.cache.first[t]) for t in self.feature_table_map])
         return self
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
@@ -88,55 +87,43 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         return inner(slots, offsets, per_sample_weights, feature_requires_grad)
 
     def remap(self, ids: torch.Tensor, offsets: torch.Tensor, dirty: bool) -> torch.Tensor:
-        """Each id's slot in its table's cache (module docstring), the missing rows loaded."""
-        features = len(self.feature_table_map)
-        bounds = offsets[:: (offsets.numel() - 1) // features].tolist() if ids.numel() else [0] * (features + 1)
-        out = torch.empty_like(ids)
-        for cache, mine in zip(self.caches, self._features_of):
-            spans = [(bounds[f], bounds[f + 1]) for f in mine if bounds[f + 1] > bounds[f]]
-            if not spans:
-                continue
-            rows = ids[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([ids[a:b] for a, b in spans])
-            unique, inverse = torch.unique(rows, return_inverse=True)
-            slots = cache.assign(unique, dirty)[inverse]
-            at = 0
-            for a, b in spans:
-                out[a:b] = slots[at:at + b - a]
-                at += b - a
-        return out
+        """Each id's slot in its table's slot table (module docstring), the missing rows loaded."""
+        if not ids.numel():
+            return ids
+        features = self._first_of_feature.numel()
+        bounds = offsets[:: (offsets.numel() - 1) // features]
+        lin = ids + torch.repeat_interleave(self._first_of_feature, bounds[1:] - bounds[:-1], output_size=ids.numel())
+        unique, inverse = torch.unique(lin, return_inverse=True)
+        slots, table = self.cache.assign(unique, dirty)
+        return self.cache.local_slots(slots, table)[inverse]
 
     def rows_for_update(self, table: int, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """(slot weights, slot states, the slots of ``rows`` of ``table``): read and write them in place; the
         rows are loaded, pinned for this step and marked dirty."""
-        cache = self.caches[table]
-        return cache.weights, cache.states, cache.assign(rows, dirty=True)
+        slots, tables = self.cache.assign(rows + int(self.cache.first[table]), dirty=True)
+        return self.cache.weights[table], self.cache.states[table], self.cache.local_slots(slots, tables)
 
     def sync_to_file(self) -> None:
-        for cache in self.caches:
-            cache.materialise()
+        self.cache.materialise()
 
     def reload(self) -> None:
-        for cache in self.caches:
-            cache.invalidate()
+        self.cache.invalidate()
 
     def take_stats(self) -> CacheStats:
-        total = CacheStats()
-        for cache in self.caches:
-            total.add(cache.stats.take())
-        return total
+        return self.cache.stats.take()
 
     @property
     def cache_slots(self) -> int:
-        return sum(c.slots for c in self.caches)
+        return self.cache.slots
 
     @property
     def cache_bytes(self) -> int:
-        return sum(4 * (c.weights.numel() + sum(s.numel() for s in c.states)) for c in self.caches)
+        return 4 * sum(w.numel() + sum(s.numel() for s in st) for w, st in zip(self.cache.weights, self.cache.states))
 
     @property
     def row_bytes(self) -> float:
         """Bytes of one row with its optimizer state, as it moves between a cache and the files."""
-        rows = sum(c.table.rows for c in self.caches)
+        rows = sum(t.rows for t in self.cache.tables)
         return 4 * (self.weights_host.numel() + getattr(self, "momentum1_host", torch.empty(0)).numel()) / max(1, rows)
 
 

@@ -2,9 +2,9 @@
 
 Rows — weights and optimizer state together — sit in slot arrays; FBGEMM's CPU kernel runs on the
 slots with each id remapped to its slot (:mod:`modules.ssd_tier.cached_tbe`), so the update math is the
-kernel's own. A cache holds the rows of one table (shard). It is set-associative, as FBGEMM's
-``lxu_cache`` is on GPU: row ℓ may sit in one of the ``W`` ways of set ``ℓ mod S``, slot ``set·W + way``
-(hashed ids are spread already; frequency-ordered ids put consecutive hot rows in different sets).
+kernel's own. The cache is set-associative, as FBGEMM's ``lxu_cache`` is on GPU: each table has S_t
+sets of ``W`` ways, and its row ℓ may sit in set ``ℓ mod S_t`` (hashed ids are spread already;
+frequency-ordered ids put consecutive hot rows in different sets).
 For each batch (unique ids, sorted):
 
     hit     keys[set, way] = ℓ                       → that slot
@@ -95,48 +95,59 @@ class BackingTable:
 
 
 class RowCache:
-    """The slots of one table: ``weights`` [C, D] and ``states`` ([C] or [C, D]) are the slot arrays the
-    kernel updates; ``table`` the files behind them (module docstring)."""
+    """The row caches of one table batch's tables, as one set-associative structure: table t owns the sets
+    ``[o_t, o_t + S_t)`` and a row ℓ of it sits in set ``o_t + ℓ mod S_t``; its slots are the rows of its slot
+    table ``weights[t]`` ([S_t·W, D_t]) with optimizer state ``states[t]`` — what the kernel updates. Linear
+    ids (``first[t]`` + row) name a (table, row) pair in one tensor, so a batch of every table is looked up
+    and admitted with one set of vectorised operations (module docstring)."""
 
-    def __init__(self, table: BackingTable, weights: torch.Tensor, states: Sequence[torch.Tensor],
-                 policy: str = "lru") -> None:
+    def __init__(self, tables: Sequence[BackingTable], weights: Sequence[torch.Tensor],
+                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lru") -> None:
         if policy not in POLICIES:
             raise ValueError(f"topology.ssd.cache_policy={policy!r}: expected one of {POLICIES}")
-        self.table, self.weights, self.states, self.policy = table, weights, list(states), policy
-        slots = weights.shape[0]
-        self.ways = min(WAYS, slots)
-        self.sets = slots // self.ways
-        shape = (self.sets, self.ways)
+        if any(w.shape[0] % WAYS for w in weights):
+            raise ValueError(f"row cache: every slot table holds whole sets of {WAYS} rows")
+        self.tables, self.weights, self.states, self.policy = list(tables), list(weights), [list(s) for s in states], policy
+        self.ways = WAYS
+        sets = [w.shape[0] // WAYS for w in weights]
+        self.nsets = torch.tensor(sets)
+        self.set_offset = torch.tensor([sum(sets[:t]) for t in range(len(sets))])
+        self.first = torch.tensor([sum(t.rows for t in self.tables[:i]) for i in range(len(self.tables))])
+        shape = (sum(sets), WAYS)
         self.keys = torch.full(shape, -1, dtype=torch.int64)
         self.used = torch.zeros(shape, dtype=torch.int64)
         self.uses = torch.zeros(shape, dtype=torch.int64)
         self.dirty = torch.zeros(shape, dtype=torch.bool)
-        self.written = np.zeros((table.rows + 7) // 8, dtype=np.uint8)
+        self.written = [np.zeros((t.rows + 7) // 8, dtype=np.uint8) for t in self.tables]
         self.clock = 0
         self.stats = CacheStats()
 
     @property
     def slots(self) -> int:
-        return self.sets * self.ways
+        return self.keys.numel()
+
+    def local_slots(self, slots: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Global slots (set·W + way) as rows of their tables' slot tables."""
+        return slots - self.set_offset[table] * WAYS
 
     # -- the batch path ----------------------------------------------------------------------------
-    def assign(self, ids: torch.Tensor, dirty: bool) -> torch.Tensor:
-        """Slots of the unique linear ``ids`` (int64), loading the missing rows; ``dirty``: the kernel will
-        update them (a training forward)."""
+    def assign(self, ids: torch.Tensor, dirty: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global slots, tables) of the unique linear ``ids`` (int64), loading the missing rows; ``dirty``:
+        the kernel will update them (a training forward)."""
         self.clock += 1
-        sets = ids % self.sets
+        table = torch.searchsorted(self.first, ids, right=True) - 1
+        sets = self.set_offset[table] + (ids - self.first[table]) % self.nsets[table]
         match = self.keys[sets] == ids[:, None]
         hit = match.any(dim=1)
-        slot = sets * self.ways + match.to(torch.uint8).argmax(dim=1)
+        slot = sets * WAYS + match.to(torch.uint8).argmax(dim=1)
         hit_slots = slot[hit]
         self._touch(hit_slots, dirty, admitted=False)
-        misses = int(ids.numel() - hit_slots.numel())
         self.stats.lookups += int(ids.numel())
         self.stats.hits += int(hit_slots.numel())
-        if misses:
+        if hit_slots.numel() < ids.numel():
             miss = ~hit
             slot[miss] = self._admit(ids[miss], sets[miss], dirty)
-        return slot
+        return slot, table
 
     def _touch(self, slots: torch.Tensor, dirty: bool, admitted: bool) -> None:
         self.used.view(-1)[slots] = self.clock
@@ -161,13 +172,13 @@ class RowCache:
         if bool((counts > free).any()):
             worst = int((counts - free).argmax())
             raise CacheTooSmallError(
-                f"row cache: {int(counts[worst])} rows of one batch fall into one set of {self.ways} ways "
-                f"({int(free[worst])} free): the cache of {self.slots:,} rows is too small for this batch "
-                f"(about {MIN_SLOTS_PER_ROW}× its distinct rows are needed); raise topology.ssd.cache_mb or "
-                f"topology.ddr_cap_gb, or lower trainer.batch_size")
+                f"row cache: {int(counts[worst])} rows of one batch fall into one set of {WAYS} ways "
+                f"({int(free[worst])} free): the cache is too small for this batch (about {MIN_SLOTS_PER_ROW}× "
+                f"its distinct rows per table are needed); raise topology.ssd.cache_mb or topology.ddr_cap_gb, "
+                f"or lower trainer.batch_size")
         ways = torch.argsort(score, dim=1, stable=True)
         owner = torch.repeat_interleave(torch.arange(uniq.numel()), counts)  # each miss's set, as a row of `ways`
-        victim = uniq[owner] * self.ways + ways[owner, rank]
+        victim = uniq[owner] * WAYS + ways[owner, rank]
         old = self.keys.view(-1)[victim]
         back = self.dirty.view(-1)[victim] & (old >= 0)
         if bool(back.any()):
@@ -180,42 +191,53 @@ class RowCache:
         return out
 
     # -- rows to and from the files -----------------------------------------------------------------
-    def _is_written(self, rows: torch.Tensor) -> torch.Tensor:
+    def _by_table(self, ids: torch.Tensor, slots: torch.Tensor):
+        """(table index, its rows sorted in file order, their local slots) for the tables ``ids`` fall in."""
+        order = torch.argsort(ids)
+        ids, slots = ids[order], slots[order]
+        table = torch.searchsorted(self.first, ids, right=True) - 1
+        bounds = torch.searchsorted(table, torch.arange(len(self.tables) + 1)).tolist()
+        for t in range(len(self.tables)):
+            a, b = bounds[t], bounds[t + 1]
+            if a < b:
+                yield t, ids[a:b] - self.first[t], slots[a:b] - self.set_offset[t] * WAYS
+
+    def _is_written(self, t: int, rows: torch.Tensor) -> torch.Tensor:
         i = rows.numpy()
-        return torch.from_numpy(((self.written[i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool))
+        return torch.from_numpy(((self.written[t][i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool))
 
-    def _mark_written(self, rows: torch.Tensor) -> None:
+    def _mark_written(self, t: int, rows: torch.Tensor) -> None:
         i = rows.numpy()
-        np.bitwise_or.at(self.written, i >> 3, (1 << (i & 7)).astype(np.uint8))
+        np.bitwise_or.at(self.written[t], i >> 3, (1 << (i & 7)).astype(np.uint8))
 
-    def _read(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Fill ``slots`` with ``rows``: from the file (in file order) where written there, else drawn."""
-        order = torch.argsort(rows)
-        rows, slots = rows[order], slots[order]
-        on_file = self._is_written(rows)
-        if bool(on_file.any()):
-            r, s = rows[on_file], slots[on_file]
-            self.weights[s] = self.table.weights[r]
-            for cache, file in zip(self.states, self.table.states):
-                cache[s] = file[r]
-            self.stats.rows_read += int(r.numel())
-        drawn = ~on_file
-        if bool(drawn.any()):
-            r, s = rows[drawn], slots[drawn]
-            self.weights[s] = self.table.draw(r)
-            for cache in self.states:
-                cache[s] = 0.0
-            self.stats.rows_drawn += int(r.numel())
+    def _read(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Fill ``slots`` with rows ``ids``: from the file (in file order) where written there, else drawn."""
+        for t, rows, local in self._by_table(ids, slots):
+            table, weights, states = self.tables[t], self.weights[t], self.states[t]
+            on_file = self._is_written(t, rows)
+            if bool(on_file.any()):
+                r, s = rows[on_file], local[on_file]
+                weights[s] = table.weights[r]
+                for cache, file in zip(states, table.states):
+                    cache[s] = file[r]
+                self.stats.rows_read += int(r.numel())
+            drawn = ~on_file
+            if bool(drawn.any()):
+                r, s = rows[drawn], local[drawn]
+                weights[s] = table.draw(r)
+                for cache in states:
+                    cache[s] = 0.0
+                self.stats.rows_drawn += int(r.numel())
 
-    def _write(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``slots`` back to ``rows`` of the file, in file order; they are clean afterwards."""
-        order = torch.argsort(rows)
-        rows, slots = rows[order], slots[order]
-        self.table.weights[rows] = self.weights[slots]
-        for cache, file in zip(self.states, self.table.states):
-            file[rows] = cache[slots]
-        self._mark_written(rows)
-        self.stats.rows_written += int(rows.numel())
+    def _write(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``slots`` back to rows ``ids`` of the files, in file order; they are clean afterwards."""
+        for t, rows, local in self._by_table(ids, slots):
+            table = self.tables[t]
+            table.weights[rows] = self.weights[t][local]
+            for cache, file in zip(self.states[t], table.states):
+                file[rows] = cache[local]
+            self._mark_written(t, rows)
+        self.stats.rows_written += int(ids.numel())
         self.dirty.view(-1)[slots] = False
 
     # -- the whole cache ----------------------------------------------------------------------------
@@ -226,16 +248,17 @@ class RowCache:
             self._write(self.keys.view(-1)[slots], slots)
 
     def materialise(self) -> None:
-        """Make the file hold every row: :meth:`flush`, then draw the rows never written (in blocks; zero rows
+        """Make the files hold every row: :meth:`flush`, then draw the rows never written (in blocks; zero rows
         — the first-order tables, optimizer state — are what a sparse file reads already)."""
         self.flush()
-        if self.table.init.std != 0.0:
-            for a in range(0, self.table.rows, BLOCK_ROWS):
-                rows = torch.arange(a, min(self.table.rows, a + BLOCK_ROWS))
-                fresh = rows[~self._is_written(rows)]
-                if fresh.numel():
-                    self.table.weights[fresh] = self.table.draw(fresh)
-        self.written[:] = 0xFF
+        for t, table in enumerate(self.tables):
+            if table.init.std != 0.0:
+                for a in range(0, table.rows, BLOCK_ROWS):
+                    rows = torch.arange(a, min(table.rows, a + BLOCK_ROWS))
+                    fresh = rows[~self._is_written(t, rows)]
+                    if fresh.numel():
+                        table.weights[fresh] = table.draw(fresh)
+            self.written[t][:] = 0xFF
 
     def invalidate(self) -> None:
         """Forget every slot without writing it back: the files were written from outside (a checkpoint
@@ -244,4 +267,5 @@ class RowCache:
         self.dirty.fill_(False)
         self.used.zero_()
         self.uses.zero_()
-        self.written[:] = 0xFF
+        for written in self.written:
+            written[:] = 0xFF
