@@ -20,8 +20,10 @@ and is refused with a message (the cache is then too small for the batch: the pi
 batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ROW`).
 
 Rows go to and from the file through its shared memory map (:func:`modules.ssd_tier.files.mapped_file`), sorted by
-file offset, in the call that needs them: the cache absorbs the repeated updates of hot rows, so
-the file sees one write per eviction of a dirty row instead of a dirty 4 KiB page per update.
+file offset: misses are read in the call that needs them, evicted dirty rows are written by a
+background thread while the step goes on (a read from the file waits for it first). The cache absorbs
+the repeated updates of hot rows, so the file sees one write per eviction of a dirty row instead of a
+dirty 4 KiB page per update.
 Which rows the file holds is one bit per row (``written``).
 
 Anchors read, not copied: FBGEMM ``split_table_batched_embeddings_ops_training`` (lxu_cache,
@@ -31,6 +33,7 @@ eviction), OneFlow OneEmbedding (cached SSD store).
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -121,6 +124,8 @@ class RowCache:
         self.written = [np.zeros((t.rows + 7) // 8, dtype=np.uint8) for t in self.tables]
         self.clock = 0
         self.stats = CacheStats()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
+        self._pending: Future | None = None
 
     @property
     def slots(self) -> int:
@@ -216,6 +221,7 @@ class RowCache:
             table, weights, states = self.tables[t], self.weights[t], self.states[t]
             on_file = self._is_written(t, rows)
             if bool(on_file.any()):
+                self.drain()  # a row written back a moment ago may be among them
                 r, s = rows[on_file], local[on_file]
                 weights[s] = table.weights[r]
                 for cache, file in zip(states, table.states):
@@ -230,15 +236,23 @@ class RowCache:
                 self.stats.rows_drawn += int(r.numel())
 
     def _write(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``slots`` back to rows ``ids`` of the files, in file order; they are clean afterwards."""
+        """Write ``slots`` back to rows ``ids`` of the files, in file order, in the background: their values are
+        copied out now (the slots are about to be reused) and one writer thread stores them, while the step
+        goes on. They are clean afterwards; anything that reads the files waits for it (:meth:`drain`)."""
+        jobs = []
         for t, rows, local in self._by_table(ids, slots):
-            table = self.tables[t]
-            table.weights[rows] = self.weights[t][local]
-            for cache, file in zip(self.states[t], table.states):
-                file[rows] = cache[local]
+            jobs.append((self.tables[t], rows, self.weights[t][local], [cache[local] for cache in self.states[t]]))
             self._mark_written(t, rows)
         self.stats.rows_written += int(ids.numel())
         self.dirty.view(-1)[slots] = False
+        self.drain()
+        self._pending = self._writer.submit(_store_rows, jobs)
+
+    def drain(self) -> None:
+        """Wait for the write-back under way (and raise its error, if any)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
     # -- the whole cache ----------------------------------------------------------------------------
     def flush(self) -> None:
@@ -246,6 +260,7 @@ class RowCache:
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
             self._write(self.keys.view(-1)[slots], slots)
+        self.drain()
 
     def materialise(self) -> None:
         """Make the files hold every row: :meth:`flush`, then draw the rows never written (in blocks; zero rows
@@ -263,9 +278,18 @@ class RowCache:
     def invalidate(self) -> None:
         """Forget every slot without writing it back: the files were written from outside (a checkpoint
         or ``init_from`` loaded into them) and hold every row."""
+        self.drain()
         self.keys.fill_(-1)
         self.dirty.fill_(False)
         self.used.zero_()
         self.uses.zero_()
         for written in self.written:
             written[:] = 0xFF
+
+
+def _store_rows(jobs: list[tuple[BackingTable, torch.Tensor, torch.Tensor, list[torch.Tensor]]]) -> None:
+    """The writer thread's work: rows (sorted by file offset) and their state into the files."""
+    for table, rows, weights, states in jobs:
+        table.weights[rows] = weights
+        for file, values in zip(table.states, states):
+            file[rows] = values
