@@ -9,9 +9,13 @@ seeded with ``base = mix(seed ⊕ mix(k))``:
     x_i = mix(base + (i + 1)·γ),  γ = 0x9E3779B97F4A7C15,
     mix(z): z ← (z ⊕ z≫30)·0xBF58476D1CE4E5B9;  z ← (z ⊕ z≫27)·0x94D049BB133111EB;  z ⊕ z≫31
 
-(uint64 arithmetic mod 2⁶⁴), and the Box–Muller transform of its two 32-bit halves,
+(uint64 arithmetic mod 2⁶⁴), and the Box–Muller transform of two 24-bit parts of it, in float32
+(exact integers there; |w| ≤ 5.9σ):
 
-    u₁ = (x≫32 + ½)/2³²,  u₂ = (x mod 2³² + ½)/2³²,  w = σ·√(−2 ln u₁)·cos(2π u₂)   (float64 → float32).
+    u₁ = (x≫40 + ½)/2²⁴,  u₂ = (x mod 2²⁴ + ½)/2²⁴,  w = σ·√(−2 ln u₁)·cos(2π u₂).
+
+float32 rather than float64: 85M against 8–30M values/s here, which matters where the row cache draws
+each row it meets for the first time inside a training step.
 
 A table's key is the CRC-32 of its name, so a table keeps its values when it is stacked with others
 (:func:`modules.embedding.table_configs`: the stacked table is the tables' row ranges one after the
@@ -58,10 +62,10 @@ def normal_rows(seed: int, key: int, rows: np.ndarray | torch.Tensor, dim: int, 
         return torch.zeros(rows.size, dim)
     i = rows[:, None] * np.uint64(dim) + np.arange(1, dim + 1, dtype=np.uint64)[None, :]
     x = _mix(_base(seed, key) + i * GAMMA)
-    u1 = ((x >> np.uint64(32)).astype(np.float64) + 0.5) * 2.0 ** -32
-    u2 = ((x & np.uint64(0xFFFFFFFF)).astype(np.float64) + 0.5) * 2.0 ** -32
-    w = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2) * std
-    return torch.from_numpy(w.astype(np.float32))
+    u1 = ((x >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    u2 = ((x & np.uint64(0xFFFFFF)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    w = np.sqrt(np.float32(-2.0) * np.log(u1)) * np.cos(np.float32(2.0 * np.pi) * u2) * np.float32(std)
+    return torch.from_numpy(w)
 
 
 @dataclass(frozen=True)

@@ -166,22 +166,26 @@ class CTRTask(L.LightningModule):
         return loss
 
     def _log_row_caches(self) -> None:
-        """The ssd tier's row caches in this step (:mod:`modules.ssd_tier.row_cache`): hit rate, rows and bytes moved."""
-        tbes = cached_tbes(self.model)
-        if not tbes:
+        """The ssd tier's row caches (:mod:`modules.ssd_tier.row_cache`), every ``log_every_n_steps`` steps, over
+        the steps since the last log: hit rate, rows and bytes read, drawn and written (per step)."""
+        every = max(1, self.trainer.log_every_n_steps)
+        if (self.global_step + 1) % every or not (stats := self._take_row_cache_stats()):
             return
-        stats = [(t.take_stats(), t.row_bytes) for t in tbes]
+        lookups = sum(s.lookups for s, _ in stats)
+        self.log_dict({"ssd/hit_rate": sum(s.hits for s, _ in stats) / max(1, lookups),
+                       "ssd/rows_read": sum(s.rows_read for s, _ in stats) / every,
+                       "ssd/rows_drawn": sum(s.rows_drawn for s, _ in stats) / every,
+                       "ssd/rows_written": sum(s.rows_written for s, _ in stats) / every,
+                       "ssd/bytes_read": sum(s.rows_read * b for s, b in stats) / every,
+                       "ssd/bytes_written": sum(s.rows_written * b for s, b in stats) / every})
+
+    def _take_row_cache_stats(self) -> list[tuple[CacheStats, float]]:
+        stats = [(t.take_stats(), t.row_bytes) for t in cached_tbes(self.model)]
         for step, row_bytes in stats:
             self.row_cache_bytes[0] += step.rows_read * row_bytes
             self.row_cache_bytes[1] += step.rows_written * row_bytes
             self.row_cache_totals.add(step)
-        lookups = sum(s.lookups for s, _ in stats)
-        self.log_dict({"ssd/hit_rate": sum(s.hits for s, _ in stats) / max(1, lookups),
-                       "ssd/rows_read": float(sum(s.rows_read for s, _ in stats)),
-                       "ssd/rows_drawn": float(sum(s.rows_drawn for s, _ in stats)),
-                       "ssd/rows_written": float(sum(s.rows_written for s, _ in stats)),
-                       "ssd/bytes_read": float(sum(s.rows_read * b for s, b in stats)),
-                       "ssd/bytes_written": float(sum(s.rows_written * b for s, b in stats))})
+        return stats
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Closure (forward + backward), then the dense step — skipped for non-finite values."""
@@ -235,6 +239,7 @@ class CTRTask(L.LightningModule):
         self._flush_l2()
         tbes = cached_tbes(self.model)
         if tbes:
+            self._take_row_cache_stats()
             t, (read, written) = self.row_cache_totals, self.row_cache_bytes
             print(f"Row caches (rank {self.global_rank}): {sum(x.cache_slots for x in tbes):,} rows, "
                   f"{sum(x.cache_bytes for x in tbes) / 2**20:,.0f} MB; training: hit rate {t.hits / max(1, t.lookups):.4f} "
