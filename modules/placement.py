@@ -15,8 +15,9 @@ tier           kernel                where the table lives
 
 On CPU, the host budget is what the stated memory leaves for tables once the process itself is
 counted: ``nodes × (ddr_cap_gb × (1 − ddr_reserve) − ranks per node × process)``, where *process* is
-the anonymous memory the planning process holds (measured, :func:`own_anonymous_bytes`: Python,
-torch, the data's index, …) and ``ddr_reserve`` is left to the page cache and a step's activations.
+the memory the planning process holds (measured, :func:`own_resident_bytes`: Python,
+torch and their libraries' code, the data's index, …) plus a step's working set (estimated from the model,
+:func:`modules.sharding.step_bytes`); ``ddr_reserve`` is left to the page cache.
 Every table stays in host memory while the tables fit that budget (weights + optimizer state);
 otherwise the largest move to ``ssd`` until the rest fits (tables forced to a tier in
 ``table_overrides`` stay where they are forced). What the host tables leave is the ``ssd`` tables'
@@ -117,12 +118,14 @@ def _gb(x: float) -> str:
     return f"{x / GB:,.1f} GB"
 
 
-def own_anonymous_bytes() -> int:
-    """This process's anonymous resident memory (``RssAnon``; 0 where /proc does not say)."""
+def own_resident_bytes() -> int:
+    """What this process holds in memory: anonymous and file-backed resident pages (``RssAnon`` + ``RssFile``:
+    the heap, and the libraries' code and the data it has mapped, which a memory limit counts too as page
+    cache); 0 where /proc does not say."""
     try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-    except (OSError, StopIteration):
+            return sum(int(line.split()[1]) * 1024 for line in f if line.startswith(("RssAnon:", "RssFile:")))
+    except OSError:
         return 0
 
 

@@ -43,7 +43,7 @@ from modules.embedding import field_of
 from modules.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
 from modules.row_init import DrawnLater, RowInit
 from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.placement import KERNELS, Placement, TableInfo, own_anonymous_bytes, place_tables
+from modules.placement import KERNELS, Placement, TableInfo, own_resident_bytes, place_tables
 from modules.topology import GB, TopologySpec
 
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
@@ -191,7 +191,7 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
     # what this process holds besides its tables (CPU host budget): now, and what a step adds
-    process = own_anonymous_bytes() + step_bytes(model, batch_rows // max(1, topology.world_size))
+    process = own_resident_bytes() + step_bytes(model, batch_rows // max(1, topology.world_size))
     for ebc in ebcs.values():
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
                                        process, batch_rows))

@@ -21,7 +21,7 @@ from torchrec import EmbeddingBagCollection
 from modules.embedding import EMB_PREFIX, FeatureSpec
 from modules.models import ModelConfig, build_model
 from modules.optimizers import OptimizerSpec, is_fusable
-from modules.placement import PlacementError, own_anonymous_bytes, place_tables, stacking_blocker
+from modules.placement import PlacementError, own_resident_bytes, place_tables, stacking_blocker
 from modules.sharding import table_infos
 from modules.topology import TopologySpec
 
@@ -41,7 +41,7 @@ def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec,
     else:
         try:
             placements = place_tables(table_infos(ebc, coverage), topology, optimizer.name,
-                                      is_fusable(optimizer, topology.compute_device), own_anonymous_bytes())
+                                      is_fusable(optimizer, topology.compute_device), own_resident_bytes())
             why = stacking_blocker(placements, tables, topology)
         except PlacementError as e:  # the plan of the unstacked model says it again
             why = f"the tables cannot be placed ({e})"
