@@ -219,7 +219,7 @@ def table_scale(args: argparse.Namespace) -> None:
                 common += data
             (group / "memory.limit_in_bytes").write_text(str(int(limit * 2**30)))
             if host is None or not args.vocab_rows:  # the vocab model is the same at every fraction
-                host = train(common, work / f"tables-{fraction}-host")
+                host = train([*common, "topology.ddr_cap_gb=0"], work / f"tables-{fraction}-host")  # all in memory
             ssd_dir = work / f"tables-{fraction}-ssd"
             # told the truth: the run's memory is the cgroup's limit; placement moves what does not fit to files
             ssd = train([*common, f"topology.ssd.path={ssd_dir / 'files'}", f"topology.ddr_cap_gb={limit:.4f}",
@@ -262,7 +262,7 @@ def main() -> None:
     t.add_argument("--rows", type=int, default=2_000_000)
     t.add_argument("--vocab-rows", type=int, default=None, help="size by this log's vocabulary instead of hashing")
     t.add_argument("--max-steps", type=int, default=1000)
-    t.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="topology.ssd.cache_policy")
+    t.add_argument("--policy", default="lfu", choices=["lru", "lfu"], help="topology.ssd.cache_policy")
     for q in (d, t):
         q.add_argument("--work", default=str(ROOT / ".cache" / "scale"))
         q.add_argument("--batch-size", type=int, default=8192)

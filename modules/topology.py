@@ -20,7 +20,7 @@ class SsdSpec:
     path: Optional[str] = None     # where ssd-tier tables keep their files (GPU: FBGEMM's SSD TBE; CPU: memory maps)
     cap_gb: float = 0.0            # per node; on CPU 0 means the free space at path
     cache_mb: Optional[float] = None  # CPU: the row cache per rank, outright (None: what ddr_cap_gb leaves)
-    cache_policy: str = "lru"      # CPU row cache eviction: lru | lfu (modules.ssd_tier.row_cache)
+    cache_policy: str = "lfu"      # CPU row cache eviction: lfu | lru (docs/scale.md: LFU hit more on both id orders)
 
     def __post_init__(self) -> None:
         if self.cache_policy not in ("lru", "lfu"):

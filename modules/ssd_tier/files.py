@@ -106,7 +106,7 @@ class CachedTable:
 
 @contextlib.contextmanager
 def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathLike, rank: int,
-                       policy: str = "lru") -> Iterator[list[Path]]:
+                       policy: str = "lfu") -> Iterator[list[Path]]:
     """While DistributedModelParallel builds the sharded modules: every CPU TBE made only of ``tables``
     gets file-backed host buffers under ``folder/rank<rank>`` and becomes a row-cached TBE, which TorchRec's
     kernels do not fill with their uniform initialisation (the rows are drawn when first met). Yields the
@@ -132,7 +132,8 @@ def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathL
             kwargs["preallocated_host_buffers"] = buffers
             original(self, *args, **kwargs)
             slots = [min(tables[n].slots, rows) for n, (rows, *_) in zip(names, specs)]
-            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy)
+            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy,
+                                 [stem.with_name(f"{stem.name}.{state}.f32") for state in buffers])
             return
         if names and set(names) & set(tables):
             raise RuntimeError(f"a TBE mixes file-backed and in-memory tables: {names} (ssd: {sorted(tables)})")

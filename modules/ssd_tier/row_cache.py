@@ -9,7 +9,8 @@ For each batch (unique ids, sorted):
 
     hit     keys[set, way] = ℓ                       → that slot
     miss    the unpinned way of its set that the policy ranks first (empty ways before all):
-              lru: least recently used;  lfu: fewest uses since admission, ties by lru
+              lfu (default): fewest uses since admission, ties by lru;  lru: least recently used
+              (LFU hit more on hashed and on frequency-ordered ids: benchmarks/row_cache_policy.py)
             a dirty victim is written back to the file first; the row is then read from the file —
             or, if it was never written there, drawn from its initialiser (:mod:`modules.row_init`):
             a file-backed table is never written whole, its file stays sparse until a checkpoint.
@@ -33,6 +34,7 @@ eviction), OneFlow OneEmbedding (cached SSD store).
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -105,7 +107,7 @@ class RowCache:
     and admitted with one set of vectorised operations (module docstring)."""
 
     def __init__(self, tables: Sequence[BackingTable], weights: Sequence[torch.Tensor],
-                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lru") -> None:
+                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu", files: Sequence[os.PathLike] = ()) -> None:
         if policy not in POLICIES:
             raise ValueError(f"topology.ssd.cache_policy={policy!r}: expected one of {POLICIES}")
         if any(w.shape[0] % WAYS for w in weights):
@@ -125,6 +127,7 @@ class RowCache:
         self.clock = 0
         self.stats = CacheStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
+        self._files = [os.open(f, os.O_RDONLY) for f in files]  # for fadvise only (the data goes through the maps)
         self._pending: Future | None = None
 
     @property
@@ -246,7 +249,7 @@ class RowCache:
         self.stats.rows_written += int(ids.numel())
         self.dirty.view(-1)[slots] = False
         self.drain()
-        self._pending = self._writer.submit(_store_rows, jobs)
+        self._pending = self._writer.submit(_store_rows, jobs, self._files)
 
     def drain(self) -> None:
         """Wait for the write-back under way (and raise its error, if any)."""
@@ -287,9 +290,14 @@ class RowCache:
             written[:] = 0xFF
 
 
-def _store_rows(jobs: list[tuple[BackingTable, torch.Tensor, torch.Tensor, list[torch.Tensor]]]) -> None:
-    """The writer thread's work: rows (sorted by file offset) and their state into the files."""
+def _store_rows(jobs: list[tuple[BackingTable, torch.Tensor, torch.Tensor, list[torch.Tensor]]],
+                files: Sequence[int]) -> None:
+    """The writer thread's work: rows (sorted by file offset) and their state into the files; then the files'
+    pages are handed to write-back and dropped (``POSIX_FADV_DONTNEED``): a row written dirties its whole
+    4 KiB page, and under a memory limit dirty pages that nobody writes back crowd out everything else."""
     for table, rows, weights, states in jobs:
         table.weights[rows] = weights
         for file, values in zip(table.states, states):
             file[rows] = values
+    for fd in files:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
