@@ -29,7 +29,6 @@ dict handling TorchRec gives the fused kernel.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -53,9 +52,9 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
 
     @classmethod
     def attach(cls, tbe: SplitTableBatchedEmbeddingBagsCodegen, kwargs: dict[str, Any], slots: Sequence[int],
-               inits: Sequence[RowInit], policy: str, files: Sequence[Path] = ()) -> "CachedRowsTBE":
+               inits: Sequence[RowInit], policy: str) -> "CachedRowsTBE":
         """Turn a built file-backed ``tbe`` (constructor ``kwargs``) into this class: ``slots`` cache rows per
-        table (rounded up to whole sets), ``inits`` each table's initialiser, ``files`` its memory-mapped files."""
+        table (rounded up to whole sets), ``inits`` each table's initialiser."""
         tbe.__class__ = cls
         self: CachedRowsTBE = tbe  # type: ignore[assignment]
         slots = [max(WAYS, -(-n // WAYS) * WAYS) for n in slots]
@@ -72,7 +71,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         backing = [BackingTable(outer[t], states[t], inits[t], int(row), int(col), int(width))
                    for t, (_, width, row, col) in enumerate(info)]
         self._inner = [inner]
-        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy, files)
+        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy)
         self._first_of_feature = torch.tensor([int(self.cache.first[t]) for t in self.feature_table_map])
         return self
 

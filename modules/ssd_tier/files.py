@@ -132,8 +132,7 @@ def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathL
             kwargs["preallocated_host_buffers"] = buffers
             original(self, *args, **kwargs)
             slots = [min(tables[n].slots, rows) for n, (rows, *_) in zip(names, specs)]
-            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy,
-                                 [stem.with_name(f"{stem.name}.{state}.f32") for state in buffers])
+            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy)
             return
         if names and set(names) & set(tables):
             raise RuntimeError(f"a TBE mixes file-backed and in-memory tables: {names} (ssd: {sorted(tables)})")

@@ -34,7 +34,6 @@ eviction), OneFlow OneEmbedding (cached SSD store).
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -107,7 +106,7 @@ class RowCache:
     and admitted with one set of vectorised operations (module docstring)."""
 
     def __init__(self, tables: Sequence[BackingTable], weights: Sequence[torch.Tensor],
-                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu", files: Sequence[os.PathLike] = ()) -> None:
+                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu") -> None:
         if policy not in POLICIES:
             raise ValueError(f"topology.ssd.cache_policy={policy!r}: expected one of {POLICIES}")
         if any(w.shape[0] % WAYS for w in weights):
@@ -127,7 +126,6 @@ class RowCache:
         self.clock = 0
         self.stats = CacheStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
-        self._files = [os.open(f, os.O_RDONLY) for f in files]  # for fadvise only (the data goes through the maps)
         self._pending: Future | None = None
 
     @property
@@ -249,7 +247,7 @@ class RowCache:
         self.stats.rows_written += int(ids.numel())
         self.dirty.view(-1)[slots] = False
         self.drain()
-        self._pending = self._writer.submit(_store_rows, jobs, self._files)
+        self._pending = self._writer.submit(_store_rows, jobs)
 
     def drain(self) -> None:
         """Wait for the write-back under way (and raise its error, if any)."""
@@ -290,14 +288,9 @@ class RowCache:
             written[:] = 0xFF
 
 
-def _store_rows(jobs: list[tuple[BackingTable, torch.Tensor, torch.Tensor, list[torch.Tensor]]],
-                files: Sequence[int]) -> None:
-    """The writer thread's work: rows (sorted by file offset) and their state into the files; then the files'
-    pages are handed to write-back and dropped (``POSIX_FADV_DONTNEED``): a row written dirties its whole
-    4 KiB page, and under a memory limit dirty pages that nobody writes back crowd out everything else."""
+def _store_rows(jobs: list[tuple[BackingTable, torch.Tensor, torch.Tensor, list[torch.Tensor]]]) -> None:
+    """The writer thread's work: rows (sorted by file offset) and their state into the files."""
     for table, rows, weights, states in jobs:
         table.weights[rows] = weights
         for file, values in zip(table.states, states):
             file[rows] = values
-    for fd in files:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
