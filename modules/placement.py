@@ -47,6 +47,7 @@ from typing import Mapping, Sequence
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
+from modules.ssd_tier.row_cache import MIN_SLOTS_PER_ID
 from modules.topology import GB, TableOverride, TopologySpec
 
 KERNELS = {
@@ -59,7 +60,6 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
-MIN_SLOTS_PER_ID = 4     # cache rows per id of one batch: a set overflows about never (modules.ssd_tier.row_cache)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }

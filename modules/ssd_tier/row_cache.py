@@ -18,7 +18,7 @@ For each batch (unique ids, sorted):
 Rows of the batch under way are pinned (their last use is this call), so a batch's rows are all
 resident when the kernel runs; more distinct rows of one batch in a set than ``W`` ways cannot be,
 and is refused with a message (the cache is then too small for the batch: the pinned rows of one
-batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ROW`).
+batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ID`).
 
 Rows go to and from the file through its shared memory map (:func:`modules.ssd_tier.files.mapped_file`), sorted by
 file offset: misses are read in the call that needs them, evicted dirty rows are written by a
@@ -45,7 +45,7 @@ from modules.row_init import RowInit
 
 POLICIES = ("lru", "lfu")
 WAYS = 32
-MIN_SLOTS_PER_ROW = 4  # slots per distinct row of one batch for which a set overflows about never
+MIN_SLOTS_PER_ID = 4   # cache rows per distinct row of one batch: a set overflows about never (placement's floor)
 BLOCK_ROWS = 1 << 16   # rows materialised at once
 USE_BITS = 40          # lfu score: uses << 40 | last use
 
@@ -179,7 +179,7 @@ class RowCache:
             worst = int((counts - free).argmax())
             raise CacheTooSmallError(
                 f"row cache: {int(counts[worst])} rows of one batch fall into one set of {WAYS} ways "
-                f"({int(free[worst])} free): the cache is too small for this batch (about {MIN_SLOTS_PER_ROW}× "
+                f"({int(free[worst])} free): the cache is too small for this batch (about {MIN_SLOTS_PER_ID}× "
                 f"its distinct rows per table are needed); raise topology.ssd.cache_mb or topology.ddr_cap_gb, "
                 f"or lower trainer.batch_size")
         ways = torch.argsort(score, dim=1, stable=True)
