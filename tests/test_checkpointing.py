@@ -88,6 +88,8 @@ def test_stop_and_resume_mid_epoch_gives_identical_parameters_and_metrics(ckpt_o
     _assert_same(final, straight_tensors, ("state_dict/", "fused_optimizer/"))
 
 
+# slow: 18 s; a SIGKILLed rank and resume=auto: test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory
+@pytest.mark.slow
 def test_sigkill_of_one_process_restarts_and_resumes(ckpt_overrides, straight_run, tmp_path):
     ckpt = tmp_path / "ckpt"
     proc, result = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto", _kill(1, 25)],

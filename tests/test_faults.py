@@ -62,6 +62,8 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+# slow: 45 s; the fallback store and its replay to a real server: test_undelivered_logging_is_kept_locally_and_replays_to_the_server
+@pytest.mark.slow
 def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(small_overrides, tmp_path):
     """The same deterministic training twice: once with the server up, once with the server killed
     after the first metric and restarted 8 s later. The second run finishes, and the server (after

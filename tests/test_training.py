@@ -53,6 +53,8 @@ def test_other_models_train(small_overrides, tmp_path, model):
     assert result.test_auc > MIN_AUC, result
 
 
+# slow: 19 s; hierarchical merging over 2 × 2 ranks: tests/test_kstep_merging.py::test_hierarchical_merging_two_nodes_of_two
+@pytest.mark.slow
 def test_two_nodes_of_two_processes_with_hierarchical_merging(small_overrides, tmp_path):
     """Two torchrun agents on 127.0.0.1 stand in for two nodes (c10d rendezvous)."""
     port = free_port()
