@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch import nn
 from torchrec import KeyedJaggedTensor
 
 
