@@ -215,7 +215,8 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
               for t in tables}  # each ssd table's least row cache (rows one batch can bring)
     cached = lambda: sum(floors[p.table] * p.row_bytes for p in place.values() if p.tier == "ssd")  # noqa: E731
-    while use("host") + cached() > budget["host"] and topology.ssd.cache_mb is None or use("host") > budget["host"]:
+    outright = topology.ssd.cache_mb is not None  # a cache set outright is not taken from the budget
+    while use("host") + (0 if outright else cached()) > budget["host"]:
         movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)
         if not movable:
             break
