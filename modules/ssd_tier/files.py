@@ -77,9 +77,9 @@ def state_sizes(specs: list[tuple[int, int, Any, Any]], optimizer: OptimType) ->
 
 def mapped_file(path: Path, elements: int) -> torch.Tensor:
     """A float32 tensor of ``elements`` zeros backed by ``path`` (created sparse; shared mapping), advised
-    ``MADV_RANDOM``: a row that misses the page cache reads its page, not a read-ahead window of pages
-    around it (rows are looked up at random; measured: 2.9× the samples/s with tables as large as the
-    memory limit, docs/scale.md)."""
+    ``MADV_RANDOM``: a row the row cache reads back reads its page, not a read-ahead window of pages
+    around it (rows are read at random; measured before the row cache, when the kernel read the maps
+    directly: 2.9× the samples/s with tables as large as the memory limit)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:  # a fresh, sparse file of the right size
         f.truncate(elements * 4)
