@@ -60,6 +60,7 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
+SLOT_BOOKKEEPING_BYTES = 25  # per row-cache slot: int64 key, last use and uses, bool dirty (modules.ssd_tier.row_cache)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }
@@ -106,6 +107,11 @@ class Placement:
     @property
     def row_bytes(self) -> float:
         return self.bytes / max(1, self.rows)
+
+    @property
+    def slot_bytes(self) -> float:
+        """A row cache slot: the row with its state, and the cache's own key, last use, uses and dirty flag."""
+        return self.row_bytes + SLOT_BOOKKEEPING_BYTES
 
     @property
     def hbm_bytes(self) -> float:
@@ -214,7 +220,7 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
     floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
               for t in tables}  # each ssd table's least row cache (rows one batch can bring)
-    cached = lambda: sum(floors[p.table] * p.row_bytes for p in place.values() if p.tier == "ssd")  # noqa: E731
+    cached = lambda: sum(floors[p.table] * p.slot_bytes for p in place.values() if p.tier == "ssd")  # noqa: E731
     outright = topology.ssd.cache_mb is not None  # a cache set outright is not taken from the budget
     while use("host") + (0 if outright else cached()) > budget["host"]:
         movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)
@@ -253,7 +259,7 @@ def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float
         left = topology.ssd.cache_mb * 2**20 * topology.world_size
     elif math.isinf(left):  # host memory not described: tables forced to ssd get the default cache
         left = DEFAULT_CACHE_MB * 2**20 * topology.world_size
-    need = sum(floor[p.table] * p.row_bytes for p in on_disk)
+    need = sum(floor[p.table] * p.slot_bytes for p in on_disk)
     if need > left and topology.ssd.cache_mb is not None:
         raise PlacementError(f"topology.ssd.cache_mb={topology.ssd.cache_mb:g} cannot give the {len(on_disk)} ssd tables "
                              f"their row caches, {need / 2**20:,.1f} MB for the rows one batch can bring (× {MIN_SLOTS_PER_ID}); "
@@ -265,7 +271,7 @@ def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float
             f"{process_bytes / 2**20:,.0f} MB per rank, {need / 2**20:,.1f} MB are needed. Raise topology.ddr_cap_gb, "
             f"or set the cache outright with topology.ssd.cache_mb=<MB per rank>")
     total = sum(p.bytes for p in on_disk)
-    rows = {p.table: min(p.rows, floor[p.table] + int((left - need) * p.bytes / total / p.row_bytes)) for p in on_disk}
+    rows = {p.table: min(p.rows, floor[p.table] + int((left - need) * p.bytes / total / p.slot_bytes)) for p in on_disk}
     return {name: replace(p, cache_rows=rows[name]) if name in rows else p for name, p in place.items()}
 
 
