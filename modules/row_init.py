@@ -88,12 +88,13 @@ class RowInit:
 
     def rows(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         """``[len(rows), dim]``: the initial values of the physical ``rows`` (int64, any order)."""
+        if len(self.segments) == 1:  # a plain table: its rows are the logical table's
+            lo, _, key = self.segments[0]
+            return normal_rows(self.seed, key, (rows - lo).numpy(), dim, self.std)
         out = torch.empty(len(rows), dim)
         for lo, hi, key in self.segments:
             mine = (rows >= lo) & (rows < hi)
-            if len(self.segments) == 1:
-                out = normal_rows(self.seed, key, (rows - lo).numpy(), dim, self.std)
-            elif bool(mine.any()):
+            if bool(mine.any()):
                 out[mine] = normal_rows(self.seed, key, (rows[mine] - lo).numpy(), dim, self.std)
         return out
 

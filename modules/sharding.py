@@ -190,8 +190,7 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
-    # what this process holds besides its tables (CPU host budget): now, and what a step adds
-    process = own_resident_bytes() + step_bytes(model, batch_rows // max(1, topology.world_size))
+    process = process_bytes(model, batch_rows, topology.world_size)
     for ebc in ebcs.values():
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
                                        process, batch_rows))
@@ -222,6 +221,12 @@ def step_bytes(model: nn.Module, batch_rows: int) -> int:
     rows = sum(c.embedding_dim * len(c.feature_names) for ebc in model.modules()
                if isinstance(ebc, (EmbeddingBagCollection, EmbeddingCollection)) for c in collection_tables(ebc))
     return STEP_COPIES * 4 * batch_rows * (widths + rows)
+
+
+def process_bytes(model: nn.Module, batch_rows: int, world_size: int) -> int:
+    """What one training process holds besides its tables (the CPU host budget, :mod:`modules.placement`): its
+    resident memory now and what a step adds for its share of ``batch_rows`` (the samples of all ranks)."""
+    return own_resident_bytes() + step_bytes(model, batch_rows // max(1, world_size))
 
 
 def without_fbgemm_bounds_check(plan: ShardingPlan) -> None:

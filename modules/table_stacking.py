@@ -21,15 +21,18 @@ from torchrec import EmbeddingBagCollection
 from modules.embedding import EMB_PREFIX, FeatureSpec
 from modules.models import ModelConfig, build_model
 from modules.optimizers import OptimizerSpec, is_fusable
-from modules.placement import PlacementError, own_resident_bytes, place_tables, stacking_blocker
-from modules.sharding import table_infos
+from modules.placement import PlacementError, place_tables, stacking_blocker
+from modules.sharding import process_bytes, table_infos
 from modules.topology import TopologySpec
 
 
 def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec, optimizer: OptimizerSpec,
-                    coverage: Mapping[str, Mapping[float, int]] | None = None) -> tuple[ModelConfig, str]:
-    """``cfg`` with ``stack_tables`` true or false, and why. ``topology``: as run (its world size). Leaves
-    the random state as it was: ``auto`` trains the same model as the value it resolves to."""
+                    coverage: Mapping[str, Mapping[float, int]] | None = None,
+                    batch_rows: int = 0) -> tuple[ModelConfig, str]:
+    """``cfg`` with ``stack_tables`` true or false, and why. ``topology``: as run (its world size);
+    ``batch_rows``: the samples one kernel sees at once, as :func:`modules.sharding.plan_model` takes them
+    (the tables are placed as the plan will place them). Leaves the random state as it was: ``auto``
+    trains the same model as the value it resolves to."""
     if cfg.stack_tables != "auto":
         return cfg, f"model.stack_tables={str(cfg.stack_tables).lower()}"
     with torch.random.fork_rng(devices=[]):  # the dense layers' draws stay for the model the run builds
@@ -41,7 +44,8 @@ def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec,
     else:
         try:
             placements = place_tables(table_infos(ebc, coverage), topology, optimizer.name,
-                                      is_fusable(optimizer, topology.compute_device), own_resident_bytes())
+                                      is_fusable(optimizer, topology.compute_device),
+                                      process_bytes(net, batch_rows, topology.world_size), batch_rows)
             why = stacking_blocker(placements, tables, topology)
         except PlacementError as e:  # the plan of the unstacked model says it again
             why = f"the tables cannot be placed ({e})"

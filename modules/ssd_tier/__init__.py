@@ -5,8 +5,9 @@
   :class:`~.cached_tbe.CachedRowsTBE`;
 * :mod:`.cached_tbe` — that module: ids remapped to slots, FBGEMM's own kernel run on the slots;
   ``sync_tables`` / ``reload_tables`` for everything that reads or writes the files from outside;
-* :mod:`.row_cache` — the set-associative cache of one table: lookup, LRU/LFU eviction, write-back,
-  rows drawn when first met (their initial values: :mod:`modules.row_init`).
+* :mod:`.row_cache` — the set-associative cache of one table batch's tables (each its own sets and slot
+  table): lookup, LFU/LRU eviction, write-back, rows drawn when first met (their initial values:
+  :mod:`modules.row_init`).
 
 Placement (which tables, how many cache rows) is :mod:`modules.placement`; docs/scale.md has the
 measurements.

@@ -112,7 +112,6 @@ class RowCache:
         if any(w.shape[0] % WAYS for w in weights):
             raise ValueError(f"row cache: every slot table holds whole sets of {WAYS} rows")
         self.tables, self.weights, self.states, self.policy = list(tables), list(weights), [list(s) for s in states], policy
-        self.ways = WAYS
         sets = [w.shape[0] // WAYS for w in weights]
         self.nsets = torch.tensor(sets)
         self.set_offset = torch.tensor([sum(sets[:t]) for t in range(len(sets))])

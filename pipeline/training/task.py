@@ -124,7 +124,7 @@ class CTRTask(L.LightningModule):
             why = f"as {source}"
         else:
             cfg, why = decide_stacking(self.model_cfg, data.feature_spec, self.topology, self.embedding_optim,
-                                       data.coverage)
+                                       data.coverage, self.batch_rows * self.topology.world_size)
         if self.model_cfg.stack_tables == "auto":
             log.info("model.stack_tables=auto: %s (%s)", str(cfg.stack_tables).lower(), why)
         return cfg
