@@ -1,5 +1,5 @@
 """The ``ctr`` command (:mod:`.ctr`) and one module per subcommand — train, daily, predict, export, plan,
-report, sync — each a thin entry point: compose the config, call one function below, print the outcome.
+report, sync, serve — each a thin entry point: compose the config, call one function below, print the outcome.
 
-May import: training, tracking, config, serving, checkpoint, data, runtime, modules
+May import: training, tracking, config, server, serving, checkpoint, data, runtime, modules
 """

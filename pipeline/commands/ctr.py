@@ -14,6 +14,7 @@ COMMANDS = {  # command → (module with cli(), what it does)
     "train": ("pipeline.commands.train", "train and test a model (groups: data, model, optim, scaling, topology, trainer, ...)"),
     "daily": ("pipeline.commands.daily", "train the days of data.path in turn, each scored by the day before's model"),
     "predict": ("pipeline.commands.predict", "score raw rows with a model folder or checkpoint"),
+    "serve": ("pipeline.commands.serve", "an HTTP scoring server: MLflow's protocol, dynamic batching, hot model swap"),
     "export": ("pipeline.commands.export", "write a checkpoint as an unsharded model folder"),
     "plan": ("pipeline.commands.plan", "show where the embedding tables go on a topology"),
     "report": ("pipeline.commands.report", "batch-scaling table and plot from MLflow runs"),

@@ -51,6 +51,20 @@ class SplitArrays:
     def __len__(self) -> int:
         return int(self.label.shape[0])
 
+    @staticmethod
+    def concat(parts: "list[SplitArrays]") -> "SplitArrays":
+        """The rows of ``parts``, one after another (same features in each)."""
+        if len(parts) == 1:
+            return parts[0]
+        sequences = {}
+        for name in parts[0].sequences:
+            ragged = [p.sequences[name] for p in parts]
+            starts = np.cumsum([0] + [int(r.offsets[-1]) for r in ragged[:-1]])
+            offsets = np.concatenate([[0]] + [r.offsets[1:] + s for r, s in zip(ragged, starts)])
+            sequences[name] = Ragged(np.concatenate([r.values for r in ragged]), offsets.astype(np.int64))
+        return SplitArrays(np.concatenate([p.label for p in parts]), np.concatenate([p.dense for p in parts]),
+                           np.concatenate([p.sparse for p in parts]), sequences)
+
 
 class ColumnarStore:
     """Read access to a finished store."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -22,6 +22,9 @@ from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays
 from pipeline.data.vocab_files import read_vocabulary, vocabulary_file
 from pipeline.runtime.errors import BundleError
 from pipeline.serving.joint_index import JointVocabIndex
+
+
+Columns = Mapping[str, Sequence[Any]]  # raw column → its values, one per row
 
 
 class RowEncoder:
@@ -79,70 +82,82 @@ class RowEncoder:
         dense = transform_dense(block.numeric, self.transforms, self.lo, self.hi)
         return SplitArrays(block.label, dense, sparse, sequences)
 
-    def encode_frame(self, frame: pd.DataFrame) -> SplitArrays:
-        """Ids and transformed numbers of a DataFrame of raw columns (see :meth:`frame_block` for what each
-        column may hold). Without sequence or derived features every categorical column is hashed in one
-        pass and every numeric column converted in one; the result equals ``encode(frame_block(frame))``."""
+    def encode_columns(self, columns: Columns, rows: int) -> SplitArrays:
+        """Ids and transformed numbers of ``rows`` raw rows given column by column (see :meth:`columns_block`
+        for what each column may hold). Without sequence or derived features every categorical column is
+        hashed in one pass and every numeric column converted in one; the result equals
+        ``encode(columns_block(columns, rows))``."""
         data = self.reading(label=False)
-        self._check_columns(data, frame)
+        self._check_columns(data, columns)
         decls = data.declared()
         if any(f.type == "sequence" or f.derive for f in decls):
-            return self.encode(self.frame_block(frame))
-        n = len(frame)
+            return self.encode(self.columns_block(columns, rows))
         numeric = [f.source for f in decls if f.type == "numeric"]
         categorical = [f for f in decls if f.type == "categorical"]
         sources = list(dict.fromkeys(f.source for f in categorical))
-        values = frame[sources].to_numpy(dtype=object).T.ravel() if sources else np.zeros(0, object)
-        codes, distinct = factorized_string_keys(_strings(values))
-        keys = distinct[codes].reshape(len(sources), n)[[sources.index(f.source) for f in categorical]].ravel()
+        codes, distinct = factorized_string_keys(_strings([v for c in sources for v in columns[c]]))
+        keys = distinct[codes].reshape(len(sources), rows)[[sources.index(f.source) for f in categorical]].ravel()
         if self.joint is None:
             ids = hashed_ids(keys, self.hash_buckets)
         else:  # every feature's ids in one lookup
-            tables = np.repeat([self.joint.tables[self.spec.table_of(f.name)] for f in categorical], n)
+            tables = np.repeat([self.joint.tables[self.spec.table_of(f.name)] for f in categorical], rows)
             ids = ids_of(keys, self.joint.positions_of(keys, tables.astype(np.int16)))
-        sparse = np.ascontiguousarray(ids.reshape(len(categorical), n).T)
-        dense = transform_dense(_number_matrix(frame, numeric), self.transforms, self.lo, self.hi)
-        return SplitArrays(np.zeros(n, np.int8), dense, sparse, {})
+        sparse = np.ascontiguousarray(ids.reshape(len(categorical), rows).T)
+        dense = transform_dense(_number_matrix(columns, numeric, rows), self.transforms, self.lo, self.hi)
+        return SplitArrays(np.zeros(rows, np.int8), dense, sparse, {})
 
-    def frame_block(self, frame: pd.DataFrame) -> FeatureBlock:
-        """The features of a DataFrame of raw columns, as a training file holds them (no label needed):
+    def columns_block(self, columns: Columns, rows: int) -> FeatureBlock:
+        """The features of raw rows given column by column, as a training file holds them (no label needed):
         numbers, or strings of numbers, in numeric columns (missing: null, NaN or ""); strings in the
         others (a sequence: a list of strings, or one string with the declared separator). A missing or
         unreadable column raises :class:`BundleError` naming it and what was expected."""
         data = self.reading(label=False)
-        self._check_columns(data, frame)
-        columns = {c: pa.array(_numbers(c, frame[c]), pa.float64()) for c in data.number_columns}
-        columns.update({c: _texts(frame[c]) for c in data.text_columns})
+        self._check_columns(data, columns)
+        arrays = {c: pa.array(_numbers(c, columns[c]), pa.float64()) for c in data.number_columns}
+        arrays.update({c: _texts(columns[c]) for c in data.text_columns})
         try:
-            return extract(pa.table(columns), data, lambda i: f"row {i}", {})
+            return extract(pa.table(arrays), data, lambda i: f"row {i}", {})
         except ValueError as e:  # a derivation or sequence that cannot read a value: the message names it
             raise BundleError(str(e)) from None
 
+    def encode_frame(self, frame: pd.DataFrame) -> SplitArrays:
+        """:meth:`encode_columns` of a DataFrame of raw columns."""
+        return self.encode_columns(frame_columns(frame), len(frame))
+
+    def frame_block(self, frame: pd.DataFrame) -> FeatureBlock:
+        """:meth:`columns_block` of a DataFrame of raw columns."""
+        return self.columns_block(frame_columns(frame), len(frame))
+
     @staticmethod
-    def _check_columns(data: DataConfig, frame: pd.DataFrame) -> None:
-        missing = [c for c in data.read_columns if c not in frame.columns]
+    def _check_columns(data: DataConfig, columns: Columns) -> None:
+        missing = [c for c in data.read_columns if c not in columns]
         if missing:
             raise BundleError(f"input lacks column{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
-                              f"(the model reads {list(data.read_columns)}); it has {list(frame.columns)[:40]}")
+                              f"(the model reads {list(data.read_columns)}); it has {list(columns)[:40]}")
 
 
-def _number_matrix(frame: pd.DataFrame, columns: list[str]) -> np.ndarray:
-    """[n, len(columns)] float32 of numeric columns (NaN = missing); one conversion when every value is a
+def frame_columns(frame: pd.DataFrame) -> dict[str, np.ndarray]:
+    """A DataFrame's columns as arrays: numbers as they are, anything else as Python objects."""
+    return {str(c): s.to_numpy() if s.dtype.kind in "iufb" else s.to_numpy(dtype=object) for c, s in frame.items()}
+
+
+def _number_matrix(columns: Columns, names: list[str], rows: int) -> np.ndarray:
+    """[rows, len(names)] float32 of numeric columns (NaN = missing); one conversion when every value is a
     number, a numeric string or null, else column by column to name the first bad one."""
-    if not columns:
-        return np.zeros((len(frame), 0), np.float32)
+    if not names:
+        return np.zeros((rows, 0), np.float32)
     try:
-        return frame[columns].to_numpy(dtype=np.float32, na_value=np.nan, copy=True)  # transformed in place
-    except (ValueError, TypeError):  # "" (missing) or a bad value
-        return np.stack([_numbers(c, frame[c]) for c in columns], axis=1).astype(np.float32)
+        return np.array([columns[c] for c in names], dtype=np.float32).T.copy()  # transformed in place
+    except (ValueError, TypeError):  # "" (missing), pd.NA or a bad value
+        return np.stack([_numbers(c, columns[c]) for c in names], axis=1).astype(np.float32)
 
 
-def _numbers(column: str, values: pd.Series) -> np.ndarray:
+def _numbers(column: str, values: Sequence[Any]) -> np.ndarray:
     """A numeric column as float64: numbers or numeric strings; null, NaN and "" are missing."""
-    if values.dtype.kind in "iuf":
-        return values.to_numpy(np.float64, na_value=np.nan)
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iufb":
+        return values.astype(np.float64)
     out = np.empty(len(values))
-    for row, v in enumerate(values.to_numpy(dtype=object)):
+    for row, v in enumerate(values):
         try:
             out[row] = np.nan if _missing(v) else float(v)
         except (TypeError, ValueError):
@@ -151,9 +166,9 @@ def _numbers(column: str, values: pd.Series) -> np.ndarray:
     return out
 
 
-def _texts(values: pd.Series) -> pa.Array:
+def _texts(values: Sequence[Any]) -> pa.Array:
     """A categorical or sequence column: strings (numbers are read as their text), lists of strings."""
-    if values.dtype == object and values.map(lambda v: isinstance(v, (list, tuple, np.ndarray))).any():
+    if any(isinstance(v, (list, tuple, np.ndarray)) for v in values):
         return pa.array([None if v is None else [str(x) for x in v] for v in values], pa.list_(pa.string()))
     return _strings(values)
 

@@ -1,0 +1,127 @@
+"""``ctr serve``: an HTTP scoring server for a trained model (:mod:`pipeline.server`).
+
+    ctr serve model=<model folder | checkpoint | runs:/<run id>/model | models:/<name>/<version>> \
+        [serve.port=5000] [serve.workers=2] [serve.watch=models:/<name>] ...
+
+The model is made a local model folder once (downloaded or exported), published to the workers, and
+served by ``serve.workers`` uvicorn processes, which map its tables read-only. With ``serve.watch`` this
+process looks for a newer version every ``serve.watch_interval_s`` and publishes it; the workers load
+it beside the serving one and switch when it is ready. SIGTERM / Ctrl-C: the workers finish the
+requests in flight, then exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import hydra
+from omegaconf import MISSING, DictConfig
+
+from pipeline.commands.args import command_args, exit_on_user_error
+from pipeline.runtime.errors import ConfigError
+
+log = logging.getLogger("ctr.serve")
+
+
+@dataclass
+class ServeSettings:
+    """``serve.*`` of ``conf/serving/serve.yaml``."""
+
+    host: str = "127.0.0.1"
+    port: int = 5000
+    workers: int = 1
+    threads: int = 1
+    max_batch_rows: int = 4096
+    max_wait_ms: float = 0.0
+    watch: str = ""
+    watch_interval_s: float = 30.0
+    dir: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("workers", "threads", "max_batch_rows"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"serve.{key}={getattr(self, key)}: expected a whole number ≥ 1")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port={self.port}: expected 0 … 65535")
+        if self.max_wait_ms < 0:
+            raise ConfigError(f"serve.max_wait_ms={self.max_wait_ms}: expected ≥ 0")
+        if self.watch_interval_s <= 0:
+            raise ConfigError(f"serve.watch_interval_s={self.watch_interval_s}: expected > 0")
+
+
+@dataclass
+class ServeArgs:
+    """``conf/serving/serve.yaml``."""
+
+    model: str = MISSING
+    tracking_uri: str = ""
+    serve: ServeSettings = field(default_factory=ServeSettings)
+
+
+def _watch(args: ServeArgs, workdir: Path, current: str, stop: threading.Event) -> None:
+    """Publish each newer version of ``serve.watch`` (a version that fails to prepare is logged and skipped)."""
+    from pipeline.server.versions import newest, prepare, publish
+
+    seen = current
+    while not stop.wait(args.serve.watch_interval_s):
+        try:
+            spec = newest(args.serve.watch)
+            if spec is None or spec == seen:
+                continue
+            seen = spec
+            publish(prepare(spec, workdir), workdir)
+            log.warning("published %s", spec)
+        except Exception:  # noqa: BLE001 — the server keeps its version
+            log.exception("serve.watch=%s: cannot prepare its newest version", args.serve.watch)
+
+
+def run(args: ServeArgs) -> None:
+    import uvicorn
+
+    if args.tracking_uri:
+        os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the raw-row reader's progress bars: not per request
+    s = args.serve
+    workdir = Path(s.dir or tempfile.mkdtemp(prefix="ctr-serve-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if s.workers > 1:  # the workers' metrics, summed by /metrics (set before prometheus_client is imported)
+        metrics_dir = workdir / "metrics"
+        metrics_dir.mkdir(exist_ok=True)
+        for old in metrics_dir.glob("*.db"):
+            old.unlink()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    from pipeline.server.app import SETTINGS_ENV, Settings
+    from pipeline.server.versions import prepare, publish
+
+    spec = args.model
+    version = prepare(spec, workdir)
+    publish(version, workdir)
+    os.environ[SETTINGS_ENV] = json.dumps(asdict(Settings(str(workdir), s.max_batch_rows, s.max_wait_ms, s.threads,
+                                                          poll_s=min(1.0, s.watch_interval_s))))
+    stop = threading.Event()
+    if s.watch:
+        threading.Thread(target=_watch, args=(args, workdir, spec, stop), daemon=True, name="watch").start()
+    print(f"Serving {version.label} on http://{s.host}:{s.port} ({s.workers} worker(s) × {s.threads} thread(s); "
+          f"POST /invocations; GET /ping /version /metrics){'; watching ' + s.watch if s.watch else ''}", flush=True)
+    try:
+        uvicorn.run("pipeline.server.app:create_app", factory=True, host=s.host, port=s.port, workers=s.workers,
+                    log_level="warning", access_log=False, timeout_graceful_shutdown=30)
+    finally:
+        stop.set()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ctr_conf.serving", config_name="serve")
+def cli(cfg: DictConfig) -> None:
+    args = command_args(cfg, ServeArgs)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    exit_on_user_error(lambda: run(args))
+
+
+if __name__ == "__main__":
+    cli()

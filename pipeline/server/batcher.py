@@ -1,0 +1,157 @@
+"""Dynamic batching: concurrent requests scored in one model call, the answers split back.
+
+Requests wait in a queue. One scoring thread takes, each time it is free, every waiting request up to
+``max_batch_rows`` rows (a larger request is scored alone) — after waiting up to ``max_wait_ms`` for
+more when fewer have come (0, the default: no wait; under load the requests that arrive while a batch
+is scored form the next one). It encodes the batch's raw columns in one pass, runs the model once and
+gives each request its rows' probabilities. A request whose columns cannot be encoded (a missing
+column, a word in a numeric column) fails alone: the batch is then encoded request by request and the
+others are scored. The whole batch is scored by one model version, read once per batch, so a hot
+swap (:meth:`Batcher.swap`) never mixes versions inside an answer.
+
+The event loop only parses HTTP and JSON; encoding and the model run in the scoring thread (PyTorch
+releases the GIL while the model computes, so requests keep arriving meanwhile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.data.store import SplitArrays
+from pipeline.runtime.errors import BundleError
+from pipeline.server import metrics
+from pipeline.server.requests import Parsed, RequestError, encode_lines
+from pipeline.server.versions import Version
+from pipeline.serving.scorer import Scorer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Served:
+    """A loaded model version."""
+
+    version: Version
+    scorer: Scorer
+
+
+@dataclass
+class _Waiting:
+    request: Parsed
+    future: asyncio.Future = field(repr=False)
+
+
+class Batcher:
+    def __init__(self, served: Served, max_batch_rows: int, max_wait_ms: float) -> None:
+        self.served = served
+        self.max_rows, self.max_wait = max_batch_rows, max_wait_ms / 1000
+        self.queue: asyncio.Queue[_Waiting] = asyncio.Queue()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="score")
+        self._carry: _Waiting | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.pool.shutdown(wait=True)
+
+    def swap(self, served: Served) -> None:
+        """Answer with ``served`` from the next batch on."""
+        self.served = served
+
+    async def score(self, request: Parsed) -> tuple[np.ndarray, str]:
+        """The request's probabilities and the version that scored them."""
+        future = asyncio.get_running_loop().create_future()
+        await self.queue.put(_Waiting(request, future))
+        return await future
+
+    async def _next_batch(self) -> list[_Waiting]:
+        first = self._carry or await self.queue.get()
+        self._carry = None
+        batch, rows = [first], first.request.rows
+        deadline = asyncio.get_running_loop().time() + self.max_wait
+        while rows < self.max_rows:
+            try:
+                item = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), left)
+                except TimeoutError:
+                    break
+            if rows + item.request.rows > self.max_rows:
+                self._carry = item
+                break
+            batch.append(item)
+            rows += item.request.rows
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._next_batch()
+            try:
+                outcomes, label = await loop.run_in_executor(self.pool, score_batch, self.served,
+                                                             [w.request for w in batch])
+            except Exception as e:  # noqa: BLE001 — a bug: every request of the batch answers 500, the server lives
+                log.exception("scoring a batch of %d requests failed", len(batch))
+                outcomes, label = [e] * len(batch), ""
+            for waiting, outcome in zip(batch, outcomes):
+                if waiting.future.done():  # the client went away
+                    continue
+                if isinstance(outcome, BaseException):
+                    waiting.future.set_exception(outcome)
+                else:
+                    waiting.future.set_result((outcome, label))
+
+
+def score_batch(served: Served, requests: list[Parsed]) -> tuple[list[np.ndarray | Exception], str]:
+    """Each request's probabilities (or the error that refused it), all scored by ``served`` in one call."""
+    scorer = served.scorer
+    outcome: list[np.ndarray | Exception | None] = [None] * len(requests)
+    parts: list[tuple[list[int], SplitArrays]] = []
+    by_columns = [i for i, r in enumerate(requests) if r.columns is not None and r.rows > 0]
+    if by_columns:
+        try:
+            parts.append((by_columns, scorer.encode_columns(_merged(scorer, [requests[i] for i in by_columns]),
+                                                            sum(requests[i].rows for i in by_columns))))
+        except (BundleError, KeyError):  # someone's columns are bad: find whose
+            for i in by_columns:
+                try:
+                    parts.append(([i], scorer.encode_columns(requests[i].columns, requests[i].rows)))
+                except BundleError as e:
+                    outcome[i] = RequestError(str(e))
+    for i, r in enumerate(requests):
+        if r.lines is not None:
+            try:
+                parts.append(([i], encode_lines(scorer, r.lines)))
+            except RequestError as e:
+                outcome[i] = e
+        elif r.rows == 0:
+            outcome[i] = np.zeros(0, np.float32)
+    if parts:
+        p = scorer.score(SplitArrays.concat([a for _, a in parts]))
+        metrics.observe_batch(len(p))
+        start = 0
+        for members, arrays in parts:
+            for i in members:
+                n = len(arrays) if requests[i].lines is not None else requests[i].rows
+                outcome[i], start = p[start:start + n], start + n
+    return outcome, served.version.label
+
+
+def _merged(scorer: Scorer, requests: list[Parsed]) -> dict[str, list]:
+    """The columns the model reads, the requests' values one after another (KeyError: one lacks a column)."""
+    if len(requests) == 1:
+        return requests[0].columns
+    return {c: [v for r in requests for v in r.columns[c]] for c in scorer.reading(label=False).read_columns}

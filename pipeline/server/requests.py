@@ -1,0 +1,149 @@
+"""Request bodies of MLflow's scoring protocol → raw columns (or encoded rows), without pandas.
+
+    application/json   {"dataframe_split": {"columns": [c, ...], "data": [[v, ...], ...]}}   ("index" ignored)
+                       {"dataframe_records": [{c: v, ...}, ...]}
+                       {"instances": [{c: v, ...}, ...]}  or  {"instances": {c: [v, ...], ...}};  "inputs" alike
+    text/csv           CSV with a header row naming the columns (MLflow's CSV input)
+    text/x-ctr-rows    lines exactly as the dataset's training files hold them (its delimiter and columns,
+                       with or without the label): the dataset's own reader, checks and messages
+
+Values are raw, as in the training files: strings in categorical columns, numbers or strings of
+numbers in numeric ones, null / NaN / "" for a missing value. The JSON forms become a mapping
+column → list of values (:class:`Parsed`); what the model reads of it is checked when the batch is
+encoded (:meth:`pipeline.serving.row_encoder.RowEncoder.encode_columns`), so a missing column or a
+word in a numeric column gets a 400 naming it there. Anything malformed here raises
+:class:`RequestError` (HTTP 400) naming the field.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+
+from pipeline.data.features import extract
+from pipeline.data.other_readers import open_reader
+from pipeline.data.store import SplitArrays
+from pipeline.runtime.errors import UserError
+from pipeline.serving.prediction import has_label
+from pipeline.serving.row_encoder import Columns, RowEncoder
+
+JSON_FORMATS = ("dataframe_split", "dataframe_records", "instances", "inputs")
+RAW_ROWS = "text/x-ctr-rows"
+
+
+class RequestError(ValueError):
+    """A request the server cannot read: HTTP 400 with this message."""
+
+
+@dataclass
+class Parsed:
+    """One request: its raw columns (JSON, CSV) or its raw lines (``text/x-ctr-rows``), and its row count."""
+
+    rows: int
+    columns: Columns | None = None
+    lines: bytes | None = None
+
+
+def parse(body: bytes, content_type: str) -> Parsed:
+    """The request body of ``POST /invocations`` by its content type."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind in ("", "application/json"):
+        return _json(body)
+    if kind == "text/csv":
+        return _csv(body)
+    if kind == RAW_ROWS:
+        rows = body.count(b"\n") + (not body.endswith(b"\n") and len(body) > 0)
+        return Parsed(rows, lines=body)
+    raise RequestError(f"Content-Type {content_type!r}: expected application/json, text/csv or {RAW_ROWS}")
+
+
+def _json(body: bytes) -> Parsed:
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise RequestError(f"request body: not JSON ({e})") from None
+    keys = [k for k in JSON_FORMATS if isinstance(doc, dict) and k in doc]
+    if len(keys) != 1:
+        raise RequestError(f"request body: expected a JSON object with exactly one of {', '.join(JSON_FORMATS)}"
+                           + (f"; it has {sorted(doc)[:10]}" if isinstance(doc, dict) else ""))
+    key, value = keys[0], doc[keys[0]]
+    if key == "dataframe_split":
+        return _split(value)
+    if isinstance(value, dict):  # instances / inputs as columns
+        return _by_column(key, value)
+    return _records(key, value)
+
+
+def _split(value: Any) -> Parsed:
+    if not isinstance(value, dict) or not isinstance(value.get("columns"), list) or not isinstance(value.get("data"), list):
+        raise RequestError("dataframe_split: expected {\"columns\": [names], \"data\": [[values], ...]}")
+    names, data = [str(c) for c in value["columns"]], value["data"]
+    for i, row in enumerate(data):
+        if not isinstance(row, list) or len(row) != len(names):
+            raise RequestError(f"dataframe_split.data[{i}]: expected a list of {len(names)} values (one per column), "
+                               f"got {_short(row)}")
+    columns = dict(zip(names, map(list, zip(*data)))) if data else {c: [] for c in names}
+    return Parsed(len(data), columns)
+
+
+def _records(key: str, value: Any) -> Parsed:
+    if not isinstance(value, list) or not all(isinstance(r, dict) for r in value):
+        bad = next((i for i, r in enumerate(value) if not isinstance(r, dict)), None) if isinstance(value, list) else None
+        where = f"{key}[{bad}]" if bad is not None else key
+        raise RequestError(f"{where}: expected a list of objects {{column: value}}")
+    names = list(dict.fromkeys(c for r in value for c in r))  # a column absent from a record: missing there
+    return Parsed(len(value), {c: [r.get(c) for r in value] for c in names})
+
+
+def _by_column(key: str, value: dict) -> Parsed:
+    lengths = {c: len(v) if isinstance(v, list) else None for c, v in value.items()}
+    bad = [c for c, n in lengths.items() if n is None]
+    if bad:
+        raise RequestError(f"{key}.{bad[0]}: expected a list of values (one per row)")
+    if len(set(lengths.values())) > 1:
+        raise RequestError(f"{key}: columns of different lengths {dict(list(lengths.items())[:10])}")
+    return Parsed(next(iter(lengths.values()), 0), dict(value))
+
+
+def _csv(body: bytes) -> Parsed:
+    """Every column read as text (as a training file is: "0123" stays "0123"); empty cells are missing."""
+    header = next(csv.reader([body.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")]), [])
+    try:
+        table = pacsv.read_csv(pa.BufferReader(body), convert_options=pacsv.ConvertOptions(
+            column_types={name: pa.string() for name in header}, strings_can_be_null=True))
+    except (pa.ArrowInvalid, ValueError) as e:
+        raise RequestError(f"text/csv body: {e}") from None
+    return Parsed(table.num_rows, {name: table.column(name).to_pylist() for name in table.column_names})
+
+
+def encode_lines(encoder: RowEncoder, body: bytes) -> SplitArrays:
+    """Raw lines of the dataset's own layout, read by its reader (errors name the line and column)."""
+    fd, name = tempfile.mkstemp(prefix="ctr-serve-", suffix=".rows")
+    path = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+        try:
+            data = encoder.reading(has_label(encoder.data, path))
+            reader = open_reader([path], data, 32 << 20, "error", "request")
+            blocks = [encoder.encode(extract(table, data, reader.where, {})) for table in reader]
+        except (UserError, ValueError) as e:
+            raise RequestError(str(e).replace(str(path), "request body")) from None
+    finally:
+        path.unlink(missing_ok=True)
+    if not blocks:
+        raise RequestError(f"{RAW_ROWS} body: no rows")
+    return SplitArrays.concat(blocks)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
