@@ -29,7 +29,7 @@ import torch
 
 from pipeline.server import metrics
 from pipeline.server.batcher import Batcher, Served
-from pipeline.server.requests import RequestError, parse
+from pipeline.server.requests import RequestError
 from pipeline.server.versions import Version, published
 from pipeline.serving.scorer import Scorer
 
@@ -145,7 +145,7 @@ class ScoringApp:
 
     async def _score(self, body: bytes, content_type: str) -> tuple[int, Any, list]:
         try:
-            probability, label = await self.batcher.score(parse(body, content_type))
+            probability, label = await self.batcher.score(body, content_type)
         except RequestError as e:
             return 400, {"error_code": "BAD_REQUEST", "message": str(e)}, []
         except Exception as e:  # noqa: BLE001 — logged by the batcher

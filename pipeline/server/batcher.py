@@ -1,16 +1,19 @@
 """Dynamic batching: concurrent requests scored in one model call, the answers split back.
 
-Requests wait in a queue. One scoring thread takes, each time it is free, every waiting request up to
-``max_batch_rows`` rows (a larger request is scored alone) — after waiting up to ``max_wait_ms`` for
-more when fewer have come (0, the default: no wait; under load the requests that arrive while a batch
-is scored form the next one). It encodes the batch's raw columns in one pass, runs the model once and
-gives each request its rows' probabilities. A request whose columns cannot be encoded (a missing
-column, a word in a numeric column) fails alone: the batch is then encoded request by request and the
-others are scored. The whole batch is scored by one model version, read once per batch, so a hot
-swap (:meth:`Batcher.swap`) never mixes versions inside an answer.
+Requests wait in a queue. One scoring thread takes, each time it is free, the waiting requests (up to
+16 MiB of bodies; after
+waiting up to ``max_wait_ms`` for more when only one has come; 0, the default: no wait — under load the
+requests that arrive while a batch is scored form the next one). It parses the bodies
+(:mod:`.requests`), encodes the batch's raw columns in one pass, runs the model on at most
+``max_batch_rows`` rows a call and gives each request its rows' probabilities. A request that cannot
+be read or encoded (bad JSON, a missing column, a word in a numeric column) fails alone: the batch is
+then encoded request by request and the others are scored. The whole batch is scored by one model
+version, read once per batch, so a hot swap (:meth:`Batcher.swap`) never mixes versions inside an
+answer.
 
-The event loop only parses HTTP and JSON; encoding and the model run in the scoring thread (PyTorch
-releases the GIL while the model computes, so requests keep arriving meanwhile).
+The event loop only moves HTTP bytes; parsing, encoding and the model run in the scoring thread, one
+batch after another, so the two threads do not take the GIL from each other mid-request (PyTorch
+releases it while the model computes, so requests keep arriving meanwhile).
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import numpy as np
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import BundleError
 from pipeline.server import metrics
-from pipeline.server.requests import Parsed, RequestError, encode_lines
+from pipeline.server.requests import Parsed, RequestError, encode_lines, parse
 from pipeline.server.versions import Version
 from pipeline.serving.scorer import Scorer
 
 log = logging.getLogger(__name__)
+MAX_BATCH_REQUESTS = 1024     # requests taken at once (their rows go to the model max_batch_rows at a time)
+MAX_BATCH_BYTES = 16 << 20    # and bytes of their bodies
 
 
 @dataclass
@@ -42,7 +47,8 @@ class Served:
 
 @dataclass
 class _Waiting:
-    request: Parsed
+    body: bytes
+    content_type: str
     future: asyncio.Future = field(repr=False)
 
 
@@ -52,7 +58,6 @@ class Batcher:
         self.max_rows, self.max_wait = max_batch_rows, max_wait_ms / 1000
         self.queue: asyncio.Queue[_Waiting] = asyncio.Queue()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="score")
-        self._carry: _Waiting | None = None
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -67,33 +72,20 @@ class Batcher:
         """Answer with ``served`` from the next batch on."""
         self.served = served
 
-    async def score(self, request: Parsed) -> tuple[np.ndarray, str]:
-        """The request's probabilities and the version that scored them."""
+    async def score(self, body: bytes, content_type: str) -> tuple[np.ndarray, str]:
+        """The request's probabilities and the version that scored them (:class:`RequestError`: a bad body)."""
         future = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Waiting(request, future))
+        await self.queue.put(_Waiting(body, content_type, future))
         return await future
 
     async def _next_batch(self) -> list[_Waiting]:
-        first = self._carry or await self.queue.get()
-        self._carry = None
-        batch, rows = [first], first.request.rows
-        deadline = asyncio.get_running_loop().time() + self.max_wait
-        while rows < self.max_rows:
-            try:
-                item = self.queue.get_nowait()
-            except asyncio.QueueEmpty:
-                left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
-                    break
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), left)
-                except TimeoutError:
-                    break
-            if rows + item.request.rows > self.max_rows:
-                self._carry = item
-                break
-            batch.append(item)
-            rows += item.request.rows
+        batch = [await self.queue.get()]
+        if self.max_wait > 0 and self.queue.empty():
+            await asyncio.sleep(self.max_wait)
+        size = len(batch[0].body)
+        while not self.queue.empty() and len(batch) < MAX_BATCH_REQUESTS and size < MAX_BATCH_BYTES:
+            batch.append(self.queue.get_nowait())
+            size += len(batch[-1].body)
         return batch
 
     async def _run(self) -> None:
@@ -102,7 +94,7 @@ class Batcher:
             batch = await self._next_batch()
             try:
                 outcomes, label = await loop.run_in_executor(self.pool, score_batch, self.served,
-                                                             [w.request for w in batch])
+                                                             [(w.body, w.content_type) for w in batch], self.max_rows)
             except Exception as e:  # noqa: BLE001 — a bug: every request of the batch answers 500, the server lives
                 log.exception("scoring a batch of %d requests failed", len(batch))
                 outcomes, label = [e] * len(batch), ""
@@ -115,12 +107,20 @@ class Batcher:
                     waiting.future.set_result((outcome, label))
 
 
-def score_batch(served: Served, requests: list[Parsed]) -> tuple[list[np.ndarray | Exception], str]:
-    """Each request's probabilities (or the error that refused it), all scored by ``served`` in one call."""
+def score_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int
+                ) -> tuple[list[np.ndarray | Exception], str]:
+    """Each request's probabilities (or the error that refused it), all scored by ``served``, at most
+    ``max_rows`` rows a model call."""
     scorer = served.scorer
-    outcome: list[np.ndarray | Exception | None] = [None] * len(requests)
+    outcome: list[np.ndarray | Exception | None] = [None] * len(bodies)
+    requests: list[Parsed | None] = [None] * len(bodies)
+    for i, (body, content_type) in enumerate(bodies):
+        try:
+            requests[i] = parse(body, content_type)
+        except RequestError as e:
+            outcome[i] = e
     parts: list[tuple[list[int], SplitArrays]] = []
-    by_columns = [i for i, r in enumerate(requests) if r.columns is not None and r.rows > 0]
+    by_columns = [i for i, r in enumerate(requests) if r is not None and r.columns is not None and r.rows > 0]
     if by_columns:
         try:
             parts.append((by_columns, scorer.encode_columns(_merged(scorer, [requests[i] for i in by_columns]),
@@ -132,16 +132,17 @@ def score_batch(served: Served, requests: list[Parsed]) -> tuple[list[np.ndarray
                 except BundleError as e:
                     outcome[i] = RequestError(str(e))
     for i, r in enumerate(requests):
-        if r.lines is not None:
+        if r is not None and r.lines is not None:
             try:
                 parts.append(([i], encode_lines(scorer, r.lines)))
             except RequestError as e:
                 outcome[i] = e
-        elif r.rows == 0:
+        elif r is not None and r.rows == 0:
             outcome[i] = np.zeros(0, np.float32)
     if parts:
-        p = scorer.score(SplitArrays.concat([a for _, a in parts]))
-        metrics.observe_batch(len(p))
+        p = scorer.score(SplitArrays.concat([a for _, a in parts]), batch_size=max_rows)
+        for start in range(0, len(p), max_rows):
+            metrics.observe_batch(min(max_rows, len(p) - start))
         start = 0
         for members, arrays in parts:
             for i in members:

@@ -90,7 +90,7 @@ def _split(value: Any) -> Parsed:
         if not isinstance(row, list) or len(row) != len(names):
             raise RequestError(f"dataframe_split.data[{i}]: expected a list of {len(names)} values (one per column), "
                                f"got {_short(row)}")
-    columns = dict(zip(names, map(list, zip(*data)))) if data else {c: [] for c in names}
+    columns = dict(zip(names, zip(*data))) if data else {c: () for c in names}
     return Parsed(len(data), columns)
 
 

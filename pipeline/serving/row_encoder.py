@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from modules.embedding import FeatureSpec
 from pipeline.checkpoint.run_description import declaration_from
@@ -173,9 +174,15 @@ def _texts(values: Sequence[Any]) -> pa.Array:
     return _strings(values)
 
 
-def _strings(values: Any) -> pa.Array:
-    """Raw values as an Arrow string array: each as its text, null where missing (null, NaN, "")."""
-    return pa.array([None if _missing(v) else str(v) for v in values], pa.string())
+def _strings(values: Sequence[Any]) -> pa.Array:
+    """Raw values as an Arrow string array: each as its text, null where missing (null, NaN, ""). Strings
+    and nulls only (JSON, CSV) convert in one call; numbers and NaN value by value."""
+    try:
+        strings = pa.array(values, pa.string())
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        return pa.array([None if _missing(v) else str(v) for v in values], pa.string())
+    empty = pc.equal(strings, "")
+    return pc.if_else(empty, pa.scalar(None, pa.string()), strings) if pc.any(empty).as_py() else strings
 
 
 def _missing(v: Any) -> bool:
