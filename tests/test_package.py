@@ -23,7 +23,8 @@ def test_every_package_of_the_checkout_is_in_the_wheel_list():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("pipeline", "modules")
              for p in (ROOT / top).rglob("__init__.py")}
-    assert found | {"ctr_conf"} == listed, (found, listed)
+    configs = {".".join(("ctr_conf", *p.parent.relative_to(ROOT / "conf").parts)) for p in (ROOT / "conf").rglob("__init__.py")}
+    assert found | configs == listed, (found, listed)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,8 @@ def test_the_wheel_trains_predicts_and_exports_from_any_folder(installed, tmp_pa
 
 
 HELP_SHOWS = {"train": "batch_size: 4096", "daily": "init_from_optimizer: none", "plan": "ddr_cap_gb: 16", "predict": "checkpoint: ???",
-              "export": "out: ???", "report": "experiment_name: batch_scaling", "sync": "source: ???"}
+              "export": "out: ???", "report": "experiment_name: batch_scaling", "sync": "source: ???",
+              "serve": "max_batch_rows: 4096"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

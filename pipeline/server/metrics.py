@@ -43,6 +43,14 @@ def observe(status: int, seconds: float) -> None:
     REQUESTS.labels(str(status)).inc()
     LATENCY.observe(seconds)
     _recent.append(seconds)
+    if len(_recent) % 100 == 1:  # each worker's quantiles, also for the one that answers /metrics
+        _update_recent()
+
+
+def _update_recent() -> None:
+    values = np.quantile(np.fromiter(_recent, float), QUANTILES)
+    for q, v in zip(QUANTILES, values):
+        RECENT.labels(str(q)).set(float(v))
 
 
 def observe_batch(rows: int) -> None:
@@ -53,9 +61,7 @@ def observe_batch(rows: int) -> None:
 def exposition() -> bytes:
     """The metrics as Prometheus text (summed over the workers' files when there are several)."""
     if _recent:
-        values = np.quantile(np.fromiter(_recent, float), QUANTILES)
-        for q, v in zip(QUANTILES, values):
-            RECENT.labels(str(q)).set(float(v))
+        _update_recent()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
