@@ -30,7 +30,7 @@ import torch
 from pipeline.server import metrics
 from pipeline.server.batcher import Batcher, Served
 from pipeline.server.requests import RequestError
-from pipeline.server.versions import Version, published
+from pipeline.server.versions import Version, published, slug
 from pipeline.serving.scorer import Scorer
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,12 @@ class Settings:
     poll_s: float = 1.0
 
 
-def load(version: Version) -> Served:
-    return Served(version, Scorer(version.folder))
+def load(version: Version, workdir: Path) -> Served:
+    """A version's scorer: float tables read through the model folder's mapped files, quantized ones
+    through a buffer file in the serve directory (:func:`pipeline.serving.quantize.share_fused_buffers`):
+    one copy in the page cache for all workers."""
+    written = (Path(version.folder) / "model.json").stat().st_mtime_ns  # a folder replaced in place: new buffers
+    return Served(version, Scorer(version.folder, shared_dir=workdir / "fused" / slug(f"{version.folder}:{written}")))
 
 
 class ScoringApp:
@@ -87,7 +91,7 @@ class ScoringApp:
     async def _start(self) -> None:
         torch.set_num_threads(self.settings.threads)
         version, self._stamp = published(self.workdir)
-        served = await asyncio.get_running_loop().run_in_executor(None, load, version)
+        served = await asyncio.get_running_loop().run_in_executor(None, load, version, self.workdir)
         self.batcher = Batcher(served, self.settings.max_batch_rows, self.settings.max_wait_ms)
         self.batcher.start()
         self._poller = asyncio.get_running_loop().create_task(self._poll())
@@ -103,7 +107,7 @@ class ScoringApp:
                 if stamp == self._stamp or version == self.batcher.served.version:
                     self._stamp = stamp
                     continue
-                served = await loop.run_in_executor(None, load, version)
+                served = await loop.run_in_executor(None, load, version, self.workdir)
             except Exception:  # noqa: BLE001 — a version that does not load: keep serving the old one
                 log.exception("worker %d: cannot load the published version; still serving %s", os.getpid(),
                               self.batcher.served.version.label)

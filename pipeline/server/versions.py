@@ -42,7 +42,7 @@ def prepare(spec: str, workdir: Path) -> Version:
     """The local model folder of ``spec`` (downloading or exporting it into ``workdir`` the first time)."""
     if spec.startswith(("runs:/", "models:/")):
         spec = _pinned(spec)
-        target = workdir / ("mlflow-" + _slug(spec))
+        target = workdir / ("mlflow-" + slug(spec))
         if not target.is_dir():
             import mlflow
 
@@ -66,7 +66,7 @@ def prepare(spec: str, workdir: Path) -> Version:
     if not path.exists():
         raise FileNotFoundError(f"model={spec}: no such model folder, checkpoint or MLflow model")
     checkpoint = checked_checkpoint(path)
-    out = workdir / ("checkpoint-" + _slug(str(checkpoint.resolve())))
+    out = workdir / ("checkpoint-" + slug(str(checkpoint.resolve())))
     if not is_model_folder(out):
         export_model(checkpoint, out)
     return Version(str(checkpoint.resolve()), str(out))
@@ -112,5 +112,5 @@ def _pinned(spec: str) -> str:
     return pinned
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -12,13 +12,17 @@ an error of at most scale/2 per value. Bytes per row: int8 dim + 4, int4 dim/2 +
 
 A model folder written with ``quantize`` keeps each table as ``tables/<parameter>.u8`` (those rows, in
 ``model.json`` with the float shape); :func:`use_quantized_tables` swaps the model's collections for
-quantized ones over the mapped files.
+quantized ones built from the mapped files. FBGEMM copies a collection's tables into one buffer
+(``weights_host``); :func:`share_fused_buffers` writes that buffer to a file once and maps it in its
+place, so that server processes scoring the same model hold one copy in the page cache, not one each.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -99,3 +103,18 @@ def use_quantized_tables(model: nn.Module, tables: dict[str, torch.Tensor], dtyp
         setattr(model.get_submodule(parent_name) if parent_name else model, attribute, replacement)
         replaced.append(name)
     return replaced
+
+
+def share_fused_buffers(model: nn.Module, modules: Sequence[str], folder: Path) -> None:
+    """Map each fused kernel's table buffer of ``modules`` (from :func:`use_quantized_tables`) from a file in
+    ``folder`` (written the first time, under a temporary name then renamed; ``folder`` is one per model)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in modules:
+        for i, kernel in enumerate(model.get_submodule(name)._emb_modules):
+            host = kernel.weights_host
+            path = folder / f"{name}.{i}.bin"
+            if not path.is_file() or path.stat().st_size != host.numel():
+                tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+                host.numpy().tofile(tmp)
+                os.replace(tmp, path)
+            kernel.weights_host = torch.from_file(str(path), shared=False, size=host.numel(), dtype=host.dtype)

@@ -15,7 +15,7 @@ from modules.models import build_model
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import BundleError
-from pipeline.serving.quantize import use_quantized_tables
+from pipeline.serving.quantize import share_fused_buffers, use_quantized_tables
 from pipeline.serving.row_encoder import RowEncoder
 from pipeline.serving.source import model_source
 from pipeline.serving.weights import read_weights
@@ -38,10 +38,12 @@ def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays
 class Scorer(RowEncoder):
     """A model folder (or, with ``table_dir`` for its tables, a checkpoint) loaded for scoring on the CPU;
     a quantized folder's tables are scored by TorchRec's quantized collections (:mod:`.quantize`), and so
-    are float tables with ``fused`` (FBGEMM's fused inference kernel, the same numbers: for a server;
-    the tables are then copied into memory instead of read through their mapped files)."""
+    are float tables with ``fused`` (FBGEMM's fused inference kernel, the same numbers). The fused kernel
+    copies the tables into memory; with ``shared_dir`` (a folder for this model) that copy is written
+    there once and mapped, so that processes scoring the model share it."""
 
-    def __init__(self, path: str | os.PathLike, table_dir: Path | None = None, fused: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, table_dir: Path | None = None, fused: bool = False,
+                 shared_dir: Path | None = None) -> None:
         source = model_source(path)
         self.folder = source.path
         super().__init__(source.store_meta, source.data, source.vocab_root)
@@ -53,6 +55,8 @@ class Scorer(RowEncoder):
         if kernel is not None:
             tables = [k for k in weights if is_table_parameter(k) and weights[k].dim() == 2]
             self.quantized = tuple(use_quantized_tables(self.model, {k: weights.pop(k) for k in tables}, kernel))
+            if shared_dir is not None:
+                share_fused_buffers(self.model, self.quantized, shared_dir)
         try:  # assign: the mapped tables become the parameters (no copy into fresh tables)
             loaded = self.model.load_state_dict(weights, assign=True, strict=kernel is None)
         except RuntimeError as e:
