@@ -244,11 +244,12 @@ def parse_config(cfg: DictConfig) -> RunConfig:
 
 
 def _source_vocabulary(init_from: Optional[str]) -> Optional[str]:
-    """The folder holding the vocabularies of a model folder or checkpoint to continue from."""
+    """The folder holding the vocabularies of a model folder or checkpoint to continue from (its description
+    alone: parsing hashes no checkpoint; the run checks the source once, :func:`pipeline.training.run.train`)."""
     if not init_from:
         return None
     try:
-        return str(model_source(init_from).vocab_root)
+        return str(model_source(init_from, verify=False).vocab_root)
     except (OSError, ValueError) as e:
         raise ConfigError(f"trainer.init_from={init_from}: {e}") from None
 

@@ -5,6 +5,7 @@ drifts (day d: users 60·d … 60·d + 199; the tags and the click model are sha
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -120,6 +121,31 @@ def test_init_from_optimizer_carries_the_state_rows_mapped(days, day1):
         else:
             beta = 0.9 if key.endswith("/exp_avg") else 0.999
             np.testing.assert_allclose(carried[key] - fresh[key], beta * start, rtol=1e-4, atol=1e-8, err_msg=key)
+
+
+def test_the_init_from_source_is_checked_once_and_the_config_parse_hashes_nothing(days, day1, monkeypatch):
+    """Every file of a checkpoint is hashed against its manifest when the run resolves ``trainer.init_from``
+    (:func:`init_source`), once; parsing the config (which reads the vocabulary's place from the
+    checkpoint's description), the lineage tags and reading the weights hash nothing more."""
+    from pipeline.checkpoint import manifest
+    from pipeline.checkpoint.discovery import newest_intact_checkpoint
+    from pipeline.config import compose_run_config
+    from pipeline.training.init_from import init_source, lineage_tags, source_weights
+
+    folder, _ = days
+    newest = newest_intact_checkpoint(folder / "A1ck")
+    hashed: list[Path] = []
+    real = manifest.sha256
+    monkeypatch.setattr(manifest, "sha256", lambda path: hashed.append(Path(path)) or real(path))
+    run = compose_run_config([f"trainer.init_from={folder / 'A1ck'}"])
+    assert hashed == [] and run.data.preprocess.base_vocabulary.startswith(str(folder / "cache"))
+    source = init_source(str(folder / "A1ck"))
+    files = json.loads((newest / manifest.MANIFEST).read_text())["files"]
+    assert source.path == newest and sorted(map(str, hashed)) == sorted(str(newest / f) for f in files)
+    checked = len(hashed)
+    assert lineage_tags(source)["ctr.init_from"] == str(newest.resolve())
+    weights, _ = source_weights(source, folder / "init_tables")
+    assert weights and len(hashed) == checked  # nothing hashed again
 
 
 def test_init_from_optimizer_needs_a_checkpoint(days, day1):

@@ -34,10 +34,10 @@ class CheckpointRun:
     mlflow_run_id: str | None
 
 
-def checkpoint_run(checkpoint: str | os.PathLike) -> CheckpointRun:
+def checkpoint_run(checkpoint: str | os.PathLike, verify: bool = True) -> CheckpointRun:
     """The checkpoint's run description (checked against its manifest first); the store it trained on
     must be on this machine (its vocabularies)."""
-    path = checked_checkpoint(checkpoint)
+    path = checked_checkpoint(checkpoint, verify)
     state = read_rank0_state(path)["pipeline"]
     run = state.get("run")
     if run is None:

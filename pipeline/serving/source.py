@@ -40,9 +40,11 @@ def is_model_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / "model.json").is_file()
 
 
-def model_source(path: str | os.PathLike) -> ModelSource:
+def model_source(path: str | os.PathLike, verify: bool = True) -> ModelSource:
     """The model at ``path``: a model folder, a checkpoint directory or a folder of checkpoints (its newest
-    intact one). Raises :class:`BundleError` (or ``FileNotFoundError``) naming what cannot be read."""
+    intact one). Raises :class:`BundleError` (or ``FileNotFoundError``) naming what cannot be read.
+    A checkpoint's files are hashed against its manifest (seconds per GB): resolve a source once and
+    pass the :class:`ModelSource` on; ``verify=False`` reads the description alone."""
     path = Path(path)
     if is_model_folder(path):
         try:
@@ -51,5 +53,5 @@ def model_source(path: str | os.PathLike) -> ModelSource:
                                d.get("mlflow_run_id"), d.get("tables", {}), d.get("quantize", "none"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise BundleError(f"{path / 'model.json'}: cannot read the model description ({e})") from None
-    run = checkpoint_run(path)
+    run = checkpoint_run(path, verify)
     return ModelSource(run.path, run.model_cfg, run.data, run.store.meta, run.store.root, run.mlflow_run_id, None)

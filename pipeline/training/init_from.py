@@ -40,14 +40,19 @@ from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import read_vocabulary
 from pipeline.runtime.errors import BundleError, ConfigError
 from pipeline.serving import table_files
-from pipeline.serving.source import is_model_folder, model_source
+from pipeline.serving.source import ModelSource, is_model_folder, model_source
 from pipeline.serving.weights import read_weights
 
 
-def source_weights(path: str | Path, table_dir: Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
+def init_source(path: str | None) -> ModelSource | None:
+    """The model folder or checkpoint ``trainer.init_from`` names, resolved and checked once per run (a
+    checkpoint's files are hashed against its manifest); every step below takes this, not the path."""
+    return model_source(path) if path else None
+
+
+def source_weights(source: ModelSource, table_dir: Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
     """(full state dict, feature spec) of a model folder or checkpoint; tables mapped from files (a
     checkpoint's are read into ``table_dir``)."""
-    source = model_source(path)
     return read_weights(source, table_dir), FeatureSpec.from_store_meta(source.store_meta)
 
 
@@ -58,24 +63,19 @@ def check_optimizer_source(path: str | None, parts: str) -> None:
                           f"set trainer.init_from to a checkpoint directory (the earlier run's trainer.checkpoint.dir)")
 
 
-def source_optimizer_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], FeatureSpec]:
+def source_optimizer_state(source: ModelSource) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], FeatureSpec]:
     """(fused embedding-optimizer state ``{"<parameter>/<state>": full tensor}``, rank 0's optimizer
     state ``{"[<member>/]state/<i>/<name>": tensor}``, feature spec) of a checkpoint."""
-    source = model_source(path)
     return (full_model_state(source.path, "fused_optimizer/"),
             full_model_state(source.path, "rank0/optimizer_states/0/"), FeatureSpec.from_store_meta(source.store_meta))
 
 
-def lineage_tags(path: str | None) -> dict[str, str]:
-    """MLflow tags of a run started from ``path``: the source and, where known, its MLflow run."""
-    if not path:
+def lineage_tags(source: ModelSource | None) -> dict[str, str]:
+    """MLflow tags of a run started from ``source``: its path and, where known, its MLflow run."""
+    if source is None:
         return {}
-    tags = {"ctr.init_from": str(Path(path).resolve())}
-    try:
-        run_id = model_source(path).mlflow_run_id
-    except (OSError, ValueError, KeyError):
-        run_id = None  # the run itself reports an unreadable source, with its path
-    return {**tags, **({"ctr.parent_run_id": run_id} if run_id else {})}
+    tags = {"ctr.init_from": str(source.path.resolve())}
+    return {**tags, **({"ctr.parent_run_id": source.mlflow_run_id} if source.mlflow_run_id else {})}
 
 
 def _segments(spec: FeatureSpec, name: str) -> dict[str, tuple[int, int]]:
@@ -150,12 +150,12 @@ def _copy_table(value: Any, key: str, old: torch.Tensor, source: np.ndarray) -> 
 
 
 @torch.no_grad()
-def initialize_from(model: nn.Module, path: str | Path, spec: FeatureSpec,
+def initialize_from(model: nn.Module, source: ModelSource, spec: FeatureSpec,
                     reused: dict[str, np.ndarray] | None = None) -> None:
-    """Copy the weights of ``path`` into the (sharded) ``model`` of a run with ``spec`` (``reused``: see
+    """Copy the weights of ``source`` into the (sharded) ``model`` of a run with ``spec`` (``reused``: see
     :func:`row_sources`). The source's MLflow run is named by :func:`lineage_tags`."""
     with tempfile.TemporaryDirectory(prefix="ctr-init-from-") as scratch:
-        _initialize(model, path, spec, reused, *source_weights(path, Path(scratch)))
+        _initialize(model, source.path, spec, reused, *source_weights(source, Path(scratch)))
 
 
 def _initialize(model: nn.Module, path: str | Path, spec: FeatureSpec, reused: dict[str, np.ndarray] | None,
@@ -191,9 +191,9 @@ def _optimizer_state(flat: dict[str, torch.Tensor], member: str | None) -> dict[
 
 
 @torch.no_grad()
-def carry_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, spec: FeatureSpec,
-                          parts: str, reused: dict[str, np.ndarray] | None = None) -> None:
-    """Load the optimizer state of the checkpoint ``path`` named by ``parts`` (module docstring) into this
+def carry_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, source: ModelSource,
+                          spec: FeatureSpec, parts: str, reused: dict[str, np.ndarray] | None = None) -> None:
+    """Load the optimizer state of the checkpoint ``source`` named by ``parts`` (module docstring) into this
     run's fused embedding optimizer and its ``optimizer`` (a torch optimizer or an ``OptimizerChain``
     with members ``dense`` and ``embedding``), mapping table rows as :func:`initialize_from` does."""
     from modules.optimizers import replicated_parameters
@@ -201,7 +201,7 @@ def carry_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, pa
     if parts == "none":
         return
     setting = f"trainer.init_from_optimizer={parts}"
-    fused_old, flat, old_spec = source_optimizer_state(path)
+    fused_old, flat, old_spec = source_optimizer_state(source)
 
     def rows_of(name: str, value: Any) -> np.ndarray:
         return row_sources(name, old_spec, spec, value.size()[0], reused)
@@ -246,4 +246,4 @@ def carry_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, pa
                         state[i][name] = t.clone()
             opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
     except BundleError as e:
-        raise BundleError(f"{setting} ({path}): {e}") from None
+        raise BundleError(f"{setting} ({source.path}): {e}") from None

@@ -27,7 +27,7 @@ from pipeline.runtime.numa import bind_to_gpu_numa_node
 from pipeline.runtime.signals import Preempted, SignalGuard
 from pipeline.tracking.store import logging_run, start_logger
 from pipeline.tracking.sweeps import sweep_job_tags
-from pipeline.training.init_from import check_optimizer_source, lineage_tags
+from pipeline.training.init_from import check_optimizer_source, init_source, lineage_tags
 from pipeline.training.publish import publish, register_model, run_result
 from pipeline.training.result import RunResult
 from pipeline.training.task import CTRTask
@@ -44,9 +44,10 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     t = run_cfg.trainer
     ckpt_path, run_id = resume_checkpoint(t.resume, t.checkpoint.dir)
     check_optimizer_source(t.init_from, t.init_from_optimizer)
-    logger = start_logger(run_cfg.logger, output_dir, run_id, {**sweep_job_tags(), **lineage_tags(t.init_from)})
+    source = init_source(t.init_from) if ckpt_path is None else None  # checked once; a resumed run has its weights
+    logger = start_logger(run_cfg.logger, output_dir, run_id, {**sweep_job_tags(), **lineage_tags(source)})
     datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed)
-    task = CTRTask(run_cfg, topology, resume_from=ckpt_path)
+    task = CTRTask(run_cfg, topology, resume_from=ckpt_path, init_from=source)
     guard = SignalGuard(t.preemption)
     callbacks = build_callbacks(run_cfg, topology, guard, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])
     trainer = build_trainer(run_cfg, topology, callbacks, logger, output_dir)

@@ -33,8 +33,8 @@ from modules.topology import TopologySpec
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap
-from pipeline.serving.source import model_source
-from pipeline.training.init_from import carry_optimizer_state, initialize_from, reused_positions
+from pipeline.serving.source import ModelSource, model_source
+from pipeline.training.init_from import carry_optimizer_state, init_source, initialize_from, reused_positions
 from pipeline.training.metrics import CTRMetrics
 from pipeline.training.nonfinite import NonFiniteGuard
 
@@ -42,11 +42,13 @@ log = logging.getLogger(__name__)
 
 
 class CTRTask(L.LightningModule):
-    def __init__(self, cfg: RunConfig, topology: TopologySpec, resume_from: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, topology: TopologySpec, resume_from: str | None = None,
+                 init_from: ModelSource | None = None) -> None:
         super().__init__()
         self.resume_from = resume_from  # the checkpoint fit() resumes (trainer.ckpt_path is set only later)
         self.model_cfg = cfg.model
-        self.init_from = cfg.trainer.init_from
+        # trainer.init_from, resolved and checked once per run (the caller's, else here); unused when resuming
+        self.init_from = init_from if init_from is not None or resume_from else init_source(cfg.trainer.init_from)
         self.init_from_optimizer = cfg.trainer.init_from_optimizer
         self.topology = topology  # as run: this world's ranks per node and nodes
         self.data_parallel = not cfg.trainer.merging.enabled  # k-step merging averages the replicas itself
@@ -118,10 +120,10 @@ class CTRTask(L.LightningModule):
         """``model.stack_tables`` decided (:mod:`modules.table_stacking`). A resumed run, or one started with
         ``trainer.init_from``, keeps the layout of the checkpoint or model it continues under ``auto``: its
         rows and optimizer state then map one to one."""
-        source = self.resume_from or self.init_from
+        source = model_source(self.resume_from, verify=False) if self.resume_from else self.init_from
         if source and self.model_cfg.stack_tables == "auto":
-            cfg = replace(self.model_cfg, stack_tables=model_source(source).model_cfg.stack_tables)
-            why = f"as {source}"
+            cfg = replace(self.model_cfg, stack_tables=source.model_cfg.stack_tables)
+            why = f"as {source.path}"
         else:
             cfg, why = decide_stacking(self.model_cfg, data.feature_spec, self.topology, self.embedding_optim,
                                        data.coverage, self.batch_rows * self.topology.world_size)
