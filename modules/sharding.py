@@ -183,17 +183,18 @@ def file_backed_names(placements: Mapping[str, Placement]) -> set[str]:
 
 def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
                coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False,
-               table_of: Mapping[str, str] | None = None, batch_rows: int = 0) -> PlanResult:
+               table_of: Mapping[str, str] | None = None, batch_rows: int = 0, eval_rows: int = 0) -> PlanResult:
     """Place every table on a tier and plan its sharding over ``topology.world_size`` ranks (a topology
     :meth:`~modules.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts.
-    ``batch_rows``: the most samples one kernel sees at once (sizes the ``ssd`` tier's row caches)."""
+    ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once in a training / evaluation step
+    (the larger sizes the ``ssd`` tier's row caches; both the step's working set)."""
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
-    process = process_bytes(model, batch_rows, topology.world_size)
+    process = process_bytes(model, batch_rows, topology.world_size, eval_rows)
     for ebc in ebcs.values():
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
-                                       process, batch_rows))
+                                       process, max(batch_rows, eval_rows)))
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
     # on CPU the planner would count file-backed tables against host memory: those plans are built here
@@ -211,22 +212,26 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
 
 
 STEP_COPIES = 4  # activations, their gradients, masks and the allocator's slack: measured +300 MB for DeepFM at
-                 # batch 8,192 / eval 16,384 (docs/scale.md), estimated 424 MB by this rule
+                 # batch 8,192 / eval 16,384 (docs/scale.md), estimated 216 MB by this rule
+EVAL_COPIES = 2  # an evaluation step keeps no activations for a backward: a layer's input and output
 
 
-def step_bytes(model: nn.Module, batch_rows: int) -> int:
-    """What a training step adds to the process, estimated for ``batch_rows`` samples: ``STEP_COPIES`` float32
-    copies of every Linear layer's output and of the looked-up rows (outputs of the collections)."""
+def step_bytes(model: nn.Module, batch_rows: int, eval_rows: int = 0) -> int:
+    """What a step adds to the process, the larger of a training step of ``batch_rows`` samples and an
+    evaluation step of ``eval_rows``: ``STEP_COPIES`` (``EVAL_COPIES``) float32 copies of every Linear
+    layer's output and of the looked-up rows (outputs of the collections)."""
     widths = sum(m.out_features for m in model.modules() if isinstance(m, nn.Linear))
     rows = sum(c.embedding_dim * len(c.feature_names) for ebc in model.modules()
                if isinstance(ebc, (EmbeddingBagCollection, EmbeddingCollection)) for c in collection_tables(ebc))
-    return STEP_COPIES * 4 * batch_rows * (widths + rows)
+    return 4 * max(STEP_COPIES * batch_rows, EVAL_COPIES * eval_rows) * (widths + rows)
 
 
-def process_bytes(model: nn.Module, batch_rows: int, world_size: int) -> int:
+def process_bytes(model: nn.Module, batch_rows: int, world_size: int, eval_rows: int = 0) -> int:
     """What one training process holds besides its tables (the CPU host budget, :mod:`modules.placement`): its
-    resident memory now and what a step adds for its share of ``batch_rows`` (the samples of all ranks)."""
-    return own_resident_bytes() + step_bytes(model, batch_rows // max(1, world_size))
+    resident memory now and what a step adds for its share of ``batch_rows`` / ``eval_rows`` (the samples of
+    all ranks)."""
+    world = max(1, world_size)
+    return own_resident_bytes() + step_bytes(model, batch_rows // world, eval_rows // world)
 
 
 def without_fbgemm_bounds_check(plan: ShardingPlan) -> None:
@@ -254,7 +259,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
                 device: torch.device, data_parallel: bool = True,
                 coverage: Mapping[str, Mapping[float, int]] | None = None,
                 table_of: Mapping[str, str] | None = None,
-                batch_rows: int = 0) -> tuple[DistributedModelParallel, PlanResult]:
+                batch_rows: int = 0, eval_rows: int = 0) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
@@ -271,7 +276,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     world = dist.get_world_size()
     topology = topology.on_ranks(world)
     result = plan_model(model, embedding_optim, topology, coverage, collective=True, table_of=table_of,
-                        batch_rows=batch_rows * world)  # table-wise kernels see every rank's batch
+                        batch_rows=batch_rows * world, eval_rows=eval_rows * world)  # table-wise kernels: every rank's batch
     if device.type == "cpu":
         without_fbgemm_bounds_check(result.plan)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()

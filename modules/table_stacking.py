@@ -28,9 +28,9 @@ from modules.topology import TopologySpec
 
 def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec, optimizer: OptimizerSpec,
                     coverage: Mapping[str, Mapping[float, int]] | None = None,
-                    batch_rows: int = 0) -> tuple[ModelConfig, str]:
+                    batch_rows: int = 0, eval_rows: int = 0) -> tuple[ModelConfig, str]:
     """``cfg`` with ``stack_tables`` true or false, and why. ``topology``: as run (its world size);
-    ``batch_rows``: the samples one kernel sees at once, as :func:`modules.sharding.plan_model` takes them
+    ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once, as :func:`modules.sharding.plan_model` takes them
     (the tables are placed as the plan will place them). Leaves the random state as it was: ``auto``
     trains the same model as the value it resolves to."""
     if cfg.stack_tables != "auto":
@@ -45,7 +45,8 @@ def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec,
         try:
             placements = place_tables(table_infos(ebc, coverage), topology, optimizer.name,
                                       is_fusable(optimizer, topology.compute_device),
-                                      process_bytes(net, batch_rows, topology.world_size), batch_rows)
+                                      process_bytes(net, batch_rows, topology.world_size, eval_rows),
+                                      max(batch_rows, eval_rows))
             why = stacking_blocker(placements, tables, topology)
         except PlacementError as e:  # the plan of the unstacked model says it again
             why = f"the tables cannot be placed ({e})"

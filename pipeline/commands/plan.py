@@ -47,12 +47,12 @@ def plan_for_config(cfg: DictConfig) -> str:
     topology = run.topology.for_world(run.topology.world_size, run.topology.ranks_per_node or 1)
     feature_spec, coverage = spec_and_coverage(run.data, run.paths.cache_dir)
     optim = run.optim.embedding
-    # row caches sized as training sizes them (CTRTask): the larger batch, on every rank
-    batch_rows = max(run.trainer.batch_size, run.trainer.eval_batch_size) * topology.world_size
-    model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage, batch_rows)
+    # row caches and the step's working set as training sizes them (CTRTask): both batches, every rank's
+    batch_rows, eval_rows = (n * topology.world_size for n in (run.trainer.batch_size, run.trainer.eval_batch_size))
+    model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage, batch_rows, eval_rows)
     model = build_model(model_cfg, feature_spec, device=torch.device("meta"))
     result = plan_model(model, optim, topology, coverage, table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse},
-                        batch_rows=batch_rows)
+                        batch_rows=batch_rows, eval_rows=eval_rows)
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "

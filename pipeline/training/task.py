@@ -60,7 +60,7 @@ class CTRTask(L.LightningModule):
         self.l2_scope = cfg.optim.embedding_l2_scope
         self.warmup_epochs = cfg.scaling.warmup_epochs
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
-        self.batch_rows = max(cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank, at most
+        self.batch_rows = (cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank: training, evaluation
         self.lr_factor = 1.0
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
@@ -102,7 +102,7 @@ class CTRTask(L.LightningModule):
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.data_parallel, coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},
-                                            batch_rows=self.batch_rows)
+                                            batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1])
         if self.init_from and not self.resume_from:  # a resumed run takes its own checkpoint's weights
             store = data.store
             self._reused = reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
@@ -126,7 +126,7 @@ class CTRTask(L.LightningModule):
             why = f"as {source.path}"
         else:
             cfg, why = decide_stacking(self.model_cfg, data.feature_spec, self.topology, self.embedding_optim,
-                                       data.coverage, self.batch_rows * self.topology.world_size)
+                                       data.coverage, *(n * self.topology.world_size for n in self.batch_rows))
         if self.model_cfg.stack_tables == "auto":
             log.info("model.stack_tables=auto: %s (%s)", str(cfg.stack_tables).lower(), why)
         return cfg
