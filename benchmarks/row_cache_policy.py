@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from modules.placement import MIN_SLOTS_PER_ID  # noqa: E402
 from modules.row_init import RowInit  # noqa: E402
-from modules.ssd_tier.row_cache import WAYS, BackingTable, CacheTooSmallError, RowCache  # noqa: E402
+from modules.ssd_tier.backing import BackingTable  # noqa: E402
+from modules.ssd_tier.row_cache import WAYS, CacheTooSmallError, RowCache  # noqa: E402
 from pipeline.config import compose_run_config  # noqa: E402
 from pipeline.data.sources import prepare_store  # noqa: E402
 

@@ -29,6 +29,7 @@ dict handling TorchRec gives the fused kernel.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -36,7 +37,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 from torch import nn
 
-from modules.ssd_tier.row_cache import WAYS, BackingTable, CacheStats, RowCache
+from modules.ssd_tier.backing import BackingTable, CacheStats
+from modules.ssd_tier.row_cache import WAYS, RowCache
 from modules.row_init import RowInit
 from modules.sharded_kernels import kernels
 
@@ -52,9 +54,9 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
 
     @classmethod
     def attach(cls, tbe: SplitTableBatchedEmbeddingBagsCodegen, kwargs: dict[str, Any], slots: Sequence[int],
-               inits: Sequence[RowInit], policy: str) -> "CachedRowsTBE":
+               inits: Sequence[RowInit], policy: str, spill: Path | None = None) -> "CachedRowsTBE":
         """Turn a built file-backed ``tbe`` (constructor ``kwargs``) into this class: ``slots`` cache rows per
-        table (rounded up to whole sets), ``inits`` each table's initialiser."""
+        table (rounded up to whole sets), ``inits`` each table's initialiser, ``spill`` the spill log's file."""
         tbe.__class__ = cls
         self: CachedRowsTBE = tbe  # type: ignore[assignment]
         slots = [max(WAYS, -(-n // WAYS) * WAYS) for n in slots]
@@ -71,7 +73,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         backing = [BackingTable(outer[t], states[t], inits[t], int(row), int(col), int(width))
                    for t, (_, width, row, col) in enumerate(info)]
         self._inner = [inner]
-        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy)
+        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy, spill)
         self._first_of_feature = torch.tensor([int(self.cache.first[t]) for t in self.feature_table_map])
         return self
 

@@ -15,8 +15,9 @@ File-backed tables sit in TBEs of their own: their parameter shardings carry a c
 (FP32, what the CPU kernels use anyway) that no host table carries, and TorchRec groups tables into
 TBEs by their fused parameters.
 
-Files: ``<path>/rank<r>/<table>[+<table>...].<state>.f32`` (state ``weights`` or ``momentum1``),
-re-created by each run (a resumed run loads the checkpoint into them).
+Files: ``<path>/rank<r>/<table>[+<table>...].<state>.f32`` (state ``weights`` or ``momentum1``) and the
+row cache's spill log ``<table>[+<table>...].spill`` (:mod:`.spill_log`), re-created by each run (a
+resumed run loads the checkpoint into them).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathL
             kwargs["preallocated_host_buffers"] = buffers
             original(self, *args, **kwargs)
             slots = [min(tables[n].slots, rows) for n, (rows, *_) in zip(names, specs)]
-            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy)
+            spill = stem.with_name(f"{stem.name}.spill")
+            made.append(spill)
+            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy, spill)
             return
         if names and set(names) & set(tables):
             raise RuntimeError(f"a TBE mixes file-backed and in-memory tables: {names} (ssd: {sorted(tables)})")

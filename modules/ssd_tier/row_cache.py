@@ -21,8 +21,9 @@ and is refused with a message (the cache is then too small for the batch: the pi
 batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ID`).
 
 Rows go to and from the file through its shared memory map (:func:`modules.ssd_tier.files.mapped_file`), sorted by
-file offset: misses are read in the call that needs them, evicted dirty rows are written by a
-background thread while the step goes on (a read from the file waits for it first). The cache absorbs
+file offset: misses are read in the call that needs them. Evicted dirty rows are appended to a spill
+log (:mod:`modules.ssd_tier.spill_log`; without one, written home) by a background thread while the step
+goes on (a read from the files waits for it first); :meth:`RowCache.flush` brings the files up to date. The cache absorbs
 the repeated updates of hot rows, so the file sees one write per eviction of a dirty row instead of a
 dirty 4 KiB page per update.
 Which rows the file holds is one bit per row (``written``).
@@ -35,13 +36,14 @@ eviction), OneFlow OneEmbedding (cached SSD store).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from modules.row_init import RowInit
+from modules.ssd_tier.backing import BackingTable, CacheStats
+from modules.ssd_tier.spill_log import SpillLog, records, split_records
 
 POLICIES = ("lru", "lfu")
 WAYS = 32
@@ -54,50 +56,6 @@ class CacheTooSmallError(RuntimeError):
     """More distinct rows of one batch fall into one cache set than it has ways."""
 
 
-@dataclass
-class CacheStats:
-    """Counts since the last :meth:`take` (rows are unique rows of a call)."""
-
-    lookups: int = 0
-    hits: int = 0
-    rows_read: int = 0     # misses read from the file
-    rows_drawn: int = 0    # misses never written to the file: drawn from their initialiser
-    rows_written: int = 0  # dirty rows written back
-
-    def add(self, other: "CacheStats") -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def take(self) -> "CacheStats":
-        out = CacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-        for f in fields(self):
-            setattr(self, f.name, 0)
-        return out
-
-
-@dataclass
-class BackingTable:
-    """The table (shard) behind a cache: views of its rows in the files, its initialiser, and where the shard
-    sits in the whole table (first row and column, the table's width)."""
-
-    weights: torch.Tensor        # [rows, D] (a view of the memory-mapped weights file)
-    states: list[torch.Tensor]   # optimizer state views, [rows] or [rows, D]
-    init: RowInit
-    row_offset: int = 0
-    col_offset: int = 0
-    table_dim: int | None = None
-
-    @property
-    def rows(self) -> int:
-        return self.weights.shape[0]
-
-    def draw(self, rows: torch.Tensor) -> torch.Tensor:
-        """The initial values of the shard's ``rows``."""
-        dim = self.weights.shape[1]
-        full = self.init.rows(rows + self.row_offset, self.table_dim or dim)
-        return full[:, self.col_offset:self.col_offset + dim]
-
-
 class RowCache:
     """The row caches of one table batch's tables, as one set-associative structure: table t owns the sets
     ``[o_t, o_t + S_t)`` and a row ℓ of it sits in set ``o_t + ℓ mod S_t``; its slots are the rows of its slot
@@ -106,7 +64,7 @@ class RowCache:
     and admitted with one set of vectorised operations (module docstring)."""
 
     def __init__(self, tables: Sequence[BackingTable], weights: Sequence[torch.Tensor],
-                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu") -> None:
+                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu", spill: Path | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"topology.ssd.cache_policy={policy!r}: expected one of {POLICIES}")
         if any(w.shape[0] % WAYS for w in weights):
@@ -126,6 +84,7 @@ class RowCache:
         self.stats = CacheStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
         self._pending: Future | None = None
+        self.log = SpillLog(spill, len(self.tables)) if spill is not None else None
 
     @property
     def slots(self) -> int:
@@ -187,7 +146,7 @@ class RowCache:
         old = self.keys.view(-1)[victim]
         back = self.dirty.view(-1)[victim] & (old >= 0)
         if bool(back.any()):
-            self._write(old[back], victim[back])
+            (self._spill if self.log is not None else self._write)(old[back], victim[back])
         self._read(ids, victim)
         self.keys.view(-1)[victim] = ids
         self._touch(victim, dirty, admitted=True)
@@ -220,20 +179,39 @@ class RowCache:
         for t, rows, local in self._by_table(ids, slots):
             table, weights, states = self.tables[t], self.weights[t], self.states[t]
             on_file = self._is_written(t, rows)
+            drawn = ~on_file
             if bool(on_file.any()):
                 self.drain()  # a row written back a moment ago may be among them
+                if self.log is not None:
+                    on_file &= ~self._read_spilled(t, rows, local, on_file)
                 r, s = rows[on_file], local[on_file]
                 weights[s] = table.weights[r]
                 for cache, file in zip(states, table.states):
                     cache[s] = file[r]
                 self.stats.rows_read += int(r.numel())
-            drawn = ~on_file
             if bool(drawn.any()):
                 r, s = rows[drawn], local[drawn]
                 weights[s] = table.draw(r)
                 for cache in states:
                     cache[s] = 0.0
                 self.stats.rows_drawn += int(r.numel())
+
+    def _read_spilled(self, t: int, rows: torch.Tensor, local: torch.Tensor, on_file: torch.Tensor) -> torch.Tensor:
+        """Fill the slots of those of ``rows`` (``on_file``) the spill log holds; returns which they were."""
+        offsets = torch.from_numpy(self.log.find(t, rows.numpy()))
+        found = on_file & (offsets >= 0)
+        if bool(found.any()):
+            states = self.states[t]
+            weights, values = split_records(self.log.read(offsets[found].numpy(), self._record_floats(t)),
+                                            self.weights[t].shape[1], states)
+            self.weights[t][local[found]] = weights
+            for cache, v in zip(states, values):
+                cache[local[found]] = v
+            self.stats.rows_read += int(found.sum())
+        return found
+
+    def _record_floats(self, t: int) -> int:
+        return self.weights[t].shape[1] + sum(s[0].numel() if s.dim() > 1 else 1 for s in self.states[t])
 
     def _write(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``slots`` back to rows ``ids`` of the files, in file order, in the background: their values are
@@ -248,6 +226,18 @@ class RowCache:
         self.drain()
         self._pending = self._writer.submit(_store_rows, jobs)
 
+    def _spill(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """:meth:`_write`, appending the rows to the spill log instead of their home in the files."""
+        jobs = []
+        for t, rows, local in self._by_table(ids, slots):
+            data = records(self.weights[t][local], [cache[local] for cache in self.states[t]])
+            jobs.append((self.log.reserve(t, rows.numpy(), data.shape[1] * 4), data))
+            self._mark_written(t, rows)
+        self.stats.rows_written += int(ids.numel())
+        self.dirty.view(-1)[slots] = False
+        self.drain()
+        self._pending = self._writer.submit(lambda: [self.log.write(start, data) for start, data in jobs])
+
     def drain(self) -> None:
         """Wait for the write-back under way (and raise its error, if any)."""
         if self._pending is not None:
@@ -256,7 +246,17 @@ class RowCache:
 
     # -- the whole cache ----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Write every dirty row back to the files (they stay cached, clean)."""
+        """Write the spill log's rows home, then every dirty row (they stay cached, clean): the files hold every
+        row written since the start."""
+        if self.log is not None:
+            self.drain()
+            for t, table in enumerate(self.tables):
+                rows, offsets = self.log.entries(t)
+                for a in range(0, len(rows), BLOCK_ROWS):
+                    weights, states = split_records(self.log.read(offsets[a:a + BLOCK_ROWS], self._record_floats(t)),
+                                                    table.weights.shape[1], table.states)
+                    _store_rows([(table, torch.from_numpy(rows[a:a + BLOCK_ROWS]), weights, states)])
+            self.log.clear()
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
             self._write(self.keys.view(-1)[slots], slots)
@@ -279,6 +279,8 @@ class RowCache:
         """Forget every slot without writing it back: the files were written from outside (a checkpoint
         or ``init_from`` loaded into them) and hold every row."""
         self.drain()
+        if self.log is not None:
+            self.log.clear()  # what it held is stale
         self.keys.fill_(-1)
         self.dirty.fill_(False)
         self.used.zero_()

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from modules.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
-from modules.ssd_tier.row_cache import CacheStats
+from modules.ssd_tier.backing import CacheStats
 from modules.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding import is_table_parameter
 from modules.embedding_l2 import DecayRule

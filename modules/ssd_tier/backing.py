@@ -1,0 +1,54 @@
+"""What a row cache works on and counts: the table (shard) behind it (:class:`BackingTable`: views of its rows
+in the memory-mapped files and its initialiser) and the cache's counts (:class:`CacheStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from modules.row_init import RowInit
+
+
+@dataclass
+class CacheStats:
+    """Counts since the last :meth:`take` (rows are unique rows of a call)."""
+
+    lookups: int = 0
+    hits: int = 0
+    rows_read: int = 0     # misses read from the file
+    rows_drawn: int = 0    # misses never written to the file: drawn from their initialiser
+    rows_written: int = 0  # dirty rows written back
+
+    def add(self, other: "CacheStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def take(self) -> "CacheStats":
+        out = CacheStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        for f in fields(self):
+            setattr(self, f.name, 0)
+        return out
+
+
+@dataclass
+class BackingTable:
+    """The table (shard) behind a cache: views of its rows in the files, its initialiser, and where the shard
+    sits in the whole table (first row and column, the table's width)."""
+
+    weights: torch.Tensor        # [rows, D] (a view of the memory-mapped weights file)
+    states: list[torch.Tensor]   # optimizer state views, [rows] or [rows, D]
+    init: RowInit
+    row_offset: int = 0
+    col_offset: int = 0
+    table_dim: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.weights.shape[0]
+
+    def draw(self, rows: torch.Tensor) -> torch.Tensor:
+        """The initial values of the shard's ``rows``."""
+        dim = self.weights.shape[1]
+        full = self.init.rows(rows + self.row_offset, self.table_dim or dim)
+        return full[:, self.col_offset:self.col_offset + dim]
