@@ -227,7 +227,7 @@ def table_scale(args: argparse.Namespace) -> None:
             ssd["cache"] = row_cache_line(ssd["out"])
             ssd["peak_mb"] = int((group / "memory.max_usage_in_bytes").read_text()) / 2**20
             (group / "memory.max_usage_in_bytes").write_text("0")
-            files = sum(f.stat().st_blocks * 512 for f in (ssd_dir / "files").rglob("*.f32")) / 2**30
+            files = sum(f.stat().st_blocks * 512 for f in (ssd_dir / "files").rglob("*") if f.is_file()) / 2**30  # tables and spill logs
             lines.append((fraction, gib, limit, host, ssd, files))
             print(f"fraction {fraction}: tables {gib:.2f} GiB, limit {limit:.2f} GiB: host "
                   f"{host['result']['samples_per_s']:,.0f}/s, ssd {ssd['result']['samples_per_s']:,.0f}/s "
