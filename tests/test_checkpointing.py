@@ -71,6 +71,10 @@ def straight_run(ckpt_overrides, tmp_path_factory):
     return result, _tensors(final), tmp / "ckpt"
 
 
+# slow: 18 s; a process killed at step 33 and resume=auto ending on the straight run's tensors and its MLflow run:
+# test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory (2 ranks, the same kill),
+# tests/test_preemption.py::test_sigterm_mid_epoch_checkpoints_exits_143_and_resumes_exactly (1 process)
+@pytest.mark.slow
 def test_stop_and_resume_mid_epoch_gives_identical_parameters_and_metrics(ckpt_overrides, straight_run, tmp_path):
     ckpt = tmp_path / "ckpt"
     # the process is stopped (killed) at step 33, mid-epoch 2; the last checkpoint is step 30
