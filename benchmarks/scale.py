@@ -2,7 +2,8 @@
 
     python benchmarks/scale.py data --rows 5000000 20000000 45000000
     python benchmarks/scale.py tables --limit-gb 2 --fractions 0.25 1 2 4 8 --rows 1000000
-    python benchmarks/scale.py tables --vocab-rows 5000000 --fractions 2 --max-steps 400
+    python benchmarks/scale.py tables --vocab-rows 4000000 --fractions 2 --max-steps 400 --set \
+        data.preprocess.min_count=1 data.synthetic.zipf_exponent=1.05 "data.synthetic.cardinalities=[20000000,...]"
 
 ``data``: generated Criteo-format logs (Criteo Kaggle's per-field cardinalities, Zipf ids; the
 synthetic generator) of each size, DeepFM dim 16, 1 epoch. Per size: preprocessing seconds, rows/s and
@@ -204,7 +205,7 @@ def table_scale(args: argparse.Namespace) -> None:
             common = [f"paths.cache_dir={work / 'cache'}", "logger.log_model=false", f"trainer.batch_size={args.batch_size}",
                       f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}", "trainer.max_epochs=1"]
             if args.vocab_rows:
-                data = [f"data.synthetic.rows={args.vocab_rows}"]
+                data = [f"data.synthetic.rows={args.vocab_rows}", *args.set]
                 sizes = prepare(data)["table_sizes"]
                 gib = sum(n * 4 * (16 + 1) for n in sizes.values()) / 2**30 + \
                     sum(sizes.values()) * 4 * (4 + 1) / 2**30  # tables + the first-order table, row-wise state
@@ -213,7 +214,7 @@ def table_scale(args: argparse.Namespace) -> None:
             else:
                 buckets = int(fraction * args.limit_gb * 2**30 / BYTES_PER_HASH_ROW)
                 data = [f"data.synthetic.rows={args.rows}", "data.preprocess.categorical=hash",
-                        f"data.preprocess.hash_buckets={buckets}"]
+                        f"data.preprocess.hash_buckets={buckets}", *args.set]
                 prepare(data)
                 gib, limit = buckets * BYTES_PER_HASH_ROW / 2**30, args.limit_gb
                 common += data
@@ -263,6 +264,8 @@ def main() -> None:
     t.add_argument("--vocab-rows", type=int, default=None, help="size by this log's vocabulary instead of hashing")
     t.add_argument("--max-steps", type=int, default=1000)
     t.add_argument("--policy", default="lfu", choices=["lru", "lfu"], help="topology.ssd.cache_policy")
+    t.add_argument("--set", nargs="*", default=[], help="more data overrides, e.g. data.synthetic.zipf_exponent=1.05 "
+                   "'data.synthetic.cardinalities=[...]' data.preprocess.min_count=1 (large frequency-ordered vocabularies)")
     for q in (d, t):
         q.add_argument("--work", default=str(ROOT / ".cache" / "scale"))
         q.add_argument("--batch-size", type=int, default=8192)
