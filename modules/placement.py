@@ -60,7 +60,8 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
-SLOT_BOOKKEEPING_BYTES = 25  # per row-cache slot: int64 key, last use and uses, bool dirty (modules.ssd_tier.row_cache)
+SLOT_BOOKKEEPING_BYTES = 41  # per row-cache slot: int64 key, last use and uses, bool dirty (modules.ssd_tier.row_cache),
+                             # and the spill log's index, which holds at most one row per slot (16 bytes)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }

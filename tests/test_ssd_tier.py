@@ -29,17 +29,17 @@ def _cpu(ddr_gb: float, ssd_path: str | None, cache_mb: float | None = None, **o
 def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_hold_them(tmp_path):
     # bytes with row-wise Adagrad: rows · 4 · (16 + 1)
     tables = [TableInfo("a", 1_000, 16), TableInfo("b", 10_000, 16), TableInfo("c", 100, 16)]
-    budget = 174_800  # holds a (68,000 B) and c (6,800 B), not b (680,000 B); 100,000 B left for b's row cache
-    slot = 68 + 25  # a cache slot: the row with its state, and the cache's bookkeeping
+    budget = 224_800  # holds a (68,000 B) and c (6,800 B), not b (680,000 B); 150,000 B left for b's row cache
+    slot = 68 + 41  # a cache slot: the row with its state, the cache's bookkeeping and the spill log's index
     ddr = budget / 0.75 / GB
     placed = place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad")
     assert {n: p.tier for n, p in placed.items()} == {"a": "host", "b": "ssd", "c": "host"}
-    assert placed["b"].cache_rows == 100_000 // slot and placed["a"].cache_rows is None
+    assert placed["b"].cache_rows == 150_000 // slot and placed["a"].cache_rows is None
     # what the process holds itself is taken from the budget: the cache shrinks, then cannot be
     assert place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=4_000)["b"].cache_rows \
-        == 96_000 // slot
+        == 146_000 // slot
     with pytest.raises(PlacementError, match=r"tables on tier ssd get no row cache.*Raise topology.ddr_cap_gb"):
-        place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=50_000)
+        place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=50_000)  # < 1,024 slots
     assert place_tables(tables, _cpu(ddr, str(tmp_path), cache_mb=0.5), "rowwise_adagrad",
                         process_bytes=50_000)["b"].cache_rows == 2**19 // slot  # set outright
     forced = place_tables(tables, _cpu(1.0, str(tmp_path), c={"tier": "ssd"}), "sgd")

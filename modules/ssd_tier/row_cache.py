@@ -237,6 +237,23 @@ class RowCache:
         self.dirty.view(-1)[slots] = False
         self.drain()
         self._pending = self._writer.submit(lambda: [self.log.write(start, data) for start, data in jobs])
+        if self.log.records >= self.slots:  # bounded: as many records as slots, then home
+            self._write_log_home()
+
+    def _write_log_home(self) -> None:
+        """The spill log's rows (each its newest record) written to their homes in the files, sorted; the log
+        emptied."""
+        self.drain()
+        for t, table in enumerate(self.tables):
+            rows, offsets = self.log.entries(t)
+            order = np.argsort(offsets, kind="stable")  # the log read in order, the rows written in file order
+            for a in range(0, len(rows), BLOCK_ROWS):
+                part = order[a:a + BLOCK_ROWS]
+                records = self.log.read_sorted(offsets[part], self._record_floats(t))
+                by_row = torch.from_numpy(np.argsort(rows[part], kind="stable"))
+                weights, states = split_records(records[by_row], table.weights.shape[1], table.states)
+                _store_rows([(table, torch.from_numpy(rows[part])[by_row], weights, states)])
+        self.log.clear()
 
     def drain(self) -> None:
         """Wait for the write-back under way (and raise its error, if any)."""
@@ -249,14 +266,7 @@ class RowCache:
         """Write the spill log's rows home, then every dirty row (they stay cached, clean): the files hold every
         row written since the start."""
         if self.log is not None:
-            self.drain()
-            for t, table in enumerate(self.tables):
-                rows, offsets = self.log.entries(t)
-                for a in range(0, len(rows), BLOCK_ROWS):
-                    weights, states = split_records(self.log.read(offsets[a:a + BLOCK_ROWS], self._record_floats(t)),
-                                                    table.weights.shape[1], table.states)
-                    _store_rows([(table, torch.from_numpy(rows[a:a + BLOCK_ROWS]), weights, states)])
-            self.log.clear()
+            self._write_log_home()
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
             self._write(self.keys.view(-1)[slots], slots)

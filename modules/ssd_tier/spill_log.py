@@ -14,7 +14,10 @@ The home files are brought up to date when something reads them (:meth:`SpillLog
 flush), and the log starts empty again (:meth:`SpillLog.clear`).
 
 The index is, per table, sorted runs of (rows, offsets): each batch of spilled rows adds a run, and past
-``RUNS`` runs they are merged into one — 16 bytes per row in the log.
+``RUNS`` runs they are merged into one — 16 bytes per row in the log. The log is bounded: once it holds
+as many records as the cache has slots, the cache writes it home (sorted by row) and empties it, so the
+index takes at most 16 bytes per slot (counted by placement with the slot,
+:data:`modules.placement.SLOT_BOOKKEEPING_BYTES`) and the file stays small.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class SpillLog:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.size = 0
+        self.records = 0  # appended since the last clear (a row appended twice counts twice)
         self.runs: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(tables)]
 
     def reserve(self, t: int, rows: np.ndarray, record_bytes: int) -> int:
@@ -40,6 +44,7 @@ class SpillLog:
         into the index now (the bytes follow from :meth:`write`). Returns the first offset."""
         start = self.size
         self.size += len(rows) * record_bytes
+        self.records += len(rows)
         runs = self.runs[t]
         runs.append((rows.astype(np.int64), start + np.arange(len(rows), dtype=np.int64) * record_bytes))
         if len(runs) > RUNS:
@@ -60,6 +65,20 @@ class SpillLog:
             found = run_rows[at] == rows[left]
             out[np.flatnonzero(left)[found]] = offsets[at[found]]
         return out
+
+    def read_sorted(self, offsets: np.ndarray, record_floats: int, window: int = 32 << 20) -> torch.Tensor:
+        """:meth:`read` of many records, ``offsets`` ascending: the log read in order, ``window`` bytes a call."""
+        size = record_floats * 4
+        out = np.empty((len(offsets), record_floats), dtype=np.float32)
+        i = 0
+        while i < len(offsets):
+            start = int(offsets[i])
+            j = i + int(np.searchsorted(offsets[i:], start + max(window, size) - size, side="right"))
+            chunk = np.frombuffer(os.pread(self.fd, int(offsets[j - 1]) + size - start, start), dtype=np.uint8)
+            at = (offsets[i:j] - start)[:, None] + np.arange(size)[None, :]
+            out[i:j] = chunk[at].view(np.float32).reshape(j - i, record_floats)
+            i = j
+        return torch.from_numpy(out)
 
     def read(self, offsets: np.ndarray, record_floats: int) -> torch.Tensor:
         """[n, record_floats] float32 records at ``offsets``."""
@@ -85,7 +104,7 @@ class SpillLog:
     def clear(self) -> None:
         self.runs = [[] for _ in self.runs]
         os.ftruncate(self.fd, 0)
-        self.size = 0
+        self.size = self.records = 0
 
     def close(self) -> None:
         os.close(self.fd)
