@@ -104,12 +104,15 @@ class ScoringApp:
             await asyncio.sleep(self.settings.poll_s)
             try:
                 version, stamp = published(self.workdir)
-                if stamp == self._stamp or version == self.batcher.served.version:
-                    self._stamp = stamp
-                    continue
+            except (OSError, ValueError, TypeError):  # being replaced: the next poll reads it
+                continue
+            if stamp == self._stamp or version == self.batcher.served.version:
+                self._stamp = stamp
+                continue
+            try:
                 served = await loop.run_in_executor(None, load, version, self.workdir)
             except Exception:  # noqa: BLE001 — a version that does not load: keep serving the old one
-                log.exception("worker %d: cannot load the published version; still serving %s", os.getpid(),
+                log.exception("worker %d: cannot load %s; still serving %s", os.getpid(), version.label,
                               self.batcher.served.version.label)
                 self._stamp = stamp
                 continue
