@@ -36,6 +36,7 @@ eviction), OneFlow OneEmbedding (cached SSD store).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -146,7 +147,7 @@ class RowCache:
         old = self.keys.view(-1)[victim]
         back = self.dirty.view(-1)[victim] & (old >= 0)
         if bool(back.any()):
-            (self._spill if self.log is not None else self._write)(old[back], victim[back])
+            self._write(old[back], victim[back])
         self._read(ids, victim)
         self.keys.view(-1)[victim] = ids
         self._touch(victim, dirty, admitted=True)
@@ -213,31 +214,26 @@ class RowCache:
     def _record_floats(self, t: int) -> int:
         return self.weights[t].shape[1] + sum(s[0].numel() if s.dim() > 1 else 1 for s in self.states[t])
 
-    def _write(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``slots`` back to rows ``ids`` of the files, in file order, in the background: their values are
-        copied out now (the slots are about to be reused) and one writer thread stores them, while the step
-        goes on. They are clean afterwards; anything that reads the files waits for it (:meth:`drain`)."""
+    def _write(self, ids: torch.Tensor, slots: torch.Tensor, home: bool = False) -> None:
+        """Write ``slots`` back as rows ``ids``, in file order, in the background: appended to the spill log,
+        or with ``home`` (or no log) to their places in the files. Their values are copied out now (the slots
+        are about to be reused) and one writer thread stores them while the step goes on. They are clean
+        afterwards; anything that reads the files waits for it (:meth:`drain`)."""
+        to_log = self.log is not None and not home
         jobs = []
         for t, rows, local in self._by_table(ids, slots):
-            jobs.append((self.tables[t], rows, self.weights[t][local], [cache[local] for cache in self.states[t]]))
+            weights, states = self.weights[t][local], [cache[local] for cache in self.states[t]]
+            if to_log:
+                data = records(weights, states)
+                jobs.append(partial(self.log.write, self.log.reserve(t, rows.numpy(), data.shape[1] * 4), data))
+            else:
+                jobs.append(partial(_store_rows, [(self.tables[t], rows, weights, states)]))
             self._mark_written(t, rows)
         self.stats.rows_written += int(ids.numel())
         self.dirty.view(-1)[slots] = False
         self.drain()
-        self._pending = self._writer.submit(_store_rows, jobs)
-
-    def _spill(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """:meth:`_write`, appending the rows to the spill log instead of their home in the files."""
-        jobs = []
-        for t, rows, local in self._by_table(ids, slots):
-            data = records(self.weights[t][local], [cache[local] for cache in self.states[t]])
-            jobs.append((self.log.reserve(t, rows.numpy(), data.shape[1] * 4), data))
-            self._mark_written(t, rows)
-        self.stats.rows_written += int(ids.numel())
-        self.dirty.view(-1)[slots] = False
-        self.drain()
-        self._pending = self._writer.submit(lambda: [self.log.write(start, data) for start, data in jobs])
-        if self.log.records >= self.slots:  # bounded: as many records as slots, then home
+        self._pending = self._writer.submit(lambda: [job() for job in jobs])
+        if to_log and self.log.records >= self.slots:  # bounded: as many records as slots, then home
             self._write_log_home()
 
     def _write_log_home(self) -> None:
@@ -249,9 +245,9 @@ class RowCache:
             order = np.argsort(offsets, kind="stable")  # the log read in order, the rows written in file order
             for a in range(0, len(rows), BLOCK_ROWS):
                 part = order[a:a + BLOCK_ROWS]
-                records = self.log.read_sorted(offsets[part], self._record_floats(t))
+                logged = self.log.read_sorted(offsets[part], self._record_floats(t))
                 by_row = torch.from_numpy(np.argsort(rows[part], kind="stable"))
-                weights, states = split_records(records[by_row], table.weights.shape[1], table.states)
+                weights, states = split_records(logged[by_row], table.weights.shape[1], table.states)
                 _store_rows([(table, torch.from_numpy(rows[part])[by_row], weights, states)])
         self.log.clear()
 
@@ -269,7 +265,7 @@ class RowCache:
             self._write_log_home()
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
-            self._write(self.keys.view(-1)[slots], slots)
+            self._write(self.keys.view(-1)[slots], slots, home=True)
         self.drain()
 
     def materialise(self) -> None:

@@ -33,7 +33,6 @@ RUNS = 16
 
 class SpillLog:
     def __init__(self, path: Path, tables: int) -> None:
-        self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.size = 0
         self.records = 0  # appended since the last clear (a row appended twice counts twice)
@@ -105,9 +104,6 @@ class SpillLog:
         self.runs = [[] for _ in self.runs]
         os.ftruncate(self.fd, 0)
         self.size = self.records = 0
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 def records(weights: torch.Tensor, states: list[torch.Tensor]) -> np.ndarray:
