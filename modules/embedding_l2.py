@@ -164,6 +164,12 @@ class LazyRowsL2:
         self.lrs[step] = lr
         self.step = step
 
+    def restart_rows(self, module: nn.Module, table: int, rows: torch.Tensor) -> None:
+        """``rows`` of a kernel's ``table`` start afresh before this step (:mod:`modules.row_reset`): no decay owed."""
+        for kernel in self.kernels:
+            if kernel.module is module:
+                kernel.last[table][rows] = self.step - 1
+
     def _catch_up(self, kernel: _LazyKernel, table: int, rows: torch.Tensor, upto: int, cached: bool = True) -> None:
         """Apply the steps ``last + 1 … upto`` to ``rows`` of the kernel's ``table`` (through its row cache when
         the table has one and ``cached``; else in the table itself)."""

@@ -274,6 +274,10 @@ def check_runnable(run: RunConfig) -> None:
     if not run.data.declared():
         raise ConfigError(f"data.features is empty: declare the features of data={run.data.name} "
                           f"(see docs/datasets.md)")
+    zch, categorical = run.model.zch, run.data.preprocess.categorical
+    if zch.enabled != (categorical == "raw"):
+        raise ConfigError(f"model.zch.rows={zch.rows} with data.preprocess.categorical={categorical}: zero-collision "
+                          f"tables take raw ids and raw ids need them (set both, or neither)")
     if run.data.shape_only:
         raise ConfigError(f"data={run.data.name} describes a shape for planning only (ctr plan); "
                           f"train on a dataset with files")

@@ -19,6 +19,7 @@ from modules.embedding import FeatureSpec
 from modules.models.dcn import DCN
 from modules.models.deepfm import DeepFM
 from modules.models.wide_deep import WideDeep
+from modules.zch import ZchConfig
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "deepfm": DeepFM,
@@ -54,6 +55,9 @@ class ModelConfig:
     # second thread beside the MLP's weight gradients (modules/models/backward_overlap.py). Same gradients, float
     # rounding apart; false: one after the other
     overlap_embedding_backward: bool = True
+    # raw 64-bit ids (data.preprocess.categorical=raw) mapped to table rows without collisions, with eviction
+    # (modules/zch.py); rows 0: off
+    zch: ZchConfig = field(default_factory=ZchConfig)
 
     def __post_init__(self) -> None:
         if self.name not in MODELS:
@@ -71,11 +75,12 @@ class ModelConfig:
     def from_saved(cls, saved: dict) -> "ModelConfig":
         """The config a model folder or checkpoint recorded; one written before ``stack_tables`` existed
         has a table per feature."""
-        return cls(**{"stack_tables": False, **saved})
+        saved = {"stack_tables": False, **saved}
+        return cls(**{**saved, "zch": ZchConfig(**saved.get("zch", {}))})
 
     def arguments(self) -> dict:
         """The constructor's keyword arguments: everything set, but the name."""
-        return {k: v for k, v in asdict(self).items() if k != "name" and v is not None}
+        return {k: v for k, v in asdict(self).items() if k not in ("name", "zch") and v is not None}
 
 
 def build_model(cfg: ModelConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:

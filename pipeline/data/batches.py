@@ -71,7 +71,7 @@ def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_v
     b = len(rows)
     categorical = list(keys) if categorical is None else categorical
     if list(keys) == list(categorical):  # one id per bag everywhere: the id matrix, feature-major
-        sparse = rows_of(arrays.sparse, rows)  # [b, F] int32
+        sparse = rows_of(arrays.sparse, rows)  # [b, F] int32 (int64: raw ids)
         f = sparse.shape[1]
         kjt = KeyedJaggedTensor(keys=list(keys), values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),
                                 lengths=torch.ones(b * f, dtype=torch.int32), stride=b,
@@ -84,7 +84,7 @@ def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_v
                 n, ids = gather_bags(arrays.sequences[key], rows)
             else:
                 n, ids = np.ones(b, np.int64), onehot[:, list(categorical).index(key)]
-            values.append(ids.astype(np.int32, copy=False))
+            values.append(ids.astype(arrays.sparse.dtype, copy=False))
             lengths.append(n.astype(np.int32))
         per_key = [int(n.sum()) for n in lengths]
         kjt = KeyedJaggedTensor(keys=list(keys), values=torch.from_numpy(np.concatenate(values)),

@@ -12,14 +12,16 @@ from modules.embedding import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TA
 from pipeline.data.batches import BatchLoader
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import prepare_store, store_dir
-from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore
+from modules.zch import ZchConfig
+from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore, with_table_sizes
 from pipeline.data.vocab_files import read_vocabulary
 
 
 class CTRDataModule(L.LightningDataModule):
     def __init__(self, data: DataConfig, cache_dir: str | Path, batch_size: int, eval_batch_size: int,
-                 seed: int) -> None:
+                 seed: int, zch: ZchConfig | None = None) -> None:
         super().__init__()
+        self.zch = zch or ZchConfig()  # model.zch: sizes the tables of a raw store
         self.data_cfg = data
         self.cache_dir = Path(cache_dir)
         self.batch_size = batch_size
@@ -39,7 +41,13 @@ class CTRDataModule(L.LightningDataModule):
     @property
     def feature_spec(self) -> FeatureSpec:
         assert self.store is not None, "setup() first"
-        return FeatureSpec.from_store_meta(self.store.meta)
+        return FeatureSpec.from_store_meta(self.meta)
+
+    @property
+    def meta(self) -> dict:
+        """The store's meta, with the table sizes of a raw store (``model.zch``) filled in."""
+        assert self.store is not None, "setup() first"
+        return with_table_sizes(self.store.meta, self.zch)
 
     @property
     def coverage(self) -> dict[str, dict[float, int]]:

@@ -2,7 +2,8 @@
 serving path (:mod:`pipeline.serving.row_encoder`), so both encode a value the same way.
 
 * categorical and sequence values: their 64-bit key's position in the table's vocabulary + 2, OOV → 0,
-  missing → 1; or, hashed, ``2 + key mod buckets``;
+  missing → 1; or, hashed, ``2 + key mod buckets``; or, raw, a 63-bit id of (table, key)
+  (:func:`raw_ids`, missing → 0) that ``model.zch`` maps to a row while training (:mod:`modules.zch`);
 * numeric, per feature: ``log1p(max(x, 0))``, min-max ``(x - min) / (max - min)`` clipped to [0, 1], or
   none; missing → 0.
 """
@@ -13,7 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.data.store import FIRST_VOCAB_ID, MISSING_ID, OOV_ID
+from modules.row_init import table_key
+from pipeline.data.hashing import splitmix64
+from pipeline.data.store import FIRST_VOCAB_ID, MAX_RAW_ID, MISSING_ID, OOV_ID
 from pipeline.data.vocab_growth import VocabIndex
 
 
@@ -54,9 +57,25 @@ def hashed_ids(keys: np.ndarray, hash_buckets: int) -> np.ndarray:
     return ids
 
 
-def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: VocabIndex | None, hash_buckets: int) -> np.ndarray:
+def raw_ids(keys: np.ndarray, table: str) -> np.ndarray:
+    """int64 ids of a table's value keys with no vocabulary (``categorical: raw``):
+    ``splitmix64(key ^ splitmix64(table_key(table))) mod 2^63``, in [1, 2^63 − 2] (2^63 − 1 is the
+    managed-collision modules' empty slot); key 0 (missing) → 0. The table enters the id so that two
+    tables' values never share one (the ids of ads systems' "slot + value" features)."""
+    salt = splitmix64(np.uint64(table_key(table)))
+    ids = (splitmix64(np.asarray(keys, np.uint64) ^ salt) & np.uint64(MAX_RAW_ID)).astype(np.int64)
+    ids[ids == 0] = 1
+    ids[ids == MAX_RAW_ID] = MAX_RAW_ID - 1
+    ids[np.asarray(keys) == 0] = 0
+    return ids
+
+
+def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: VocabIndex | None, hash_buckets: int,
+               raw_table: str | None = None) -> np.ndarray:
     """Ids of one feature's values given as (distinct keys, code per value): only the distinct keys
-    are looked up (``index``: the table's vocabulary; None: hashing)."""
+    are looked up (``index``: the table's vocabulary; None: hashing; ``raw_table``: raw ids of that table)."""
+    if raw_table is not None:
+        return raw_ids(distinct, raw_table)[codes]
     if index is None:
         return hashed_ids(distinct, hash_buckets)[codes]
     return ids_of(distinct, index.positions_of(distinct))[codes]

@@ -197,18 +197,19 @@ class Pass1:
     truncated: dict[str, int]
 
 
-def _feature_keys(values: pa.Array, train: np.ndarray | None, codes_out: np.ndarray
-                  ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+def _feature_keys(values: pa.Array, train: np.ndarray | None, codes_out: np.ndarray, count: bool
+                  ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """One sparse feature of a block: writes its codes (one per value); returns its distinct keys and
-    the training (keys, counts)."""
+    the training (keys, counts) when ``count`` (not for raw ids)."""
     codes_out[:], distinct = factorized_string_keys(values)
-    return distinct, train_counts(codes_out, distinct, train)
+    return distinct, train_counts(codes_out, distinct, train) if count else None
 
 
 def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: Spill, pool: ThreadPoolExecutor) -> Pass1:
     """Parse every file once, in blocks; spill the rows to ``spill``; gather split sizes and statistics."""
     cfg = data.preprocess
     hashed = cfg.categorical == "hash"
+    count = cfg.categorical != "raw"  # raw ids: no statistics to gather, one pass over the values
     tables = Tables.of_data(data)
     n_dense = len(data.numeric)
     out = Pass1(spill, dict.fromkeys(SPLITS, 0), {s: [0] * len(data.sequence) for s in SPLITS},
@@ -221,7 +222,7 @@ def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: Spill,
         masks = [None if train.all() else train if lengths is None else np.repeat(train, lengths)
                  for lengths in block.lengths]
         codes = [np.empty(len(v), np.int32) for v in block.sparse]
-        per_feature = list(pool.map(lambda j: _feature_keys(block.sparse[j], masks[j], codes[j]),
+        per_feature = list(pool.map(lambda j: _feature_keys(block.sparse[j], masks[j], codes[j], count),
                                     range(len(codes))))
         out.spill.append(split, block, codes, [d for d, _ in per_feature])
         for name, code in SPLIT_CODES.items():
@@ -234,8 +235,8 @@ def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: Spill,
                 warnings.simplefilter("ignore", RuntimeWarning)
                 out.lo[minmax] = np.fmin(out.lo[minmax], np.nanmin(block.numeric[train][:, minmax], axis=0))
                 out.hi[minmax] = np.fmax(out.hi[minmax], np.nanmax(block.numeric[train][:, minmax], axis=0))
-        for j, (_, (k, c)) in enumerate(per_feature):
-            t = tables.of[j]
+        for j, (_, counted) in enumerate(per_feature if count else ()):
+            t, (k, c) = tables.of[j], counted
             if hashed:
                 out.bucket_counts[t] += np.bincount((k % np.uint64(cfg.hash_buckets)).astype(np.int64), weights=c,
                                                     minlength=cfg.hash_buckets).astype(np.int64)

@@ -28,7 +28,7 @@ class PreprocessConfig:
 
     min_count: int = 2
     split: SplitConfig = field(default_factory=SplitConfig)
-    categorical: str = "vocab"         # vocab | hash
+    categorical: str = "vocab"         # vocab | hash | raw (64-bit ids, no vocabulary: model.zch maps them to rows)
     hash_buckets: int = 1 << 20        # buckets per table with categorical=hash
     bad_rows: str = "error"            # error | skip
     block_size: int = 32 << 20         # bytes of text per parsed block
@@ -45,8 +45,11 @@ class PreprocessConfig:
     def __post_init__(self) -> None:
         if self.evict_after is not None and self.evict_after < 1:
             raise ValueError(f"evict_after={self.evict_after}: expected a number of days >= 1 or null")
-        if self.categorical not in ("vocab", "hash"):
-            raise ValueError(f"categorical={self.categorical!r}: expected 'vocab' or 'hash'")
+        if self.categorical not in ("vocab", "hash", "raw"):
+            raise ValueError(f"categorical={self.categorical!r}: expected 'vocab', 'hash' or 'raw'")
+        if self.categorical == "raw" and self.evict_after is not None:
+            raise ValueError(f"evict_after={self.evict_after} with categorical='raw': raw ids have no vocabulary to "
+                             f"evict from; set model.zch.eviction instead")
         if self.bad_rows not in ("error", "skip"):
             raise ValueError(f"bad_rows={self.bad_rows!r}: expected 'error' or 'skip'")
         if self.min_count < 1 or self.hash_buckets < 1:

@@ -8,6 +8,9 @@ Layout of a store directory::
     <split>/dense.npy       float32[N, n_dense]   (already transformed, missing = 0)
     <split>/sparse.npy      int32  [N, n_cat]     one id per categorical feature (0 = OOV, 1 = missing, 2.. = vocabulary)
     <split>/seq/<f>.values.npy   int32 [V_f]       the ids of sequence feature f, row after row
+
+With ``categorical: raw`` the ids are int64 (``meta["id_dtype"]``): 63-bit ids of the values, 0 = missing,
+no vocabulary and no table sizes (``model.zch`` sizes the tables).
     <split>/seq/<f>.offsets.npy  int64 [N + 1]     row i's ids: values[offsets[i]:offsets[i+1]] (at least one)
 
 A store is built in ``<dir>.tmp-<pid>`` and renamed into place when complete, so a directory
@@ -30,6 +33,7 @@ FORMAT_VERSION = 3  # 2: vocabulary keyed by 64-bit value keys; coverage statist
 OOV_ID = 0
 MISSING_ID = 1
 FIRST_VOCAB_ID = 2
+MAX_RAW_ID = (1 << 63) - 1  # raw ids lie in [1, MAX_RAW_ID - 1]; 0 = missing
 SPLITS = ("train", "valid", "test")
 
 
@@ -64,6 +68,26 @@ class SplitArrays:
             sequences[name] = Ragged(np.concatenate([r.values for r in ragged]), offsets.astype(np.int64))
         return SplitArrays(np.concatenate([p.label for p in parts]), np.concatenate([p.dense for p in parts]),
                            np.concatenate([p.sparse for p in parts]), sequences)
+
+
+def raw_ids(meta: dict[str, Any]) -> bool:
+    """Whether a store (its meta) holds raw ids (``categorical: raw``): no vocabulary, no table sizes."""
+    return meta.get("id_dtype") == "int64"
+
+
+def with_table_sizes(meta: dict[str, Any], zch: Any) -> dict[str, Any]:
+    """A store meta whose ``table_sizes`` are set: a raw store's from ``zch`` (``model.zch``,
+    :meth:`modules.zch.ZchConfig.table_sizes`); another store's as they are. Refuses a mismatch."""
+    if not raw_ids(meta):
+        if zch.enabled:
+            raise ValueError(f"model.zch.rows={zch.rows}: the store has a vocabulary or hashed ids; zero-collision "
+                             f"tables take raw ids: set data.preprocess.categorical=raw")
+        return meta
+    if not zch.enabled:
+        raise ValueError("data.preprocess.categorical=raw: the tables' sizes come from model.zch.rows=<rows per "
+                         "table>, which is not set")
+    tables = list(dict.fromkeys(f["table"] for f in meta["features"]))
+    return {**meta, "table_sizes": zch.table_sizes(tables)}
 
 
 class ColumnarStore:
@@ -118,8 +142,9 @@ class StoreWriter:
     """Builds a store in a temporary directory; ``commit`` renames it into place."""
 
     def __init__(self, final_dir: str | os.PathLike, split_rows: dict[str, int], n_dense: int, n_cat: int,
-                 sequence_values: dict[str, dict[str, int]] | None = None) -> None:
-        """``sequence_values``: per split, the number of ids of each sequence feature (pass 1 counted them)."""
+                 sequence_values: dict[str, dict[str, int]] | None = None, id_dtype: Any = np.int32) -> None:
+        """``sequence_values``: per split, the number of ids of each sequence feature (pass 1 counted them);
+        ``id_dtype``: of the ids (int32; int64 for raw ids)."""
         self.final_dir = Path(final_dir)
         self.tmp_dir = self.final_dir.with_name(self.final_dir.name + f".tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -129,15 +154,16 @@ class StoreWriter:
         self.split_rows = dict(split_rows)
         self.sequence_values = sequence_values or {s: {} for s in split_rows}
         self.value_cursor = {s: dict.fromkeys(v, 0) for s, v in self.sequence_values.items()}
+        self.arrays = {**ARRAYS, "sparse": np.dtype(id_dtype)}
         widths = {"label": (), "dense": (n_dense,), "sparse": (n_cat,)}
         for split, n in split_rows.items():
             (self.tmp_dir / split).mkdir()
             self.files[split] = {name: self._open(self.tmp_dir / split / f"{name}.npy", dtype, (n, *widths[name]))
-                                 for name, dtype in ARRAYS.items()}
+                                 for name, dtype in self.arrays.items()}
             for f, total in self.sequence_values[split].items():
                 (self.tmp_dir / split / "seq").mkdir(exist_ok=True)
                 self.files[split][f"{f}.values"] = self._open(self.tmp_dir / split / "seq" / f"{f}.values.npy",
-                                                              np.int32, (total,))
+                                                              self.arrays["sparse"], (total,))
                 offsets = self._open(self.tmp_dir / split / "seq" / f"{f}.offsets.npy", np.int64, (n + 1,))
                 offsets.write(np.zeros(1, np.int64).data)
                 self.files[split][f"{f}.offsets"] = offsets
@@ -156,10 +182,10 @@ class StoreWriter:
         if end > self.split_rows[split]:
             raise RuntimeError(f"split {split} overflows its {self.split_rows[split]} planned rows")
         for name, values in (("label", label), ("dense", dense), ("sparse", sparse)):
-            self.files[split][name].write(np.ascontiguousarray(values, dtype=ARRAYS[name]).data)  # errno when full
+            self.files[split][name].write(np.ascontiguousarray(values, dtype=self.arrays[name]).data)  # errno when full
         for f, (lengths, ids) in zip(self.sequence_values[split], sequences):
             start = self.value_cursor[split][f]
-            self.files[split][f"{f}.values"].write(np.ascontiguousarray(ids, dtype=np.int32).data)
+            self.files[split][f"{f}.values"].write(np.ascontiguousarray(ids, dtype=self.arrays["sparse"]).data)
             self.files[split][f"{f}.offsets"].write((start + np.cumsum(lengths, dtype=np.int64)).data)
             self.value_cursor[split][f] = start + int(np.sum(lengths))
         self.cursor[split] = end

@@ -6,6 +6,7 @@
   anything else (rare, or unseen in training) → 0 (OOV). With ``preprocess.base_vocabulary`` the
   vocabulary continues an earlier one (:mod:`pipeline.data.vocab_growth`).
 * ``hash``: ``2 + key mod buckets`` (no vocabulary).
+* ``raw``: nothing — no vocabulary, no table sizes, no statistics (``model.zch`` sizes the tables).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
     cfg = data.preprocess
     day = int(_folder_meta(cfg.base).get("vocabulary_day", 0)) + 1 if cfg.base else 0
     vocab = Vocabulary({}, {}, {}, day)
+    if cfg.categorical == "raw":
+        return vocab
     for t, name in enumerate(Tables.of_data(data).names):
         if cfg.categorical == "hash":
             b = first.bucket_counts[t]

@@ -17,6 +17,7 @@ from typing import Any
 from modules.models import ModelConfig
 from pipeline.checkpoint.run_description import checkpoint_run, declaration_from
 from pipeline.data.dataset import DataConfig
+from pipeline.data.store import with_table_sizes
 from pipeline.runtime.errors import BundleError
 
 
@@ -54,4 +55,5 @@ def model_source(path: str | os.PathLike, verify: bool = True) -> ModelSource:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise BundleError(f"{path / 'model.json'}: cannot read the model description ({e})") from None
     run = checkpoint_run(path, verify)
-    return ModelSource(run.path, run.model_cfg, run.data, run.store.meta, run.store.root, run.mlflow_run_id, None)
+    meta = with_table_sizes(run.store.meta, run.model_cfg.zch)  # a raw store's tables are sized by model.zch
+    return ModelSource(run.path, run.model_cfg, run.data, meta, run.store.root, run.mlflow_run_id, None)

@@ -26,15 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from modules.embedding import (
-    EMB_PREFIX,
-    STACKED_TABLE,
-    WIDE_SEQ_TABLE,
-    WIDE_TABLE,
-    FeatureSpec,
-    is_table_parameter,
-    wide_row_offsets,
-)
+from modules.embedding import FeatureSpec, is_table_parameter, table_segments
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import read_vocabulary
@@ -80,13 +72,7 @@ def lineage_tags(source: ModelSource | None) -> dict[str, str]:
 
 def _segments(spec: FeatureSpec, name: str) -> dict[str, tuple[int, int]]:
     """Table → (first row, rows) inside the parameter ``name`` (an ``emb_<t>`` table or a first-order table)."""
-    table = name.split(".")[-2]
-    if table in (WIDE_TABLE, WIDE_SEQ_TABLE, STACKED_TABLE):  # several tables' rows, at offsets
-        features = spec.seq_features if table == WIDE_SEQ_TABLE else spec.bag_features
-        offsets = wide_row_offsets(spec, features)
-        return {spec.table_of(f): (offsets[f], spec.table_sizes[spec.table_of(f)]) for f in features}
-    t = table[len(EMB_PREFIX):]
-    return {t: (0, spec.table_sizes[t])}
+    return table_segments(spec, name.split(".")[-2])
 
 
 def reused_positions(vocab_dir: Path, day: int) -> dict[str, np.ndarray]:

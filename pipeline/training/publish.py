@@ -51,7 +51,7 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
         if weights is None:
             return None
         store = datamodule.store
-        return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, store.meta,
+        return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, datamodule.meta,
                             store.root / "vocab", run_id)
     finally:
         if global_rank() == 0:

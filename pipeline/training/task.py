@@ -37,6 +37,7 @@ from pipeline.serving.source import ModelSource, model_source
 from pipeline.training.init_from import carry_optimizer_state, init_source, initialize_from, reused_positions
 from pipeline.training.metrics import CTRMetrics
 from pipeline.training.nonfinite import NonFiniteGuard
+from pipeline.training.zch_stage import ZchStage, check_zch_model, table_inits
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class CTRTask(L.LightningModule):
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
         self.model: torch.nn.Module | None = None
+        self.zch: ZchStage | None = None  # model.zch: raw ids → rows (pipeline/training/zch_stage.py)
         self.plan: PlanResult | None = None
         self.cowclip = CowClipHooks()
         self.val_metrics = CTRMetrics()
@@ -85,6 +87,7 @@ class CTRTask(L.LightningModule):
         data = self.trainer.datamodule
         self.model_cfg = self._stacking_decided(data)
         net = build_model(self.model_cfg, data.feature_spec, device=torch.device("meta"))
+        inits = table_inits(net)  # before sharding, which may swap them for the ssd tier's
         device = self.trainer.strategy.root_device
         # a CPU fp32 kernel (modules/models/onednn_linear.py): elsewhere the MLP runs PyTorch's plain layers
         self.onednn_mlp_used = (self.model_cfg.onednn_mlp and onednn_linear.AVAILABLE and device.type == "cpu"
@@ -103,6 +106,9 @@ class CTRTask(L.LightningModule):
                                             data_parallel=self.data_parallel, coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},
                                             batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1])
+        if self.model_cfg.zch.enabled:
+            check_zch_model(self.model, self.trainer.world_size)
+            self.zch = ZchStage(self.model_cfg.zch, spec, inits, int(data.store.meta.get("vocabulary_day", 0)))
         if self.init_from and not self.resume_from:  # a resumed run takes its own checkpoint's weights
             store = data.store
             self._reused = reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
@@ -145,7 +151,10 @@ class CTRTask(L.LightningModule):
                                          "ssd/cache_policy": self.topology.ssd.cache_policy})
 
     def forward(self, batch: CTRBatch) -> torch.Tensor:
-        return self.model(batch.dense_features, batch.sparse_features)
+        sparse = batch.sparse_features
+        if self.zch is not None:
+            sparse = self.zch(self.model, sparse, self.cowclip.every_row_l2 and self.cowclip.every_row_l2.lazy)
+        return self.model(batch.dense_features, sparse)
 
     def transfer_batch_to_device(self, batch: CTRBatch, device: torch.device, dataloader_idx: int) -> CTRBatch:
         return batch.to(device, non_blocking=True)
@@ -165,6 +174,8 @@ class CTRTask(L.LightningModule):
             return (logits * 0.0).sum()  # zero gradients: every rank still runs the same collectives
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
         self._log_row_caches()
+        if self.zch is not None and (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0:
+            self.log_dict(self.zch.metrics())
         return loss
 
     def _log_row_caches(self) -> None:

@@ -1,0 +1,233 @@
+"""Zero-collision mapping of 64-bit feature ids to table rows, with eviction: TorchRec's managed-collision
+module ``MCHManagedCollisionModule`` in front of every table (``model.zch``).
+
+A raw store (``data.preprocess.categorical: raw``) holds for every value a 63-bit id of (table, value)
+(:func:`pipeline.data.encoding.raw_ids`; 0 = missing); there is no vocabulary. With ``model.zch.rows = N``
+(per table: ``model.zch.tables``) a table has ``N + 2`` rows:
+
+* row 1: missing values (id 0), as with vocabularies; row 0 (a vocabulary's OOV) is unused;
+* rows 2 … N: the ids admitted, one row each — no two ids share a row;
+* row N + 1: every id not admitted: new ids until the next admission, ids the policy turned away, and at
+  serving time ids never met in training (:meth:`ZchRemapper.forward` counts them).
+
+Admission (TorchRec's MCH algorithm, one round after training steps 1, 2, 4, … up to every ``eviction_interval``
+steps, so that a fresh table fills at once): the ids of the
+steps since the last round are counted (``torch.unique``); held ids update their metadata; the N − 1 ids
+with the best scores among held and new ones keep or take a row — free rows first, so the mapping is
+collision-free while there is room — and the rows of the ids that lose theirs are returned
+(:meth:`ZchRemapper.take_evicted`) to start afresh: weights drawn as at initialisation, optimizer state
+zero (:mod:`modules.row_reset`). Scores (``model.zch.eviction``):
+
+* ``lru``: ``−(t − last seen + 1)``, t counted in admission rounds (TorchRec's ``LRU_EvictionPolicy``);
+* ``lfu``: occurrences since admission (TorchRec's ``LFU_EvictionPolicy``);
+* ``ttl``: in the data's own time, its day (:class:`DayTTLPolicy`): a held id unseen for fewer than
+  ``ttl_days`` days keeps its row; an expired one gives it up to a new id (newest days first). Replaying
+  last month's logs day by day evicts as production would have.
+
+Between rounds the ids of the steps are kept (:meth:`get_extra_state`), so a checkpoint taken at any step
+resumes exactly. Why not ``HashZchManagedCollisionModule`` (multi-probe ZCH): fbgemm-gpu-cpu 1.9.0's
+``zero_collision_hash`` CPU kernel is read-only ("Expected readonly to be true"), so it cannot insert ids
+while training on a CPU; MCH is pure PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec import JaggedTensor, KeyedJaggedTensor
+from torchrec.modules.mc_modules import (
+    LFU_EvictionPolicy,
+    LRU_EvictionPolicy,
+    MCHEvictionPolicy,
+    MCHEvictionPolicyMetadataInfo,
+    MCHManagedCollisionModule,
+)
+
+MISSING_ROW = 1
+FIRST_ROW = 2
+EVICTIONS = ("lru", "lfu", "ttl")
+
+
+@dataclass
+class ZchConfig:
+    """``model.zch``: tables of ``rows`` rows (``tables``: per-table overrides) whose rows ids take by
+    admission (module docstring). ``rows`` 0: off (the store's vocabulary or hashing sizes the tables)."""
+
+    rows: int = 0
+    tables: dict[str, int] = field(default_factory=dict)
+    eviction: str = "lru"           # lru | lfu | ttl
+    eviction_interval: int = 16     # training steps between admission rounds
+    ttl_days: int = 7               # eviction=ttl: days an id keeps its row unseen
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"model.zch.eviction={self.eviction!r}: expected one of {EVICTIONS}")
+        if self.eviction_interval < 1:
+            raise ValueError(f"model.zch.eviction_interval={self.eviction_interval}: expected a number of steps >= 1")
+        if self.ttl_days < 1:
+            raise ValueError(f"model.zch.ttl_days={self.ttl_days}: expected a number of days >= 1")
+        for name, n in {"rows": self.rows, **{f"tables.{k}": v for k, v in self.tables.items()}}.items():
+            if n < 0 or (n and n < 2):
+                raise ValueError(f"model.zch.{name}={n}: expected 0 (off) or at least 2 rows")
+        if self.tables and not self.rows:
+            raise ValueError("model.zch.tables: per-table rows need model.zch.rows as the default")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rows > 0
+
+    def table_sizes(self, tables: list[str]) -> dict[str, int]:
+        """Rows of each table's embedding table: its ``rows`` and the missing and unused rows."""
+        unknown = sorted(set(self.tables) - set(tables))
+        if unknown:
+            raise ValueError(f"model.zch.tables.{unknown[0]}: no such table (tables: {', '.join(tables)})")
+        return {t: self.tables.get(t, self.rows) + FIRST_ROW for t in tables}
+
+
+class DayTTLPolicy(MCHEvictionPolicy):
+    """TTL in days of data: metadata ``last_day`` = day last seen + 1 (0: never). Scores: a held id unexpired
+    (``now − last < ttl``) +∞; an expired or empty row ``last − 1 − 2·ttl`` (older first); a new id ``now``.
+    TorchRec's MCH keeps the highest ``zch_size`` scores, so new ids take only empty or expired rows."""
+
+    def __init__(self, ttl_days: int) -> None:
+        super().__init__([MCHEvictionPolicyMetadataInfo("last_day", True, False)])
+        self.ttl = ttl_days
+        self.day = 0  # the data's day (set by ZchRemapper.set_day)
+
+    @property
+    def metadata_info(self) -> list[MCHEvictionPolicyMetadataInfo]:
+        return self._metadata_info
+
+    def record_history_metadata(self, current_iter: int, incoming_ids: torch.Tensor,
+                                history_metadata: dict[str, torch.Tensor]) -> None:
+        pass  # every id of a round is seen today
+
+    def coalesce_history_metadata(self, current_iter: int, history_metadata: dict[str, torch.Tensor],
+                                  unique_ids_counts: torch.Tensor, unique_inverse_mapping: torch.Tensor,
+                                  additional_ids: torch.Tensor | None = None,
+                                  threshold_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {}
+
+    def update_metadata_and_generate_eviction_scores(
+            self, current_iter: int, mch_size: int, coalesced_history_argsort_mapping: torch.Tensor,
+            coalesced_history_sorted_unique_ids_counts: torch.Tensor,
+            coalesced_history_mch_matching_elements_mask: torch.Tensor,
+            coalesced_history_mch_matching_indices: torch.Tensor, mch_metadata: dict[str, torch.Tensor],
+            coalesced_history_metadata: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        last = mch_metadata["last_day"]
+        stamp = self.day + 1
+        last[coalesced_history_mch_matching_indices] = stamp
+        new = int((~coalesced_history_mch_matching_elements_mask).sum())
+        held = torch.where((last > 0) & (stamp - last < self.ttl), torch.iinfo(torch.int64).max,
+                           last - 1 - 2 * self.ttl)
+        held[mch_size - 1] = torch.iinfo(torch.int64).max  # the sentinel row of unmatched ids (TorchRec's MCH)
+        scores = torch.cat([held, torch.full((new,), stamp, dtype=torch.int64)])
+        evicted, selected = self._compute_selected_eviction_and_replacement_indices(mch_size, scores)
+        last[evicted] = stamp
+        return evicted, selected
+
+
+def _policy(cfg: ZchConfig) -> MCHEvictionPolicy:
+    if cfg.eviction == "lru":
+        return LRU_EvictionPolicy()
+    if cfg.eviction == "lfu":
+        return LFU_EvictionPolicy()
+    return DayTTLPolicy(cfg.ttl_days)
+
+
+class ZchRemapper(nn.Module):
+    """Raw ids → rows of each table (module docstring). ``features``: table → the KJT keys that read it;
+    ``table_sizes``: rows of each table (:meth:`ZchConfig.table_sizes`)."""
+
+    def __init__(self, cfg: ZchConfig, features: dict[str, list[str]], table_sizes: dict[str, int]) -> None:
+        super().__init__()
+        self.interval = cfg.eviction_interval
+        self.features = {t: list(f) for t, f in features.items()}
+        self.policies = {t: _policy(cfg) for t in features}
+        # output rows FIRST_ROW … FIRST_ROW + rows − 1; the last is MCH's row of unmatched ids
+        self.mch = nn.ModuleDict({t: MCHManagedCollisionModule(
+            zch_size=table_sizes[t] - FIRST_ROW, device=torch.device("cpu"), eviction_policy=self.policies[t],
+            eviction_interval=1, output_global_offset=FIRST_ROW, name=t) for t in features})
+        self.unknown_row = {t: table_sizes[t] - 1 for t in features}
+        self.pending: dict[str, list[torch.Tensor]] = {t: [] for t in features}
+        self.pending_steps = 0
+        self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
+        self.evicted: dict[str, torch.Tensor] = {}
+        self.counts = {"admitted": 0, "evicted": 0, "unknown": 0, "looked_up": 0}
+
+    def set_day(self, day: int) -> None:
+        """The data's day (``eviction=ttl``): the store's day index (0, or the base's day + 1)."""
+        for policy in self.policies.values():
+            if isinstance(policy, DayTTLPolicy):
+                policy.day = int(day)
+
+    @torch.no_grad()
+    def forward(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch's raw ids as rows (int64), keys and lengths unchanged. Training: the ids join the next
+        admission round, which runs first when this step completes its interval."""
+        values = kjt.values().to(torch.int64)
+        per_key = dict(zip(kjt.keys(), torch.split(values, kjt.length_per_key())))
+        if self.training:
+            for t, keys in self.features.items():
+                ids = torch.cat([per_key[k] for k in keys])
+                self.pending[t].append(ids[ids != 0])
+            self.pending_steps += 1
+            if self.pending_steps >= min(self.interval, 1 << self.rounds):
+                self._admit()
+        out = []
+        for k in kjt.keys():
+            t = self._table_of[k]
+            raw = per_key[k]
+            rows = self.mch[t].remap({t: JaggedTensor(values=raw, lengths=torch.ones_like(raw))})[t].values()
+            rows = torch.where(raw == 0, MISSING_ROW, rows)
+            self.counts["unknown"] += int(((rows == self.unknown_row[t]) & (raw != 0)).sum())
+            self.counts["looked_up"] += int((raw != 0).sum())
+            out.append(rows)
+        return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(out) if out else values, lengths=kjt.lengths(),
+                                 stride=kjt.stride(), length_per_key=kjt.length_per_key(),
+                                 offset_per_key=kjt.offset_per_key())
+
+    @property
+    def _table_of(self) -> dict[str, str]:
+        return {k: t for t, keys in self.features.items() for k in keys}
+
+    def _admit(self) -> None:
+        for t, parts in self.pending.items():
+            ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            module = self.mch[t]
+            free_before = int(module.open_slots())
+            module.profile({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})
+            evicted = module.evict()
+            taken = 0 if evicted is None else len(evicted)
+            self.counts["admitted"] += taken
+            self.counts["evicted"] += taken - (free_before - int(module.open_slots()))  # free rows taken evict nobody
+            if evicted is not None and taken:
+                self.evicted[t] = evicted if t not in self.evicted else torch.unique(torch.cat([self.evicted[t], evicted]))
+            parts.clear()
+        self.pending_steps = 0
+        self.rounds += 1
+
+    def take_evicted(self) -> dict[str, torch.Tensor]:
+        """Rows that changed hands since the last call (table → rows): to start afresh."""
+        out, self.evicted = self.evicted, {}
+        return out
+
+    def occupancy(self) -> dict[str, float]:
+        """Share of each table's admission rows that hold an id."""
+        return {t: 1.0 - int(m.open_slots()) / max(1, m.output_size() - 1) for t, m in self.mch.items()}
+
+    def take_counts(self) -> dict[str, int]:
+        out, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return out
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The ids waiting for the next admission round (a checkpoint between rounds resumes exactly)."""
+        return {"pending_steps": self.pending_steps, "rounds": self.rounds,
+                "pending": {t: torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for t, p in self.pending.items()}}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.pending_steps, self.rounds = int(state["pending_steps"]), int(state["rounds"])
+        self.pending = {t: [state["pending"][t]] if len(state["pending"][t]) else [] for t in self.features}

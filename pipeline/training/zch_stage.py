@@ -1,0 +1,73 @@
+"""``model.zch`` while training: raw ids become rows before the sharded model looks them up
+(:class:`modules.zch.ZchRemapper`, a submodule of the task, so checkpoints hold its state), and rows that
+change hands start afresh (:func:`modules.row_reset.reset_rows`; the every-row L2 owes them no decay)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
+
+from modules.embedding import FeatureSpec
+from modules.row_reset import reset_rows
+from modules.sharded_kernels import kernels
+from modules.ssd_tier.cached_tbe import cached_tbes
+from modules.zch import ZchConfig, ZchRemapper
+from pipeline.runtime.errors import ConfigError
+
+
+def table_inits(net: nn.Module) -> dict[str, Callable]:
+    """Physical table → its ``init_fn``, from an unsharded model's collections."""
+    out = {}
+    for m in net.modules():
+        if isinstance(m, EmbeddingBagCollection):
+            out.update({c.name: c.init_fn for c in m.embedding_bag_configs()})
+        elif isinstance(m, EmbeddingCollection):
+            out.update({c.name: c.init_fn for c in m.embedding_configs()})
+    return out
+
+
+def check_zch_model(model: nn.Module, world_size: int) -> None:
+    """What the remapper and the row resets need of the sharded model; raises :class:`ConfigError`."""
+    if world_size > 1:
+        raise ConfigError(f"model.zch on {world_size} ranks: not supported yet (each rank would admit the ids of "
+                          f"its own batches; the remapper is not sharded); train on 1 process")
+    if cached_tbes(model):
+        raise ConfigError("model.zch with tables on the ssd tier: not supported yet (evicted rows are reset in "
+                          "memory); raise topology.ddr_cap_gb or lower model.zch.rows")
+    dense = [t.name for _, _, k in kernels(model) if isinstance(k.emb_module, DenseTableBatchedEmbeddingBagsCodegen)
+             for t in k.config.embedding_tables]
+    if dense:
+        raise ConfigError(f"model.zch: tables {dense} are data-parallel, whose optimizer state the row reset cannot "
+                          f"reach; use a fused embedding optimizer (optim.embedding.name=adagrad|rowwise_adagrad)")
+
+
+class ZchStage(nn.Module):
+    """The remapper of a run and what its evictions need (module docstring)."""
+
+    def __init__(self, cfg: ZchConfig, spec: FeatureSpec, inits: dict[str, Callable], day: int) -> None:
+        super().__init__()
+        features: dict[str, list[str]] = {}
+        for f in spec.sparse:
+            features.setdefault(spec.table_of(f), []).append(f)
+        self.remapper = ZchRemapper(cfg, features, spec.table_sizes)
+        self.remapper.set_day(day)
+        self.spec, self.inits = spec, inits
+
+    def forward(self, model: nn.Module, kjt: KeyedJaggedTensor, lazy_l2: object | None) -> KeyedJaggedTensor:
+        rows = self.remapper(kjt)
+        for kernel, table, local in reset_rows(model, self.spec, self.inits, self.remapper.take_evicted()):
+            if lazy_l2 is not None:
+                lazy_l2.restart_rows(kernel, table, local)
+        return rows
+
+    def metrics(self) -> dict[str, float]:
+        """Since the last call: ids admitted and evicted, share of looked-up ids on the unknown row; occupancy."""
+        c = self.remapper.take_counts()
+        occupancy = self.remapper.occupancy()
+        return {"zch/admitted": float(c["admitted"]), "zch/evicted": float(c["evicted"]),
+                "zch/unknown_share": c["unknown"] / max(1, c["looked_up"]),
+                "zch/occupancy": sum(occupancy.values()) / max(1, len(occupancy)),
+                **{f"zch/occupancy/{t}": v for t, v in occupancy.items()}}
