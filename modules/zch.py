@@ -197,7 +197,15 @@ class ZchRemapper(nn.Module):
     def _admit(self) -> None:
         for t, parts in self.pending.items():
             ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            parts.clear()
             module = self.mch[t]
+            if not len(ids):
+                continue
+            if module._input_history_buffer_size < len(ids):
+                # TorchRec sizes the history buffer at its first call (1.25 × that call's ids) and drops what
+                # overflows it later; rounds differ in size (the first ones come sooner): let it size anew (at
+                # eviction_interval 1 it is empty between calls)
+                module._input_history_buffer_size = -1
             free_before = int(module.open_slots())
             module.profile({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})
             evicted = module.evict()
@@ -206,7 +214,6 @@ class ZchRemapper(nn.Module):
             self.counts["evicted"] += taken - (free_before - int(module.open_slots()))  # free rows taken evict nobody
             if evicted is not None and taken:
                 self.evicted[t] = evicted if t not in self.evicted else torch.unique(torch.cat([self.evicted[t], evicted]))
-            parts.clear()
         self.pending_steps = 0
         self.rounds += 1
 

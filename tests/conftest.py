@@ -102,6 +102,14 @@ def small_overrides(cache_dir: Path) -> list[str]:
     return overrides
 
 
+@pytest.fixture(scope="module")
+def ckpt_overrides(small_overrides):
+    """The small setup at batch 4,096 (20 steps an epoch), 2 epochs, a checkpoint every 10 steps."""
+    return [o for o in small_overrides if not o.startswith(("trainer.batch_size", "trainer.max_epochs"))] + \
+        ["trainer.batch_size=4096", "trainer.max_epochs=2", "trainer.checkpoint.every_n_steps=10",
+         "trainer.checkpoint.keep=5"]
+
+
 def shared_file(relative: str) -> Path:
     """A file of the shared real-data samples; skips the test where the samples are not present."""
     path = SHARED_DATA / relative

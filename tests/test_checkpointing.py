@@ -22,13 +22,6 @@ from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 STEPS_PER_EPOCH = 20  # 100k rows → 85k training rows / batch 4096
 
 
-@pytest.fixture(scope="module")
-def ckpt_overrides(small_overrides):
-    return [o for o in small_overrides if not o.startswith(("trainer.batch_size", "trainer.max_epochs"))] + \
-        ["trainer.batch_size=4096", "trainer.max_epochs=2", "trainer.checkpoint.every_n_steps=10",
-         "trainer.checkpoint.keep=5"]
-
-
 def _run(args: list[str], tmp: Path, nproc: int = 2, extra: list[str] | None = None, check: bool = True):
     """torchrun of pipeline.commands.train; (process, its result.json or None)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *(extra or [])]

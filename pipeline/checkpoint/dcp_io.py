@@ -112,9 +112,9 @@ class DCPCheckpointIO(CheckpointIO):
         tensors: dict[str, Any] = {}
         for p in placeholders(skeleton):
             key = p["__tensor__"]
-            if key in live:
-                tensors[key] = live[key]
-            elif not p.get("sharded"):
+            if key in live and (p.get("sharded") or list(live[key].shape) == list(p["shape"])):
+                tensors[key] = live[key]  # read in place (tables: views of the live ones)
+            elif not p.get("sharded"):  # also state whose size varies (model.zch's ids waiting for admission)
                 tensors[key] = torch.empty(p["shape"], dtype=getattr(torch, p["dtype"]))
             else:
                 raise CheckpointMismatchError(f"{path}: sharded tensor {key} has no counterpart in this model")
