@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec import JaggedTensor, KeyedJaggedTensor
@@ -238,3 +239,29 @@ class ZchRemapper(nn.Module):
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.pending_steps, self.rounds = int(state["pending_steps"]), int(state["rounds"])
         self.pending = {t: [state["pending"][t]] if len(state["pending"][t]) else [] for t in self.features}
+
+
+def mapping_state(remapper: ZchRemapper) -> dict[str, np.ndarray]:
+    """The mapping of every table — TorchRec's buffers ``<table>.<buffer>`` (ids held, sorted, their rows, the
+    policy's metadata, the round count): what a model folder keeps to score, and a next day continues from."""
+    return {k: v.numpy().copy() for k, v in remapper.mch.state_dict().items()}
+
+
+def load_mapping_state(remapper: ZchRemapper, state: dict[str, np.ndarray] | None) -> None:
+    """Continue from :func:`mapping_state` (``trainer.init_from``): same ids on the same rows."""
+    if not state:
+        raise ValueError("trainer.init_from: the source model has no model.zch mapping (it was trained on a "
+                         "vocabulary or hashed ids); start this raw-id run afresh")
+    remapper.mch.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
+
+
+def lookup_rows(state: dict[str, np.ndarray], table: str, raw: np.ndarray) -> np.ndarray:
+    """Read-only remap of raw ids (int64) with a table's :func:`mapping_state`, as TorchRec's MCH remaps in
+    evaluation: an id held → its row; missing (0) → row 1; any other → the table's last row (unknown ids)."""
+    held = state[f"{table}._mch_sorted_raw_ids"]
+    rows = state[f"{table}._mch_remapped_ids_mapping"]
+    raw = np.asarray(raw, dtype=np.int64)
+    at = np.searchsorted(held[:-1], raw)
+    out = np.where(held[at] == raw, rows[at], FIRST_ROW + len(held) - 1)
+    out[raw == 0] = MISSING_ROW
+    return out.astype(np.int64)

@@ -70,7 +70,7 @@ class SplitArrays:
                            np.concatenate([p.sparse for p in parts]), sequences)
 
 
-def raw_ids(meta: dict[str, Any]) -> bool:
+def has_raw_ids(meta: dict[str, Any]) -> bool:
     """Whether a store (its meta) holds raw ids (``categorical: raw``): no vocabulary, no table sizes."""
     return meta.get("id_dtype") == "int64"
 
@@ -78,7 +78,7 @@ def raw_ids(meta: dict[str, Any]) -> bool:
 def with_table_sizes(meta: dict[str, Any], zch: Any) -> dict[str, Any]:
     """A store meta whose ``table_sizes`` are set: a raw store's from ``zch`` (``model.zch``,
     :meth:`modules.zch.ZchConfig.table_sizes`); another store's as they are. Refuses a mismatch."""
-    if not raw_ids(meta):
+    if not has_raw_ids(meta):
         if zch.enabled:
             raise ValueError(f"model.zch.rows={zch.rows}: the store has a vocabulary or hashed ids; zero-collision "
                              f"tables take raw ids: set data.preprocess.categorical=raw")

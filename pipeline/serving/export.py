@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.serving.model_folder import write_bundle
 from pipeline.serving.source import model_source
-from pipeline.serving.weights import read_weights
+from pipeline.serving.weights import read_weights, read_zch_state
 
 
 def export_model(checkpoint: str | Path, out: str | Path, quantize: str = "none") -> Path:
@@ -21,4 +21,5 @@ def export_model(checkpoint: str | Path, out: str | Path, quantize: str = "none"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-tables-", dir=Path(out).parent) as scratch:
         return write_bundle(out, read_weights(source, Path(scratch)), source.model_cfg, source.data,
-                            source.store_meta, source.vocab_root / "vocab", source.mlflow_run_id, quantize)
+                            source.store_meta, source.vocab_root / "vocab", source.mlflow_run_id, quantize,
+                            read_zch_state(source))

@@ -8,6 +8,7 @@
                               model.json): written in row blocks, memory-mapped for scoring; ``.u8``: its rows
                               quantized (``quantize`` in model.json: int8, int4 or fp16; :mod:`.quantize`)
     <dir>/vocab/<t>.parquet   each table's vocabulary (key uint64, training count), as in the store
+    <dir>/zch.npz             ``model.zch`` models: each table's mapping of raw ids to rows (:func:`modules.zch.mapping_state`)
 
 Written to ``<dir>.tmp-<pid>`` and renamed into place. :class:`pipeline.serving.scorer.Scorer` turns raw rows — exactly as the
 training files hold them — into probabilities: the same readers, feature extraction, vocabulary
@@ -25,23 +26,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from modules.embedding import is_table_parameter
 from modules.models import ModelConfig
 from pipeline.data.dataset import DataConfig
-from pipeline.serving.weights import write_weights
+from pipeline.serving.weights import ZCH_FILE, write_weights
 
 BUNDLE_VERSION = 2  # 2: tables in tables/*.f32 (version 1 kept them in weights.pt; still read)
 META_KEYS = ("dataset", "dense", "categorical", "sequence", "features", "transforms", "table_sizes", "dense_range",
-             "preprocess", "vocabulary_day")
+             "preprocess", "vocabulary_day", "id_dtype")
 
 
 def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig,
                  data: DataConfig, store_meta: dict[str, Any], vocab_dir: Path, mlflow_run_id: str | None = None,
-                 quantize: str = "none") -> Path:
-    """Write the folder atomically, its tables quantized as ``quantize`` says (:mod:`.quantize`); returns
-    its path."""
+                 quantize: str = "none", zch_state: dict[str, np.ndarray] | None = None) -> Path:
+    """Write the folder atomically, its tables quantized as ``quantize`` says (:mod:`.quantize`), with the
+    ``model.zch`` mapping ``zch_state`` if any; returns its path."""
     out = Path(out)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -55,6 +57,8 @@ def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], mo
                        "quantize": quantize}
         (tmp / "model.json").write_text(json.dumps(description, indent=2, sort_keys=True))
         write_weights(tmp, state_dict, tables, quantize)
+        if zch_state is not None:
+            np.savez(tmp / ZCH_FILE, **zch_state)
         if vocab_dir.is_dir():
             shutil.copytree(vocab_dir, tmp / "vocab")
         else:  # hashed tables have no vocabulary

@@ -1,6 +1,7 @@
 """Raw rows → the store's encoding, as preprocessing does it: the declaration's readers and feature
 extraction, the tables' vocabularies (unseen → OOV, missing → the missing id) or hashing, the numeric
-transforms with the training ranges (:mod:`pipeline.data.encoding`)."""
+transforms with the training ranges (:mod:`pipeline.data.encoding`). Raw ids (``model.zch``) are mapped to
+rows read-only with the model's mapping (:func:`modules.zch.lookup_rows`; unseen → the unknown row)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import pyarrow.compute as pc
 from modules.embedding import FeatureSpec
 from pipeline.checkpoint.run_description import declaration_from
 from pipeline.data.dataset import DataConfig
-from pipeline.data.encoding import encode_ids, hashed_ids, ids_of, transform_dense
+from modules.zch import lookup_rows
+from pipeline.data.encoding import encode_ids, hashed_ids, ids_of, raw_ids, transform_dense
 from pipeline.data.features import FeatureBlock, extract
 from pipeline.data.hashing import factorized_string_keys
-from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays
+from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays, has_raw_ids
 from pipeline.data.vocab_files import read_vocabulary, vocabulary_file
 from pipeline.runtime.errors import BundleError
 from pipeline.serving.joint_index import JointVocabIndex
@@ -33,11 +35,16 @@ class RowEncoder:
     (or hashing), the numeric transforms and training ranges of ``meta`` (a store's or a bundle's);
     ``vocab_root``: the folder whose ``vocab/`` holds the vocabularies."""
 
-    def __init__(self, meta: dict[str, Any], data: DataConfig, vocab_root: Path) -> None:
+    def __init__(self, meta: dict[str, Any], data: DataConfig, vocab_root: Path,
+                 zch: dict[str, np.ndarray] | None = None) -> None:
         self.meta, self.data, self.vocab_root = meta, data, vocab_root
         self.spec = FeatureSpec.from_store_meta(meta)
         self.hash_buckets = int(meta["preprocess"]["hash_buckets"])
-        hashed = meta["preprocess"]["categorical"] == "hash"
+        self.zch = zch  # raw ids: the model.zch mapping (modules.zch.mapping_state)
+        if has_raw_ids(meta) and zch is None:
+            raise BundleError("the model reads raw ids (data.preprocess.categorical=raw) but came without its "
+                              "model.zch mapping (zch.npz)")
+        hashed = meta["preprocess"]["categorical"] in ("hash", "raw")
         self.joint = None if hashed else JointVocabIndex({t: self._vocabulary(t) for t in meta["table_sizes"]})
         self.index = {} if hashed else {t: self.joint.table(t) for t in meta["table_sizes"]}
         ranges = meta.get("dense_range", {})
@@ -75,7 +82,8 @@ class RowEncoder:
         ids = []
         for values, table in zip(block.sparse, tables):
             codes, distinct = factorized_string_keys(values)
-            ids.append(encode_ids(distinct, codes, self.index.get(table), self.hash_buckets))
+            ids.append(self._rows(table, encode_ids(distinct, codes, self.index.get(table), self.hash_buckets,
+                                                    table if self.zch is not None else None)))
         n_cat = len(self.spec.categorical)
         sparse = np.stack(ids[:n_cat], axis=1) if n_cat else np.zeros((block.rows, 0), np.int32)
         sequences = {f: Ragged(ids[n_cat + j], np.concatenate([[0], np.cumsum(block.lengths[n_cat + j])]))
@@ -98,7 +106,10 @@ class RowEncoder:
         sources = list(dict.fromkeys(f.source for f in categorical))
         codes, distinct = factorized_string_keys(_strings([v for c in sources for v in columns[c]]))
         keys = distinct[codes].reshape(len(sources), rows)[[sources.index(f.source) for f in categorical]].ravel()
-        if self.joint is None:
+        if self.zch is not None:
+            ids = np.concatenate([self._rows(t, raw_ids(part, t)) for part, t in
+                                  zip(keys.reshape(len(categorical), rows), (self.spec.table_of(f.name) for f in categorical))])
+        elif self.joint is None:
             ids = hashed_ids(keys, self.hash_buckets)
         else:  # every feature's ids in one lookup
             tables = np.repeat([self.joint.tables[self.spec.table_of(f.name)] for f in categorical], rows)
@@ -106,6 +117,10 @@ class RowEncoder:
         sparse = np.ascontiguousarray(ids.reshape(len(categorical), rows).T)
         dense = transform_dense(_number_matrix(columns, numeric, rows), self.transforms, self.lo, self.hi)
         return SplitArrays(np.zeros(rows, np.int8), dense, sparse, {})
+
+    def _rows(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Table rows of encoded ids: raw ids through the model.zch mapping, others as they are."""
+        return ids if self.zch is None else lookup_rows(self.zch, table, ids)
 
     def columns_block(self, columns: Columns, rows: int) -> FeatureBlock:
         """The features of raw rows given column by column, as a training file holds them (no label needed):

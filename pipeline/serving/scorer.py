@@ -18,7 +18,7 @@ from pipeline.runtime.errors import BundleError
 from pipeline.serving.quantize import share_fused_buffers, use_quantized_tables
 from pipeline.serving.row_encoder import RowEncoder
 from pipeline.serving.source import model_source
-from pipeline.serving.weights import read_weights
+from pipeline.serving.weights import read_weights, read_zch_state
 
 
 def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays, batch_size: int = 65536,
@@ -46,7 +46,7 @@ class Scorer(RowEncoder):
                  shared_dir: Path | None = None) -> None:
         source = model_source(path)
         self.folder = source.path
-        super().__init__(source.store_meta, source.data, source.vocab_root)
+        super().__init__(source.store_meta, source.data, source.vocab_root, read_zch_state(source))
         self.model_cfg = source.model_cfg
         self.model = build_model(self.model_cfg, self.spec, device=torch.device("meta"))
         weights = read_weights(source, table_dir)

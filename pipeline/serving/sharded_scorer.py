@@ -24,6 +24,7 @@ from pipeline.runtime.errors import BundleError
 from pipeline.serving.row_encoder import RowEncoder
 from pipeline.serving.scorer import score_batches
 from pipeline.serving.source import model_source
+from pipeline.serving.weights import read_zch_state
 
 
 def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Callable[[SplitArrays], np.ndarray | None]]:
@@ -33,7 +34,7 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
     if not source.is_checkpoint:
         raise BundleError(f"{checkpoint}: under torchrun, predict scores a checkpoint with its tables sharded; "
                           f"score a model folder in one process")
-    encoder = RowEncoder(source.store_meta, source.data, source.vocab_root)
+    encoder = RowEncoder(source.store_meta, source.data, source.vocab_root, read_zch_state(source))
     spec = encoder.spec
     net = build_model(source.model_cfg, spec, device=torch.device("meta"))
     # any fused optimizer: nothing is trained; SGD keeps no state

@@ -16,6 +16,7 @@ import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from modules.embedding import is_table_parameter
@@ -56,6 +57,23 @@ def read_weights(source: ModelSource | str | os.PathLike, table_dir: Path | None
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
         raise BundleError(f"{folder}: cannot load the weights ({e})") from None
     return weights
+
+
+ZCH_FILE = "zch.npz"
+
+
+def read_zch_state(source: ModelSource) -> dict[str, np.ndarray] | None:
+    """The ``model.zch`` mapping of a model folder (``zch.npz``) or checkpoint (:func:`modules.zch.mapping_state`);
+    None for a model without one."""
+    if not source.model_cfg.zch.enabled:
+        return None
+    if source.is_checkpoint:
+        return {k: v.numpy() for k, v in full_model_state(source.path, "state_dict/zch.remapper.mch.").items()}
+    try:
+        with np.load(source.path / ZCH_FILE, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    except (OSError, ValueError) as e:
+        raise BundleError(f"{source.path / ZCH_FILE}: cannot read the model.zch mapping ({e})") from None
 
 
 def _mapped_table(folder: Path, key: str, shape: list[int], quantize: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from mlflow.exceptions import MlflowException
 
 from modules.ssd_tier.cached_tbe import sync_tables
 from modules.plan_report import format_plan
+from modules.zch import mapping_state
 from pipeline.config import RunConfig
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import example_rows
@@ -52,7 +53,7 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
             return None
         store = datamodule.store
         return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, datamodule.meta,
-                            store.root / "vocab", run_id)
+                            store.root / "vocab", run_id, zch_state=mapping_state(task.zch.remapper) if task.zch is not None else None)
     finally:
         if global_rank() == 0:
             shutil.rmtree(scratch, ignore_errors=True)

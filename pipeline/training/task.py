@@ -29,11 +29,13 @@ from modules.optimizers import OptimizerChain, build_optimizer, replicated_param
 from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
 from modules.table_stacking import decide_stacking
+from modules.zch import load_mapping_state
 from modules.topology import TopologySpec
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap
 from pipeline.serving.source import ModelSource, model_source
+from pipeline.serving.weights import read_zch_state
 from pipeline.training.init_from import carry_optimizer_state, init_source, initialize_from, reused_positions
 from pipeline.training.metrics import CTRMetrics
 from pipeline.training.nonfinite import NonFiniteGuard
@@ -109,6 +111,8 @@ class CTRTask(L.LightningModule):
         if self.model_cfg.zch.enabled:
             check_zch_model(self.model, self.trainer.world_size)
             self.zch = ZchStage(self.model_cfg.zch, spec, inits, int(data.store.meta.get("vocabulary_day", 0)))
+            if self.init_from and not self.resume_from:  # the same ids on the same rows as the source
+                load_mapping_state(self.zch.remapper, read_zch_state(self.init_from))
         if self.init_from and not self.resume_from:  # a resumed run takes its own checkpoint's weights
             store = data.store
             self._reused = reused_positions(store.root / "vocab", int(store.meta.get("vocabulary_day", 0)))
