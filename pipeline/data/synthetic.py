@@ -8,6 +8,10 @@ Generative model (all per-id quantities come from a counter-based hash, so memor
 * categorical field f with cardinality n_f: rank r ~ bounded Zipf, P(r) ∝ r^(-a) on 1..n_f
   (inverse CDF of the continuous power law); missing with probability m_f (rank 0);
   the written id is ``hash(seed, f, r) mod 2^32`` in hex;
+* drift over days (``day``, ``drift``): rank r of field f is the id of identity ``k = r + day·⌊drift·n_f⌋``,
+  and every per-id quantity below is drawn from k, so an id keeps its effect from day to day while it
+  climbs ``⌊drift·n_f⌋`` ranks a day: the head of day d − 1 leaves, new ids enter at the tail (day 0, or
+  drift 0: k = r, the bytes of a log without days);
 * dense column j: ``floor(LogNormal(mu_j, sigma_j))`` (I2 shifted by -1, so small negatives occur),
   missing with probability q_j;
 * hidden logistic label model::
@@ -81,6 +85,8 @@ class SyntheticConfig:
     interaction_dim: int = 4
     dense_effect: float = 0.25
     interaction_pairs: List[List[int]] = field(default_factory=lambda: [list(p) for p in INTERACTION_PAIRS])
+    day: int = 0                 # the day of a drifting log (module docstring); its rows are drawn anew
+    drift: float = 0.0           # share of each field's cardinality its ids climb per day
 
     def __post_init__(self) -> None:
         for name in ("cardinalities", "cat_missing", "dense_missing"):
@@ -128,7 +134,8 @@ class SyntheticCriteo:
 
     def chunk(self, index: int, n: int) -> tuple[pa.Table, np.ndarray]:
         cfg = self.cfg
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([cfg.seed, index])))
+        stream = [cfg.seed, index] + ([cfg.day] if cfg.day else [])
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(stream)))
         logit = np.full(n, cfg.bias)
         interacting_dense = []
         columns: dict[str, pa.Array] = {}
@@ -151,6 +158,7 @@ class SyntheticCriteo:
             r = _bounded_zipf(rng.random(n), card, cfg.zipf_exponent)
             miss = rng.random(n) < cfg.cat_missing[f]
             r[miss] = 0
+            r[~miss] += cfg.day * int(cfg.drift * card)  # the identity of rank r today (module docstring)
             cat_ranks.append(r)
             scale = cfg.field_effect if card <= 100_000 else cfg.high_cardinality_effect
             logit += scale * to_normal(self._id_hash(f, r, 1))

@@ -1,0 +1,133 @@
+"""Raw ids with zero-collision tables (``model.zch``) against a vocabulary with growth and eviction and against
+hashing, at equal table rows, over drifting days.
+
+The log: ``--days`` days of the synthetic Criteo generator (:mod:`pipeline.data.synthetic`) with ``drift``: each
+day every field's ids climb ``drift × cardinality`` ranks (yesterday's head leaves, new ids enter at the tail),
+each id keeping its click effect. Every method trains the days in turn with ``ctr daily`` (day N from day N − 1's
+model) and is scored on day N + 1 before training it (the next-day AUC):
+
+* ``vocab``: ``categorical=vocab`` (min_count 2) growing day by day, ``evict_after`` days;
+* ``hash``: ``categorical=hash``, ``--rows`` buckets a table;
+* ``zch-<policy>``: ``categorical=raw`` and ``model.zch.rows = --rows`` (TorchRec's MCH, lru or ttl).
+
+Reported per method: mean next-day AUC, preprocessing rows/s (every day's store: its ``seconds`` from the store's
+meta, which times the whole preprocessing), training samples/s (mean of the days' runs), the tables' rows
+(``vocab``: the mean of its tables' sizes on the last day, for comparison: it is not capped). All in one script,
+one process per run, on this machine.
+
+    python benchmarks/zch.py --days 4 --rows-per-day 500000 --rows 60000 --drift 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.csv as pacsv
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.data.synthetic import ARROW_SCHEMA, CHUNK_ROWS, SyntheticConfig, SyntheticCriteo  # noqa: E402
+
+
+def write_days(folder: Path, days: int, rows: int, drift: float, seed: int) -> list[Path]:
+    """The drifting days as Criteo-layout TSV files (generated once)."""
+    files = []
+    folder.mkdir(parents=True, exist_ok=True)
+    options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
+    for d in range(days):
+        path = folder / f"day{d}.tsv"
+        files.append(path)
+        if path.exists():
+            continue
+        gen = SyntheticCriteo(SyntheticConfig(rows=rows, seed=seed, day=d, drift=drift))
+        tmp = path.with_suffix(".tmp")
+        with pacsv.CSVWriter(str(tmp), ARROW_SCHEMA, write_options=options) as writer:
+            for c in range(-(-rows // CHUNK_ROWS)):
+                writer.write_table(gen.chunk(c, min(CHUNK_ROWS, rows - c * CHUNK_ROWS))[0].cast(ARROW_SCHEMA))
+        os.replace(tmp, path)
+    return files
+
+
+def distinct_ids(files: list[Path]) -> int:
+    """Distinct (field, value) pairs over all days."""
+    seen: set[tuple[int, str]] = set()
+    for path in files:
+        table = pacsv.read_csv(path, read_options=pacsv.ReadOptions(autogenerate_column_names=True),
+                               parse_options=pacsv.ParseOptions(delimiter="\t"),
+                               convert_options=pacsv.ConvertOptions(column_types={f"f{i}": "string" for i in range(14, 40)}))
+        for i in range(14, 40):
+            seen.update((i, v) for v in set(table.column(f"f{i}").to_pylist()) if v)
+    return len(seen)
+
+
+def run_method(name: str, settings: list[str], files: list[Path], work: Path, common: list[str]) -> dict:
+    out = work / name
+    cmd = [sys.executable, "-m", "pipeline.commands.daily", "data=criteo_kaggle",
+           f"data.path=[{','.join(str(f) for f in files)}]", f"paths.cache_dir={work / 'cache' / name}",
+           f"logger.tracking_uri=sqlite:///{work / name}.db", f"hydra.run.dir={out}", *common, *settings]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"{name}: ctr daily failed ({proc.returncode})")
+    wall = time.perf_counter() - t0
+    rows = [line.split("|") for line in (out / "next_day_auc.md").read_text().splitlines()[2:]]
+    next_day = [float(r[4]) for r in rows if r[4].strip()]
+    results = [json.loads((out / f"day_{d}" / "result.json").read_text()) for d in range(len(files))]
+    stores = [json.loads(p.read_text()) for p in sorted((work / "cache" / name / "stores").glob("*/meta.json"))]
+    prep = sum(sum(m["splits"].values()) for m in stores) / sum(m["seconds"] for m in stores)
+    sizes = json.loads((out / f"day_{len(files) - 1}" / "model" / "model.json").read_text())["store"]["table_sizes"]
+    return {"method": name, "next_day_auc": statistics.mean(next_day), "per_day": next_day,
+            "preprocess_rows_s": prep, "train_samples_s": statistics.mean(r["samples_per_s"] for r in results),
+            "rows_per_table": statistics.mean(sizes.values()), "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="/tmp/ctr-zch-bench")
+    parser.add_argument("--days", type=int, default=4)
+    parser.add_argument("--rows-per-day", type=int, default=500_000)
+    parser.add_argument("--rows", type=int, default=60_000, help="table rows (zch rows, hash buckets)")
+    parser.add_argument("--drift", type=float, default=0.05)
+    parser.add_argument("--evict-after", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--methods", nargs="+", default=["vocab", "hash", "zch-lru", "zch-ttl"])
+    parser.add_argument("--set", nargs="*", default=[], help="extra overrides for every run")
+    args = parser.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    files = write_days(work / "days", args.days, args.rows_per_day, args.drift, args.seed)
+    print(f"{args.days} days x {args.rows_per_day:,} rows, drift {args.drift}: {distinct_ids(files):,} distinct ids",
+          flush=True)
+    common = ["trainer.max_epochs=1", "trainer.batch_size=8192", "trainer.eval_batch_size=16384",
+              "trainer.enable_progress_bar=false", "data.preprocess.split.method=sequential", *args.set]
+    methods = {
+        "vocab": [f"data.preprocess.evict_after={args.evict_after}"],
+        "hash": ["data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={args.rows}"],
+        "zch-lru": ["data.preprocess.categorical=raw", f"model.zch.rows={args.rows}", "model.zch.eviction=lru"],
+        "zch-ttl": ["data.preprocess.categorical=raw", f"model.zch.rows={args.rows}", "model.zch.eviction=ttl",
+                    f"model.zch.ttl_days={args.evict_after}"],
+    }
+    table = []
+    for name in args.methods:
+        r = run_method(name, methods[name], files, work, common)
+        print(json.dumps(r), flush=True)
+        table.append(r)
+    print("\n| method | next-day AUC (mean) | per day | preprocess rows/s | train samples/s | rows/table (last day) |")
+    print("|---|---:|---|---:|---:|---:|")
+    for r in table:
+        print(f"| {r['method']} | {r['next_day_auc']:.4f} | {', '.join(f'{a:.4f}' for a in r['per_day'])} | "
+              f"{r['preprocess_rows_s']:,.0f} | {r['train_samples_s']:,.0f} | {r['rows_per_table']:,.0f} |")
+    (work / "results.json").write_text(json.dumps(table, indent=2))
+
+
+if __name__ == "__main__":
+    main()
