@@ -138,17 +138,6 @@ def wide_row_offsets(spec: FeatureSpec, features: Sequence[str] | None = None) -
     return offsets
 
 
-def table_segments(spec: FeatureSpec, physical: str) -> dict[str, tuple[int, int]]:
-    """Table → (first row, rows) inside the physical table ``physical``: ``emb_<t>`` holds table t alone; the
-    first-order and stacked tables hold their features' tables at :func:`wide_row_offsets`."""
-    if physical in (WIDE_TABLE, WIDE_SEQ_TABLE, STACKED_TABLE):
-        features = spec.seq_features if physical == WIDE_SEQ_TABLE else spec.bag_features
-        offsets = wide_row_offsets(spec, features)
-        return {spec.table_of(f): (offsets[f], spec.table_sizes[spec.table_of(f)]) for f in features}
-    t = physical[len(EMB_PREFIX):]
-    return {t: (0, spec.table_sizes[t])}
-
-
 def is_table_parameter(name: str) -> bool:
     """Whether a parameter name (as the model's ``named_parameters`` / ``state_dict`` spell it) is an
     embedding table of either collection."""

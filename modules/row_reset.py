@@ -3,7 +3,7 @@
 
 For every FBGEMM kernel of the sharded model (:mod:`modules.sharded_kernels`) and every table in it that
 holds a logical table with such rows — ``emb_<t>``, or the first-order / stacked tables at the table's
-offset (:func:`modules.embedding.table_segments`) — the rows of this rank's shard get
+offset (:func:`table_segments`) — the rows of this rank's shard get
 
 * the weights they had at initialisation: the table's ``init_fn`` (:class:`modules.row_init.RowInit`, a
   pure function of (seed, table, row), so the same values wherever the table sits);
@@ -20,11 +20,22 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from modules.embedding import FeatureSpec, table_segments
+from modules.embedding import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
 from modules.sharded_kernels import kernels
 
 
-def _local_rows(meta: object, local_rows: int) -> tuple[int, int]:
+def table_segments(spec: FeatureSpec, physical: str) -> dict[str, tuple[int, int]]:
+    """Table → (first row, rows) inside the physical table ``physical``: ``emb_<t>`` holds table t alone; the
+    first-order and stacked tables hold their features' tables at :func:`wide_row_offsets`."""
+    if physical in (WIDE_TABLE, WIDE_SEQ_TABLE, STACKED_TABLE):
+        features = spec.seq_features if physical == WIDE_SEQ_TABLE else spec.bag_features
+        offsets = wide_row_offsets(spec, features)
+        return {spec.table_of(f): (offsets[f], spec.table_sizes[spec.table_of(f)]) for f in features}
+    t = physical[len(EMB_PREFIX):]
+    return {t: (0, spec.table_sizes[t])}
+
+
+def _local_rows(meta: object) -> tuple[int, int]:
     """(first row, first column) of this rank's shard of a kernel table."""
     if meta is None:
         return 0, 0
@@ -48,7 +59,7 @@ def reset_rows(model: nn.Module, spec: FeatureSpec, inits: dict[str, Callable], 
             if not wanted:
                 continue
             physical = torch.cat(wanted)
-            first_row, first_col = _local_rows(getattr(table, "local_metadata", None), weights[i].shape[0])
+            first_row, first_col = _local_rows(getattr(table, "local_metadata", None))
             local = physical - first_row
             local = local[(local >= 0) & (local < weights[i].shape[0])]
             if not len(local):

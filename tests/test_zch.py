@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec import KeyedJaggedTensor
 
-from modules.zch import FIRST_ROW, MISSING_ROW, ZchConfig, ZchRemapper
+from modules.zch import FIRST_ROW, MISSING_ROW, ZchConfig, ZchRemapper, lookup_rows, mapping_state
 from pipeline.checkpoint.discovery import complete_checkpoints
 from tests.test_checkpointing import _assert_same, _kill, _run, _run_id_of, _tensors
 
@@ -51,6 +51,10 @@ def test_lru_rows_hold_the_most_recent_ids_without_collisions(steps, rows):
             assert min(last[i] for i in holding) >= max(last[i] for i in last if i not in holding)
     remapper.eval()
     assert remapper(_kjt({"a": [1_000_000]})).values().tolist() == [rows + 1]
+    # serving's read-only remap (numpy, the model folder's mapping) equals TorchRec's in evaluation
+    probe = [0, 1_000_000, *sorted(last)]
+    assert lookup_rows(mapping_state(remapper), "t", np.array(probe)).tolist() == \
+        remapper(_kjt({"a": probe})).values().tolist()
 
 
 def test_ttl_keeps_a_row_for_ttl_days_of_data_then_gives_it_to_a_new_id():
@@ -102,13 +106,13 @@ def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_over
 
 def test_zch_run_killed_and_resumed_ends_where_the_straight_run_ends(ckpt_overrides, tmp_path):
     """1 process, LRU tables smaller than the ids (evictions every few steps), CowClip with the every-row L2:
-    SIGKILL at step 33, resume=auto from step 30 (between two admission rounds: the pending ids come from the
+    SIGKILL at step 13, resume=auto from step 10 (between two admission rounds: the pending ids come from the
     checkpoint) ends on the straight run's tensors — the remapper's included — metrics and MLflow run."""
     zch = [*ckpt_overrides, "data.preprocess.categorical=raw", "model.zch.rows=3000", "model.zch.eviction_interval=4",
-           "scaling=cowclip"]
+           "scaling=cowclip", "trainer.max_epochs=1"]
     ckpt = tmp_path / "ckpt"
-    stopped, _ = _run([*zch, f"trainer.checkpoint.dir={ckpt}", _kill(0, 33)], tmp_path, nproc=1, check=False)
-    assert stopped.returncode != 0 and complete_checkpoints(ckpt)[-1].name == "step-000000030"
+    stopped, _ = _run([*zch, f"trainer.checkpoint.dir={ckpt}", _kill(0, 13)], tmp_path, nproc=1, check=False)
+    assert stopped.returncode != 0 and complete_checkpoints(ckpt)[-1].name == "step-000000010"
     killed_run = _run_id_of(complete_checkpoints(ckpt)[-1])
     _, resumed = _run([*zch, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path, nproc=1)
     assert resumed.mlflow_run_id == killed_run

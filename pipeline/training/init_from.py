@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from modules.embedding import FeatureSpec, is_table_parameter, table_segments
+from modules.embedding import FeatureSpec, is_table_parameter
+from modules.row_reset import table_segments
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import read_vocabulary
