@@ -8,7 +8,9 @@ model) and is scored on day N + 1 before training it (the next-day AUC):
 
 * ``vocab``: ``categorical=vocab`` (min_count 2) growing day by day, ``evict_after`` days;
 * ``hash``: ``categorical=hash``, ``--rows`` buckets a table;
-* ``zch-<policy>``: ``categorical=raw`` and ``model.zch.rows = --rows`` (TorchRec's MCH, lru or ttl).
+* ``zch-<policy>``: ``categorical=raw`` and ``model.zch.rows = --rows`` (TorchRec's MCH, lru or ttl);
+
+the vocabulary and ZCH admit a value once seen ``--min-count`` times (``min_count``, ``model.zch.min_count``).
 
 Reported per method: mean next-day AUC, preprocessing rows/s (every day's store: its ``seconds`` from the store's
 meta, which times the whole preprocessing), training samples/s (mean of the days' runs), the tables' rows
@@ -98,6 +100,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=60_000, help="table rows (zch rows, hash buckets)")
     parser.add_argument("--drift", type=float, default=0.05)
     parser.add_argument("--evict-after", type=int, default=1)
+    parser.add_argument("--min-count", type=int, default=2,
+                        help="occurrences before a value gets a row: the vocabulary's min_count and model.zch.min_count")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--methods", nargs="+", default=["vocab", "hash", "zch-lru", "zch-ttl"])
     parser.add_argument("--set", nargs="*", default=[], help="extra overrides for every run")
@@ -110,11 +114,12 @@ def main() -> None:
     common = ["trainer.max_epochs=1", "trainer.batch_size=8192", "trainer.eval_batch_size=16384",
               "trainer.enable_progress_bar=false", "data.preprocess.split.method=sequential", *args.set]
     methods = {
-        "vocab": [f"data.preprocess.evict_after={args.evict_after}"],
+        "vocab": [f"data.preprocess.evict_after={args.evict_after}", f"data.preprocess.min_count={args.min_count}"],
         "hash": ["data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={args.rows}"],
-        "zch-lru": ["data.preprocess.categorical=raw", f"model.zch.rows={args.rows}", "model.zch.eviction=lru"],
+        "zch-lru": ["data.preprocess.categorical=raw", f"model.zch.rows={args.rows}", "model.zch.eviction=lru",
+                    f"model.zch.min_count={args.min_count}"],
         "zch-ttl": ["data.preprocess.categorical=raw", f"model.zch.rows={args.rows}", "model.zch.eviction=ttl",
-                    f"model.zch.ttl_days={args.evict_after}"],
+                    f"model.zch.ttl_days={args.evict_after}", f"model.zch.min_count={args.min_count}"],
     }
     table = []
     for name in args.methods:

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.modules.mc_modules import (
@@ -47,6 +48,9 @@ from torchrec.modules.mc_modules import (
     MCHManagedCollisionModule,
 )
 
+from modules.zch_admission import CountMinAdmission
+
+ADMISSION_KEY = "admission.counts"
 MISSING_ROW = 1
 FIRST_ROW = 2
 EVICTIONS = ("lru", "lfu", "ttl")
@@ -62,12 +66,15 @@ class ZchConfig:
     eviction: str = "lru"           # lru | lfu | ttl
     eviction_interval: int = 16     # training steps between admission rounds
     ttl_days: int = 7               # eviction=ttl: days an id keeps its row unseen
+    min_count: int = 1              # occurrences before a new id may take a row (modules/zch_admission.py)
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTIONS:
             raise ValueError(f"model.zch.eviction={self.eviction!r}: expected one of {EVICTIONS}")
         if self.eviction_interval < 1:
             raise ValueError(f"model.zch.eviction_interval={self.eviction_interval}: expected a number of steps >= 1")
+        if self.min_count < 1:
+            raise ValueError(f"model.zch.min_count={self.min_count}: expected a number of occurrences >= 1")
         if self.ttl_days < 1:
             raise ValueError(f"model.zch.ttl_days={self.ttl_days}: expected a number of days >= 1")
         for name, n in {"rows": self.rows, **{f"tables.{k}": v for k, v in self.tables.items()}}.items():
@@ -139,6 +146,27 @@ def _policy(cfg: ZchConfig) -> MCHEvictionPolicy:
     return DayTTLPolicy(cfg.ttl_days)
 
 
+def global_ids(per_table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's ids of a step, per table (one all-gather; the ranks' ids one after the other): with several
+    ranks, each keeps the whole mapping and admits the global batch's ids, so every rank's remapper stays the
+    same — admission depends on the ids and their counts, not on their order (``torch.unique``), so it is the
+    mapping one process would build from the same global batches."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return per_table
+    sizes = torch.tensor([len(v) for v in per_table.values()], dtype=torch.int64)
+    flat = torch.cat(list(per_table.values())) if per_table else torch.zeros(0, dtype=torch.int64)
+    world = dist.get_world_size()
+    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes)
+    longest = int(max(int(s.sum()) for s in all_sizes))
+    padded = torch.zeros(longest, dtype=torch.int64)
+    padded[:len(flat)] = flat
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    parts = [torch.split(g[:int(s.sum())], s.tolist()) for g, s in zip(gathered, all_sizes)]
+    return {t: torch.cat([p[i] for p in parts]) for i, t in enumerate(per_table)}
+
+
 class ZchRemapper(nn.Module):
     """Raw ids → rows of each table (module docstring). ``features``: table → the KJT keys that read it;
     ``table_sizes``: rows of each table (:meth:`ZchConfig.table_sizes`)."""
@@ -153,6 +181,7 @@ class ZchRemapper(nn.Module):
             zch_size=table_sizes[t] - FIRST_ROW, device=torch.device("cpu"), eviction_policy=self.policies[t],
             eviction_interval=1, output_global_offset=FIRST_ROW, name=t) for t in features})
         self.unknown_row = {t: table_sizes[t] - 1 for t in features}
+        self.admission = CountMinAdmission(cfg.min_count) if cfg.min_count > 1 else None
         self.pending: dict[str, list[torch.Tensor]] = {t: [] for t in features}
         self.pending_steps = 0
         self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
@@ -172,8 +201,8 @@ class ZchRemapper(nn.Module):
         values = kjt.values().to(torch.int64)
         per_key = dict(zip(kjt.keys(), torch.split(values, kjt.length_per_key())))
         if self.training:
-            for t, keys in self.features.items():
-                ids = torch.cat([per_key[k] for k in keys])
+            step = {t: torch.cat([per_key[k] for k in keys]) for t, keys in self.features.items()}
+            for t, ids in global_ids(step).items():
                 self.pending[t].append(ids[ids != 0])
             self.pending_steps += 1
             if self.pending_steps >= min(self.interval, 1 << self.rounds):
@@ -200,6 +229,9 @@ class ZchRemapper(nn.Module):
             ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
             parts.clear()
             module = self.mch[t]
+            if self.admission is not None and len(ids):  # held ids, and new ones seen min_count times
+                rows = module.remap({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})[t].values()
+                ids = ids[(rows != self.unknown_row[t]) | self.admission.admitted(ids)]
             if not len(ids):
                 continue
             if module._input_history_buffer_size < len(ids):
@@ -243,8 +275,12 @@ class ZchRemapper(nn.Module):
 
 def mapping_state(remapper: ZchRemapper) -> dict[str, np.ndarray]:
     """The mapping of every table — TorchRec's buffers ``<table>.<buffer>`` (ids held, sorted, their rows, the
-    policy's metadata, the round count): what a model folder keeps to score, and a next day continues from."""
-    return {k: v.numpy().copy() for k, v in remapper.mch.state_dict().items()}
+    policy's metadata, the round count) and the admission counts if any: what a model folder keeps to score,
+    and a next day continues from."""
+    state = {k: v.numpy().copy() for k, v in remapper.mch.state_dict().items()}
+    if remapper.admission is not None:
+        state[ADMISSION_KEY] = remapper.admission.counts.numpy().copy()
+    return state
 
 
 def load_mapping_state(remapper: ZchRemapper, state: dict[str, np.ndarray] | None) -> None:
@@ -252,7 +288,9 @@ def load_mapping_state(remapper: ZchRemapper, state: dict[str, np.ndarray] | Non
     if not state:
         raise ValueError("trainer.init_from: the source model has no model.zch mapping (it was trained on a "
                          "vocabulary or hashed ids); start this raw-id run afresh")
-    remapper.mch.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()})
+    remapper.mch.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items() if k != ADMISSION_KEY})
+    if remapper.admission is not None and ADMISSION_KEY in state:
+        remapper.admission.counts.copy_(torch.from_numpy(state[ADMISSION_KEY]))
 
 
 def lookup_rows(state: dict[str, np.ndarray], table: str, raw: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec import KeyedJaggedTensor
 
-from modules.zch import FIRST_ROW, MISSING_ROW, ZchConfig, ZchRemapper, lookup_rows, mapping_state
+from modules.zch import FIRST_ROW, MISSING_ROW, ZchConfig, ZchRemapper, load_mapping_state, lookup_rows, mapping_state
 from pipeline.checkpoint.discovery import complete_checkpoints
 from tests.test_checkpointing import _assert_same, _kill, _run, _run_id_of, _tensors
 
@@ -76,6 +76,21 @@ def test_ttl_keeps_a_row_for_ttl_days_of_data_then_gives_it_to_a_new_id():
     assert (counts["admitted"], counts["evicted"]) == (3, 1)  # 10 and 11 into free rows, then 12 in place of 11
 
 
+def test_min_count_keeps_an_id_on_the_unknown_row_until_seen_that_often():
+    cfg = ZchConfig(rows=10, eviction_interval=1, min_count=3)
+    remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
+    remapper.train()
+    unknown = 11
+    assert remapper(_kjt({"a": [5, 6, 6]})).values().tolist() == [unknown] * 3  # 5 once, 6 twice
+    row = remapper(_kjt({"a": [6, 5]})).values().tolist()  # 6 a third time: a row; 5 twice: not yet
+    assert row[1] == unknown and FIRST_ROW <= row[0] < unknown
+    assert remapper(_kjt({"a": [5]})).values().tolist()[0] not in (unknown, row[0])
+    state = mapping_state(remapper)  # the counts travel with the mapping (init_from continues them)
+    again = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
+    load_mapping_state(again, state)
+    assert torch.equal(again.admission.counts, remapper.admission.counts)
+
+
 def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_overrides, tmp_path):
     """Raw ids against the raw file: equal values of a table share an id, any two different (table, value) pairs
     differ (no collision among the log's values), missing → 0; no vocabulary is written."""
@@ -104,29 +119,61 @@ def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_over
     assert len(set(pairs.values())) == len(pairs) and 0 not in pairs.values()
 
 
-def test_zch_run_killed_and_resumed_ends_where_the_straight_run_ends(ckpt_overrides, tmp_path):
-    """1 process, LRU tables smaller than the ids (evictions every few steps), CowClip with the every-row L2:
-    SIGKILL at step 13, resume=auto from step 10 (between two admission rounds: the pending ids come from the
-    checkpoint) ends on the straight run's tensors — the remapper's included — metrics and MLflow run."""
-    zch = [*ckpt_overrides, "data.preprocess.categorical=raw", "model.zch.rows=3000", "model.zch.eviction_interval=4",
-           "scaling=cowclip", "trainer.max_epochs=1"]
+ZCH_RUN = ["data.preprocess.categorical=raw", "model.zch.rows=3000", "model.zch.eviction_interval=4", "scaling=cowclip",
+           "trainer.max_epochs=1"]
+
+
+def _mapping(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors.items() if k.startswith("state_dict/zch.remapper.mch.")}
+
+
+@pytest.fixture(scope="module")
+def zch_straight(ckpt_overrides, tmp_path_factory):
+    """1 process, LRU tables smaller than the ids, CowClip with the every-row L2, uninterrupted."""
+    tmp = tmp_path_factory.mktemp("zch_straight")
+    _, result = _run([*ckpt_overrides, *ZCH_RUN, f"trainer.checkpoint.dir={tmp}/ckpt"], tmp, nproc=1)
+    tensors = _tensors(complete_checkpoints(tmp / "ckpt")[-1])
+    held = [int((v != torch.iinfo(torch.int64).max).sum()) for k, v in _mapping(tensors).items()
+            if k.endswith("_mch_sorted_raw_ids")]
+    assert len(held) == 26 and held.count(2999) >= 5  # tables full: ids were evicted on the way
+    return result, tensors
+
+
+def _killed_and_resumed(ckpt_overrides, tmp_path, nproc: int):
     ckpt = tmp_path / "ckpt"
-    stopped, _ = _run([*zch, f"trainer.checkpoint.dir={ckpt}", _kill(0, 13)], tmp_path, nproc=1, check=False)
+    args = [*ckpt_overrides, *ZCH_RUN, f"trainer.checkpoint.dir={ckpt}"]
+    stopped, _ = _run([*args, _kill(nproc - 1, 13)], tmp_path, nproc=nproc, check=False)
     assert stopped.returncode != 0 and complete_checkpoints(ckpt)[-1].name == "step-000000010"
     killed_run = _run_id_of(complete_checkpoints(ckpt)[-1])
-    _, resumed = _run([*zch, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path, nproc=1)
-    assert resumed.mlflow_run_id == killed_run
-    straight_ckpt = tmp_path / "straight"
-    _, straight = _run([*zch, f"trainer.checkpoint.dir={straight_ckpt}"], tmp_path / "s", nproc=1)
+    _, resumed = _run([*args, "trainer.resume=auto"], tmp_path, nproc=nproc)
+    assert resumed.mlflow_run_id == killed_run  # it continued the killed run
+    return resumed, _tensors(complete_checkpoints(ckpt)[-1])
+
+
+def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_one_process_builds(ckpt_overrides, zch_straight,
+                                                                                    tmp_path):
+    """2 ranks, rank 1 SIGKILLed at step 13, resume=auto from step 10 (between admission rounds: the pending ids
+    come from the checkpoint): every table's mapping — ids held, their rows, LRU state — equals the one process
+    run's bit for bit (each rank admits the global batch's ids, in any order), and the model trains as well."""
+    straight, straight_tensors = zch_straight
+    resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=2)
+    _assert_same(_mapping(tensors), _mapping(straight_tensors), ("state_dict/zch.",))
+    assert abs(resumed.test_auc - straight.test_auc) < 2e-3
+
+
+@pytest.mark.slow
+def test_zch_run_killed_and_resumed_ends_where_the_straight_run_ends(ckpt_overrides, zch_straight, tmp_path):
+    """1 process: SIGKILL at step 13, resume=auto from step 10 ends on the straight run's tensors — the
+    remapper's included — and metrics. (slow, 17 s: the 2-rank test above resumes the same way and checks the
+    mapping bit for bit)"""
+    straight, straight_tensors = zch_straight
+    resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=1)
     assert (resumed.test_auc, resumed.test_logloss) == (straight.test_auc, straight.test_logloss)
-    a, b = (_tensors(complete_checkpoints(c)[-1]) for c in (ckpt, straight_ckpt))
-    assert any(k.startswith("state_dict/zch.remapper.mch.") for k in a)
-    _assert_same(a, b, ("state_dict/", "fused_optimizer/"))
-    held = [int((a[k] != torch.iinfo(torch.int64).max).sum()) for k in a if k.endswith("_mch_sorted_raw_ids")]
-    assert len(held) == 26 and held.count(2999) >= 5  # tables full: ids were evicted on the way
+    assert _mapping(tensors)
+    _assert_same(tensors, straight_tensors, ("state_dict/", "fused_optimizer/"))
 
 
-def test_zch_needs_raw_ids_and_one_process(small_overrides, tmp_path):
+def test_zch_needs_raw_ids(small_overrides, tmp_path):
     from pipeline.config import check_runnable, parse_config
     from pipeline.runtime.errors import ConfigError
     from tests.conftest import compose_config

@@ -29,11 +29,8 @@ def table_inits(net: nn.Module) -> dict[str, Callable]:
     return out
 
 
-def check_zch_model(model: nn.Module, world_size: int) -> None:
+def check_zch_model(model: nn.Module) -> None:
     """What the remapper and the row resets need of the sharded model; raises :class:`ConfigError`."""
-    if world_size > 1:
-        raise ConfigError(f"model.zch on {world_size} ranks: not supported yet (each rank would admit the ids of "
-                          f"its own batches; the remapper is not sharded); train on 1 process")
     if cached_tbes(model):
         raise ConfigError("model.zch with tables on the ssd tier: not supported yet (evicted rows are reset in "
                           "memory); raise topology.ddr_cap_gb or lower model.zch.rows")
