@@ -1,6 +1,7 @@
 """Preprocessing throughput and peak memory: this project's streaming preprocessor vs. pandas.
 
     python benchmarks/preprocess.py --rows 2000000            # also runs 2× the rows for the memory check
+    python benchmarks/preprocess.py --rows 3000000 --no-double --methods project raw   # raw ids against the vocabulary
 
 The 2× file is the 1× file written twice: the same vocabulary over twice the rows, so the memory
 check isolates what preprocessing holds besides the vocabulary (which grows with the distinct ids).
@@ -37,13 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_project(path: str, out: str) -> dict:
+def run_project(path: str, out: str, categorical: str = "vocab") -> dict:
     from pipeline.data.dataset import builtin_layout
     from pipeline.data.preprocess import preprocess
     from pipeline.data.preprocess_config import PreprocessConfig
 
     t0 = time.perf_counter()
-    store = preprocess([path], builtin_layout("criteo", PreprocessConfig(min_count=2)), out)
+    store = preprocess([path], builtin_layout("criteo", PreprocessConfig(min_count=2, categorical=categorical)), out)
     return {"seconds": time.perf_counter() - t0, "rows": sum(store.meta["splits"].values())}
 
 
@@ -79,7 +80,9 @@ def _warm(path: Path) -> None:
 
 
 def _child(method: str, path: str, out: str) -> None:
-    result = {"project": run_project, "pandas": run_pandas}[method](path, out)
+    methods = {"project": run_project, "pandas": run_pandas,
+               "raw": lambda p, o: run_project(p, o, "raw"), "hash": lambda p, o: run_project(p, o, "hash")}
+    result = methods[method](path, out)
     result["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(result))
 
@@ -99,6 +102,8 @@ def main() -> None:
     parser.add_argument("--no-double", action="store_true", help="skip the 2× rows memory check")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--methods", nargs="+", default=["pandas", "project"],
+                        help="pandas | project (vocabulary) | raw (categorical=raw: no counting) | hash; the first is the baseline")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -121,9 +126,9 @@ def main() -> None:
                         shutil.copyfileobj(src, out, 64 << 20)
         mb = path.stat().st_size / 2**20
         _warm(path)  # the page cache, for both methods
-        runs: dict[str, list[dict]] = {"pandas": [], "project": []}
+        runs: dict[str, list[dict]] = {m: [] for m in args.methods}
         for i in range(args.repeat):
-            for method in (("pandas", "project") if i % 2 == 0 else ("project", "pandas")):
+            for method in (args.methods if i % 2 == 0 else args.methods[::-1]):
                 r = measure(method, path, workdir)
                 runs[method].append(r)
                 print(f"  {method:8s} {n:>10,} rows: {r['seconds']:.1f} s, peak {r['peak_rss_mb']:.0f} MB", flush=True)
@@ -132,10 +137,10 @@ def main() -> None:
                          "seconds": statistics.median(r["seconds"] for r in rs),
                          "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs)})
     print()
-    print("| rows | file MB | method | seconds | rows/s | peak RSS MB | speed vs pandas |")
+    print(f"| rows | file MB | method | seconds | rows/s | peak RSS MB | speed vs {args.methods[0]} |")
     print("|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        base = next(x for x in rows if x["rows"] == r["rows"] and x["method"] == "pandas")
+        base = next(x for x in rows if x["rows"] == r["rows"] and x["method"] == args.methods[0])
         print(f"| {r['rows']:,} | {r['file_mb']:.0f} | {r['method']} | {r['seconds']:.1f} | {r['rows'] / r['seconds']:,.0f} "
               f"| {r['peak_rss_mb']:.0f} | {base['seconds'] / r['seconds']:.2f}× |")
     if len(sizes) == 2:
