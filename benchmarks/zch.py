@@ -10,6 +10,10 @@ model) and is scored on day N + 1 before training it (the next-day AUC):
 * ``hash``: ``categorical=hash``, ``--rows`` buckets a table;
 * ``zch-<policy>``: ``categorical=raw`` and ``model.zch.rows = --rows`` (TorchRec's MCH, lru or ttl);
 
+``--rows vocab`` (the default) gives every ZCH table the rows of the vocabulary's table on the last day (the
+largest it grew to: ``evict_after`` keeps it bounded) and hashing their mean, so all methods hold about the same
+rows;
+
 the vocabulary and ZCH admit a value once seen ``--min-count`` times (``min_count``, ``model.zch.min_count``).
 
 Reported per method: mean next-day AUC, preprocessing rows/s (every day's store: its ``seconds`` from the store's
@@ -17,7 +21,7 @@ meta, which times the whole preprocessing), training samples/s (mean of the days
 (``vocab``: the mean of its tables' sizes on the last day, for comparison: it is not capped). All in one script,
 one process per run, on this machine.
 
-    python benchmarks/zch.py --days 4 --rows-per-day 500000 --rows 60000 --drift 0.05
+    python benchmarks/zch.py --days 4 --rows-per-day 400000 --drift 0.05             # rows: as the vocabulary's
 """
 
 from __future__ import annotations
@@ -70,6 +74,14 @@ def distinct_ids(files: list[Path]) -> int:
     return len(seen)
 
 
+def vocab_sizes(work: Path, days: int) -> dict[str, int]:
+    """The vocabulary run's table sizes on its last day (rows with OOV and missing)."""
+    meta = work / "vocab" / f"day_{days - 1}" / "model" / "model.json"
+    if not meta.is_file():
+        raise SystemExit("--rows vocab: run the vocab method first (it sizes the others' tables)")
+    return json.loads(meta.read_text())["store"]["table_sizes"]
+
+
 def run_method(name: str, settings: list[str], files: list[Path], work: Path, common: list[str]) -> dict:
     out = work / name
     cmd = [sys.executable, "-m", "pipeline.commands.daily", "data=criteo_kaggle",
@@ -97,7 +109,9 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/ctr-zch-bench")
     parser.add_argument("--days", type=int, default=4)
     parser.add_argument("--rows-per-day", type=int, default=500_000)
-    parser.add_argument("--rows", type=int, default=60_000, help="table rows (zch rows, hash buckets)")
+    parser.add_argument("--rows", default="vocab",
+                        help="table rows: a number (zch rows and hash buckets), or 'vocab': each zch table as many rows "
+                             "as the vocabulary's table on the last day, hash buckets their mean (vocab runs first)")
     parser.add_argument("--drift", type=float, default=0.05)
     parser.add_argument("--evict-after", type=int, default=1)
     parser.add_argument("--min-count", type=int, default=2,
@@ -113,16 +127,23 @@ def main() -> None:
           flush=True)
     common = ["trainer.max_epochs=1", "trainer.batch_size=8192", "trainer.eval_batch_size=16384",
               "trainer.enable_progress_bar=false", "data.preprocess.split.method=sequential", *args.set]
+    rows = 1000 if args.rows == "vocab" else int(args.rows)  # 'vocab': the default of tables the vocabulary lacks
     methods = {
         "vocab": [f"data.preprocess.evict_after={args.evict_after}", f"data.preprocess.min_count={args.min_count}"],
-        "hash": ["data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={args.rows}"],
-        "zch-lru": ["data.preprocess.categorical=raw", f"model.zch.rows={args.rows}", "model.zch.eviction=lru",
+        "hash": ["data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={rows}"],
+        "zch-lru": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}", "model.zch.eviction=lru",
                     f"model.zch.min_count={args.min_count}"],
-        "zch-ttl": ["data.preprocess.categorical=raw", f"model.zch.rows={args.rows}", "model.zch.eviction=ttl",
+        "zch-ttl": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}", "model.zch.eviction=ttl",
                     f"model.zch.ttl_days={args.evict_after}", f"model.zch.min_count={args.min_count}"],
     }
     table = []
-    for name in args.methods:
+    for name in sorted(args.methods, key=lambda m: m != "vocab"):
+        if args.rows == "vocab" and name != "vocab":
+            sizes = vocab_sizes(work, len(files))
+            if name == "hash":
+                methods[name][-1] = f"data.preprocess.hash_buckets={round(sum(sizes.values()) / len(sizes))}"
+            else:
+                methods[name] += [f"+model.zch.tables.{t}={max(2, n - 2)}" for t, n in sizes.items()]
         r = run_method(name, methods[name], files, work, common)
         print(json.dumps(r), flush=True)
         table.append(r)
