@@ -63,15 +63,20 @@ def write_days(folder: Path, days: int, rows: int, drift: float, seed: int) -> l
 
 
 def distinct_ids(files: list[Path]) -> int:
-    """Distinct (field, value) pairs over all days."""
-    seen: set[tuple[int, str]] = set()
+    """Distinct (field, value) pairs over all days (pyarrow's unique, field by field)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = [f"f{i}" for i in range(14, 40)]
+    parts: dict[str, list] = {c: [] for c in columns}
     for path in files:
         table = pacsv.read_csv(path, read_options=pacsv.ReadOptions(autogenerate_column_names=True),
                                parse_options=pacsv.ParseOptions(delimiter="\t"),
-                               convert_options=pacsv.ConvertOptions(column_types={f"f{i}": "string" for i in range(14, 40)}))
-        for i in range(14, 40):
-            seen.update((i, v) for v in set(table.column(f"f{i}").to_pylist()) if v)
-    return len(seen)
+                               convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in columns},
+                                                                    strings_can_be_null=True, include_columns=columns))
+        for c in columns:
+            parts[c].append(pc.unique(table.column(c)))
+    return sum(len(pc.drop_null(pc.unique(pa.chunked_array(p)))) for p in parts.values())
 
 
 def vocab_sizes(work: Path, days: int) -> dict[str, int]:
