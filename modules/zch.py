@@ -175,6 +175,7 @@ class ZchRemapper(nn.Module):
         super().__init__()
         self.interval = cfg.eviction_interval
         self.features = {t: list(f) for t, f in features.items()}
+        self.table_of = {k: t for t, keys in self.features.items() for k in keys}
         self.policies = {t: _policy(cfg) for t in features}
         # output rows FIRST_ROW … FIRST_ROW + rows − 1; the last is MCH's row of unmatched ids
         self.mch = nn.ModuleDict({t: MCHManagedCollisionModule(
@@ -209,7 +210,7 @@ class ZchRemapper(nn.Module):
                 self._admit()
         out = []
         for k in kjt.keys():
-            t = self._table_of[k]
+            t = self.table_of[k]
             raw = per_key[k]
             rows = self.mch[t].remap({t: JaggedTensor(values=raw, lengths=torch.ones_like(raw))})[t].values()
             rows = torch.where(raw == 0, MISSING_ROW, rows)
@@ -219,10 +220,6 @@ class ZchRemapper(nn.Module):
         return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(out) if out else values, lengths=kjt.lengths(),
                                  stride=kjt.stride(), length_per_key=kjt.length_per_key(),
                                  offset_per_key=kjt.offset_per_key())
-
-    @property
-    def _table_of(self) -> dict[str, str]:
-        return {k: t for t, keys in self.features.items() for k in keys}
 
     def _admit(self) -> None:
         for t, parts in self.pending.items():

@@ -17,6 +17,7 @@ from modules.models import build_model
 from modules.plan_report import format_plan
 from modules.sharding import plan_model
 from modules.table_stacking import decide_stacking
+from modules.zch import ZchConfig
 from modules.zipf import zipf_coverage
 from pipeline.commands.args import exit_on_user_error
 from pipeline.config import parse_config, register_configs
@@ -26,7 +27,8 @@ from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.runtime.errors import ConfigError
 
 
-def spec_and_coverage(data: DataConfig, cache_dir: str) -> tuple[FeatureSpec, dict[str, dict[float, int]]]:
+def spec_and_coverage(data: DataConfig, cache_dir: str, zch: ZchConfig | None = None
+                      ) -> tuple[FeatureSpec, dict[str, dict[float, int]]]:
     """Feature spec and id-coverage statistics of a dataset (prepared on first use) or a shape-only config."""
     if data.shape_only:
         tables = list(dict.fromkeys(data.table_of(f) for f in (*data.categorical, *data.sequence)))
@@ -36,7 +38,7 @@ def spec_and_coverage(data: DataConfig, cache_dir: str) -> tuple[FeatureSpec, di
         sizes = {t: int(n) + FIRST_VOCAB_ID for t, n in zip(tables, data.cardinalities)}
         coverage = {t: zipf_coverage(n, data.zipf_exponent) for t, n in sizes.items()}
         return FeatureSpec.of_data(data, sizes), coverage
-    dm = CTRDataModule(data, cache_dir, batch_size=1, eval_batch_size=1, seed=0)
+    dm = CTRDataModule(data, cache_dir, batch_size=1, eval_batch_size=1, seed=0, zch=zch)
     dm.prepare_data()
     dm.setup()
     return dm.feature_spec, dm.coverage
@@ -45,7 +47,7 @@ def spec_and_coverage(data: DataConfig, cache_dir: str) -> tuple[FeatureSpec, di
 def plan_for_config(cfg: DictConfig) -> str:
     run = parse_config(cfg)
     topology = run.topology.for_world(run.topology.world_size, run.topology.ranks_per_node or 1)
-    feature_spec, coverage = spec_and_coverage(run.data, run.paths.cache_dir)
+    feature_spec, coverage = spec_and_coverage(run.data, run.paths.cache_dir, run.model.zch)
     optim = run.optim.embedding
     # row caches and the step's working set as training sizes them (CTRTask): both batches, every rank's
     batch_rows, eval_rows = (n * topology.world_size for n in (run.trainer.batch_size, run.trainer.eval_batch_size))
