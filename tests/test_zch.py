@@ -173,6 +173,36 @@ def test_zch_run_killed_and_resumed_ends_where_the_straight_run_ends(ckpt_overri
     _assert_same(tensors, straight_tensors, ("state_dict/", "fused_optimizer/"))
 
 
+def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, tmp_path):
+    """A ZCH run on the generated log (a multi-hot feature too): ``ctr predict`` on the raw rows of its test split —
+    values hashed and mapped read-only with the model folder's mapping (numpy) — gives the AUC training measured on
+    them through TorchRec's remap; a value never seen goes to the unknown row and is scored."""
+    import pandas as pd
+
+    from pipeline.data.pass1 import assign_splits
+    from pipeline.data.preprocess_config import SplitConfig
+    from tests.conftest import train_cli
+    from tests.test_model_use import predict_here
+
+    folder, _, args, _, frame, _ = own_data_run
+    split = assign_splits(np.arange(len(frame), dtype=np.uint64), len(frame), SplitConfig(valid=0.1, test=0.2, seed=0))
+    frame[split == 2].to_csv(tmp_path / "test.csv", index=False)
+    _, result = train_cli([*args, f"paths.cache_dir={tmp_path / 'cache'}", "data.preprocess.categorical=raw",
+                           "model.zch.rows=300", "model.zch.min_count=2"], tmp_path / "run")
+    model = tmp_path / "run" / "model"
+    assert (model / "zch.npz").is_file()
+    scores = predict_here(model, tmp_path / "test.csv", tmp_path / "pred.parquet")
+    from torchmetrics.functional.classification import binary_auroc
+
+    labels = torch.from_numpy(frame[split == 2]["clicked"].to_numpy().astype(np.int64))
+    assert abs(float(binary_auroc(torch.tensor(scores), labels)) - result.test_auc) <= 1e-6
+    odd = frame[split == 2].head(2).drop(columns=["clicked"]).copy()
+    odd.loc[odd.index[0], "user_id"] = "never-seen"
+    odd.to_csv(tmp_path / "odd.csv", index=False)
+    assert len(predict_here(model, tmp_path / "odd.csv", tmp_path / "odd.out.csv")) == 2
+    assert len(pd.read_csv(tmp_path / "odd.out.csv")) == 2
+
+
 def test_zch_needs_raw_ids(small_overrides, tmp_path):
     from pipeline.config import check_runnable, parse_config
     from pipeline.runtime.errors import ConfigError
