@@ -208,18 +208,27 @@ class ZchRemapper(nn.Module):
             self.pending_steps += 1
             if self.pending_steps >= min(self.interval, 1 << self.rounds):
                 self._admit()
-        out = []
-        for k in kjt.keys():
-            t = self.table_of[k]
-            raw = per_key[k]
-            rows = self.mch[t].remap({t: JaggedTensor(values=raw, lengths=torch.ones_like(raw))})[t].values()
-            rows = torch.where(raw == 0, MISSING_ROW, rows)
-            self.counts["unknown"] += int(((rows == self.unknown_row[t]) & (raw != 0)).sum())
-            self.counts["looked_up"] += int((raw != 0).sum())
-            out.append(rows)
-        return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(out) if out else values, lengths=kjt.lengths(),
-                                 stride=kjt.stride(), length_per_key=kjt.length_per_key(),
-                                 offset_per_key=kjt.offset_per_key())
+        out = torch.empty_like(values)
+        start = 0
+        for k, n in zip(kjt.keys(), kjt.length_per_key()):
+            out[start:start + n] = self._remap(self.table_of[k], per_key[k])
+            start += n
+        missing = values == 0
+        unknown = torch.repeat_interleave(torch.tensor([self.unknown_row[self.table_of[k]] for k in kjt.keys()]),
+                                          torch.tensor(kjt.length_per_key()))
+        self.counts["unknown"] += int(((out == unknown) & ~missing).sum())
+        self.counts["looked_up"] += len(values) - int(missing.sum())
+        out[missing] = MISSING_ROW
+        return KeyedJaggedTensor(keys=kjt.keys(), values=out, lengths=kjt.lengths(), stride=kjt.stride(),
+                                 length_per_key=kjt.length_per_key(), offset_per_key=kjt.offset_per_key())
+
+    def _remap(self, table: str, raw: torch.Tensor) -> torch.Tensor:
+        """Rows of ``raw`` ids in ``table`` as TorchRec's MCH remaps them (``_mch_remap``: a held id → its row, any
+        other → the unknown row), over the module's buffers in one ``torch.where`` instead of its masked writes."""
+        module = self.mch[table]
+        held, rows = module._mch_sorted_raw_ids, module._mch_remapped_ids_mapping
+        at = torch.searchsorted(held[:-1], raw)
+        return torch.where(held[at] == raw, rows[at], self.unknown_row[table])
 
     def _admit(self) -> None:
         for t, parts in self.pending.items():
@@ -227,8 +236,9 @@ class ZchRemapper(nn.Module):
             parts.clear()
             module = self.mch[t]
             if self.admission is not None and len(ids):  # held ids, and new ones seen min_count times
-                rows = module.remap({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})[t].values()
-                ids = ids[(rows != self.unknown_row[t]) | self.admission.admitted(ids)]
+                distinct, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
+                keep = (self._remap(t, distinct) != self.unknown_row[t]) | self.admission.admitted(distinct, occurrences)
+                ids = ids[keep[inverse]]
             if not len(ids):
                 continue
             if module._input_history_buffer_size < len(ids):

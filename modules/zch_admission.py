@@ -41,12 +41,11 @@ class CountMinAdmission(nn.Module):
         return [((ids * a) >> self.shift) & mask for a in self.multipliers]
 
     @torch.no_grad()
-    def admitted(self, ids: torch.Tensor) -> torch.Tensor:
-        """Count every occurrence in ``ids`` (int64, repeats counted), then: whether each has been seen
-        ``min_count`` times so far, this batch included."""
+    def admitted(self, ids: torch.Tensor, occurrences: torch.Tensor) -> torch.Tensor:
+        """Count ``occurrences`` of each of the (distinct) ``ids`` (int64), then: whether each has been seen
+        ``min_count`` times so far, these included."""
         slots = self._slots(ids)
-        ones = torch.ones(len(ids), dtype=torch.int32)
         for row, s in zip(self.counts, slots):
-            row.index_add_(0, s, ones)
+            row.index_add_(0, s, occurrences.to(torch.int32))
         seen = torch.stack([row[s] for row, s in zip(self.counts, slots)]).min(dim=0).values
         return seen >= self.min_count

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torchrec import KeyedJaggedTensor
+from torchrec import JaggedTensor, KeyedJaggedTensor
 
 from modules.zch import FIRST_ROW, MISSING_ROW, ZchConfig, ZchRemapper, load_mapping_state, lookup_rows, mapping_state
 from pipeline.checkpoint.discovery import complete_checkpoints
@@ -51,10 +51,13 @@ def test_lru_rows_hold_the_most_recent_ids_without_collisions(steps, rows):
             assert min(last[i] for i in holding) >= max(last[i] for i in last if i not in holding)
     remapper.eval()
     assert remapper(_kjt({"a": [1_000_000]})).values().tolist() == [rows + 1]
-    # serving's read-only remap (numpy, the model folder's mapping) equals TorchRec's in evaluation
+    # training's remap and serving's read-only one (numpy, the model folder's mapping) equal TorchRec's own
     probe = [0, 1_000_000, *sorted(last)]
-    assert lookup_rows(mapping_state(remapper), "t", np.array(probe)).tolist() == \
-        remapper(_kjt({"a": probe})).values().tolist()
+    ids = torch.tensor(probe)
+    library = remapper.mch["t"].remap({"t": JaggedTensor(values=ids, lengths=torch.ones_like(ids))})["t"].values()
+    expected = torch.where(ids == 0, MISSING_ROW, library).tolist()
+    assert remapper(_kjt({"a": probe})).values().tolist() == expected
+    assert lookup_rows(mapping_state(remapper), "t", np.array(probe)).tolist() == expected
 
 
 def test_ttl_keeps_a_row_for_ttl_days_of_data_then_gives_it_to_a_new_id():
