@@ -9,8 +9,10 @@ offset (:func:`table_segments`) — the rows of this rank's shard get
   pure function of (seed, table, row), so the same values wherever the table sits);
 * zero optimizer state (Adagrad's sum of squares, Adam's moments: a fresh row's).
 
-Fused (table-wise / row-wise) kernels only: a data-parallel table's optimizer state lives in a torch
-optimizer and a row-cached one in its cache; both are refused by the caller before training starts.
+A table on the ``ssd`` tier is reset through its row cache (:meth:`CachedRowsTBE.rows_for_update`, in chunks
+the cache holds at once): the rows are brought in, overwritten and marked dirty, so the files see them when the
+cache writes them back. Fused kernels only: a data-parallel table's optimizer state lives in a torch optimizer
+(refused by the caller before training starts).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from modules.embedding import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
 from modules.sharded_kernels import kernels
+from modules.ssd_tier.cached_tbe import CachedRowsTBE
 
 
 def table_segments(spec: FeatureSpec, physical: str) -> dict[str, tuple[int, int]]:
@@ -64,8 +67,21 @@ def reset_rows(model: nn.Module, spec: FeatureSpec, inits: dict[str, Callable], 
             local = local[(local >= 0) & (local < weights[i].shape[0])]
             if not len(local):
                 continue
-            full = inits[table.name].rows(local + first_row, table.embedding_dim)
-            weights[i][local] = full[:, first_col:first_col + weights[i].shape[1]].to(weights[i].dtype)
-            for state in states[i]:
-                state[local] = 0
+            if isinstance(emb, CachedRowsTBE):
+                for part in local.split(max(1, emb.cache.slots // (4 * len(weights)))):
+                    w, st, at = emb.rows_for_update(i, part)
+                    _fresh(w, st, at, inits[table.name], part + first_row, table.embedding_dim, first_col)
+            else:
+                _fresh(weights[i], states[i], local, inits[table.name], local + first_row, table.embedding_dim,
+                       first_col)
             yield kernel, i, local
+
+
+def _fresh(weights: torch.Tensor, states: list[torch.Tensor], at: torch.Tensor, init: Callable, rows: torch.Tensor,
+           dim: int, first_col: int) -> None:
+    """Rows ``at`` of a table's (shard's) ``weights`` as initialised — physical ``rows`` of the ``dim``-wide table,
+    from column ``first_col`` — and their optimizer ``states`` zero."""
+    full = init.rows(rows, dim)
+    weights[at] = full[:, first_col:first_col + weights.shape[1]].to(weights.dtype)
+    for state in states:
+        state[at] = 0

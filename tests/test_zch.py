@@ -123,6 +123,7 @@ def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_over
 
 
 ZCH_RUN = ["data.preprocess.categorical=raw", "model.zch.rows=3000", "model.zch.eviction_interval=4", "scaling=cowclip",
+           "model.stack_tables=false",  # as the ssd tier decides: the same FBGEMM kernels in memory and on ssd
            "trainer.max_epochs=1"]
 
 
@@ -139,8 +140,10 @@ def zch_straight(ckpt_overrides, tmp_path_factory):
 
 
 def _killed_and_resumed(ckpt_overrides, tmp_path, nproc: int):
+    """Every table on the ssd tier behind a row cache (evicted ids' rows are reset through it), killed at step 13."""
     ckpt = tmp_path / "ckpt"
-    args = [*ckpt_overrides, *ZCH_RUN, f"trainer.checkpoint.dir={ckpt}"]
+    args = [*ckpt_overrides, *ZCH_RUN, f"trainer.checkpoint.dir={ckpt}", f"topology.ssd.path={tmp_path}/ssd",
+            "topology.ddr_cap_gb=1e-12", "topology.ssd.cache_mb=40"]
     stopped, _ = _run([*args, _kill(nproc - 1, 13)], tmp_path, nproc=nproc, check=False)
     assert stopped.returncode != 0 and complete_checkpoints(ckpt)[-1].name == "step-000000010"
     killed_run = _run_id_of(complete_checkpoints(ckpt)[-1])
@@ -175,11 +178,12 @@ def _replayed_mapping(overrides: list[str]) -> dict[str, torch.Tensor]:
 
 
 def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(ckpt_overrides, tmp_path):
-    """2 ranks, rank 1 SIGKILLed at step 13, resume=auto from step 10 (between admission rounds: the pending ids
-    come from the checkpoint): every table's mapping — ids held, their rows, LRU state — equals bit for bit the one
+    """2 ranks, tables on the ssd tier, rank 1 SIGKILLed at step 13, resume=auto from step 10 (between admission
+    rounds: the pending ids come from the checkpoint): every table's mapping — ids held, their rows, LRU state — equals bit for bit the one
     the run's global batches build when replayed through a remapper in this process (each rank admits the global
     batch's ids, in any order); tables filled up, so ids were evicted on the way."""
     resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=2)
+    assert len(list((tmp_path / "ssd").glob("rank[01]/*.weights.f32"))) == 2
     mapping = _mapping(tensors)
     _assert_same(mapping, _replayed_mapping([*ckpt_overrides, *ZCH_RUN]), ("state_dict/zch.",))
     held = [int((v != torch.iinfo(torch.int64).max).sum()) for k, v in mapping.items()
@@ -190,8 +194,8 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
 
 @pytest.mark.slow
 def test_zch_run_killed_and_resumed_ends_where_the_straight_run_ends(ckpt_overrides, zch_straight, tmp_path):
-    """1 process: SIGKILL at step 13, resume=auto from step 10 ends on the straight run's tensors — the
-    remapper's included — and metrics. (slow, 30 s: the 2-rank test above resumes the same way and checks the
+    """1 process, tables on the ssd tier: SIGKILL at step 13, resume=auto from step 10 ends on the tensors — the
+    remapper's included — and metrics of the straight run with its tables in memory. (slow, 30 s: the 2-rank test above resumes the same way and checks the
     mapping bit for bit)"""
     straight, straight_tensors = zch_straight
     resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=1)

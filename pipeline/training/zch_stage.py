@@ -13,7 +13,6 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 from modules.embedding import FeatureSpec
 from modules.row_reset import reset_rows
 from modules.sharded_kernels import kernels
-from modules.ssd_tier.cached_tbe import cached_tbes
 from modules.zch import ZchConfig, ZchRemapper
 from pipeline.runtime.errors import ConfigError
 
@@ -31,9 +30,6 @@ def table_inits(net: nn.Module) -> dict[str, Callable]:
 
 def check_zch_model(model: nn.Module) -> None:
     """What the remapper and the row resets need of the sharded model; raises :class:`ConfigError`."""
-    if cached_tbes(model):
-        raise ConfigError("model.zch with tables on the ssd tier: not supported yet (evicted rows are reset in "
-                          "memory); raise topology.ddr_cap_gb or lower model.zch.rows")
     dense = [t.name for _, _, k in kernels(model) if isinstance(k.emb_module, DenseTableBatchedEmbeddingBagsCodegen)
              for t in k.config.embedding_tables]
     if dense:
