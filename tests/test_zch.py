@@ -124,11 +124,12 @@ def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_over
 
 ZCH_RUN = ["data.preprocess.categorical=raw", "model.zch.rows=3000", "model.zch.eviction_interval=4", "scaling=cowclip",
            "model.stack_tables=false",  # as the ssd tier decides: the same FBGEMM kernels in memory and on ssd
-           "trainer.max_epochs=1"]
+           "model.zch.min_count=2", "trainer.max_epochs=1"]
 
 
 def _mapping(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in tensors.items() if k.startswith("state_dict/zch.remapper.mch.")}
+    """The remapper's buffers in a checkpoint: TorchRec's (mch.*) and the admission counts."""
+    return {k: v for k, v in tensors.items() if k.startswith("state_dict/zch.remapper.") and "_extra_state" not in k}
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def _replayed_mapping(overrides: list[str]) -> dict[str, torch.Tensor]:
         loader.sampler.set_epoch(epoch)
         for batch in loader:
             remapper(batch.sparse_features)
-    return {f"state_dict/zch.remapper.mch.{k}": v for k, v in remapper.mch.state_dict().items()}
+    return {f"state_dict/zch.remapper.{k}": v for k, v in remapper.state_dict().items() if not k.endswith("_extra_state")}
 
 
 def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(ckpt_overrides, tmp_path):
@@ -190,6 +191,14 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
             if k.endswith("_mch_sorted_raw_ids")]
     assert len(held) == 26 and held.count(2999) >= 5
     assert resumed.test_auc is not None
+    # the model folder exported from the checkpoint keeps the same mapping and admission counts
+    from pipeline.serving.export import export_model
+
+    folder = export_model(complete_checkpoints(tmp_path / "ckpt")[-1], tmp_path / "exported")
+    with np.load(folder / "zch.npz") as saved:
+        assert sorted(saved.files) == sorted(k[len("state_dict/zch.remapper."):].removeprefix("mch.") for k in mapping)
+        for k, v in mapping.items():
+            assert np.array_equal(saved[k[len("state_dict/zch.remapper."):].removeprefix("mch.")], v.numpy()), k
 
 
 @pytest.mark.slow

@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from modules.embedding import FeatureSpec
+from modules.zch import lookup_rows
 from pipeline.checkpoint.run_description import declaration_from
 from pipeline.data.dataset import DataConfig
-from modules.zch import lookup_rows
 from pipeline.data.encoding import encode_ids, hashed_ids, ids_of, raw_ids, transform_dense
 from pipeline.data.features import FeatureBlock, extract
 from pipeline.data.hashing import factorized_string_keys

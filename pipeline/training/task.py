@@ -29,8 +29,8 @@ from modules.optimizers import OptimizerChain, build_optimizer, replicated_param
 from modules.scaling_rules import scale_hyperparameters, warmup_factor
 from modules.sharding import PlanResult, shard_model
 from modules.table_stacking import decide_stacking
-from modules.zch import load_mapping_state
 from modules.topology import TopologySpec
+from modules.zch import load_mapping_state
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap
