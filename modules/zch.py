@@ -124,6 +124,14 @@ def global_ids(per_table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {t: torch.cat([p[i] for p in parts]) for i, t in enumerate(per_table)}
 
 
+def held_rows(held: torch.Tensor, rows: torch.Tensor, unknown_row: int, raw: torch.Tensor) -> torch.Tensor:
+    """Rows of ``raw`` ids as TorchRec's MCH remaps them (``_mch_remap``) over its buffers — ``held``: the ids
+    held, sorted (the last a sentinel), ``rows``: their rows — a held id → its row, any other → ``unknown_row``;
+    one ``torch.where`` instead of its masked writes."""
+    at = torch.searchsorted(held[:-1], raw)
+    return torch.where(held[at] == raw, rows[at], unknown_row)
+
+
 class ZchRemapper(nn.Module):
     """Raw ids → rows of each table (module docstring). ``features``: table → the KJT keys that read it;
     ``table_sizes``: rows of each table (:meth:`ZchConfig.table_sizes`)."""
@@ -180,12 +188,8 @@ class ZchRemapper(nn.Module):
                                  length_per_key=kjt.length_per_key(), offset_per_key=kjt.offset_per_key())
 
     def _remap(self, table: str, raw: torch.Tensor) -> torch.Tensor:
-        """Rows of ``raw`` ids in ``table`` as TorchRec's MCH remaps them (``_mch_remap``: a held id → its row, any
-        other → the unknown row), over the module's buffers in one ``torch.where`` instead of its masked writes."""
         module = self.mch[table]
-        held, rows = module._mch_sorted_raw_ids, module._mch_remapped_ids_mapping
-        at = torch.searchsorted(held[:-1], raw)
-        return torch.where(held[at] == raw, rows[at], self.unknown_row[table])
+        return held_rows(module._mch_sorted_raw_ids, module._mch_remapped_ids_mapping, self.unknown_row[table], raw)
 
     def _admit(self) -> None:
         for t, parts in self.pending.items():
@@ -238,32 +242,33 @@ class ZchRemapper(nn.Module):
 
 
 def mapping_state(remapper: ZchRemapper) -> dict[str, np.ndarray]:
-    """The mapping of every table — TorchRec's buffers ``<table>.<buffer>`` (ids held, sorted, their rows, the
-    policy's metadata, the round count) and the admission counts if any: what a model folder keeps to score,
-    and a next day continues from."""
-    state = {k: v.numpy().copy() for k, v in remapper.mch.state_dict().items()}
-    if remapper.admission is not None:
-        state[ADMISSION_KEY] = remapper.admission.counts.numpy().copy()
-    return state
+    """The mapping of every table: the remapper's state dict without the ids waiting for a round — TorchRec's
+    buffers ``mch.<table>.<buffer>`` (ids held, sorted, their rows, the policy's metadata, the round count) and
+    ``admission.counts`` if any. What a model folder keeps to score, and a next day continues from; a
+    checkpoint holds the same keys under ``state_dict/zch.remapper.``."""
+    return {k: v.numpy().copy() for k, v in remapper.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def load_mapping_state(remapper: ZchRemapper, state: dict[str, np.ndarray] | None) -> None:
-    """Continue from :func:`mapping_state` (``trainer.init_from``): same ids on the same rows."""
+    """Continue from :func:`mapping_state` (``trainer.init_from``): same ids on the same rows; admission counts
+    where both runs count."""
     if not state:
         raise ValueError("trainer.init_from: the source model has no model.zch mapping (it was trained on a "
                          "vocabulary or hashed ids); start this raw-id run afresh")
-    remapper.mch.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items() if k != ADMISSION_KEY})
-    if remapper.admission is not None and ADMISSION_KEY in state:
-        remapper.admission.counts.copy_(torch.from_numpy(state[ADMISSION_KEY]))
+    result = remapper.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=False)
+    missing = [k for k in result.missing_keys if k.startswith("mch.")]
+    unexpected = [k for k in result.unexpected_keys if k != ADMISSION_KEY]
+    if missing or unexpected:
+        raise ValueError(f"trainer.init_from: the source's model.zch mapping does not fit this run's tables "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
 def lookup_rows(state: dict[str, np.ndarray], table: str, raw: np.ndarray) -> np.ndarray:
-    """Read-only remap of raw ids (int64) with a table's :func:`mapping_state`, as TorchRec's MCH remaps in
-    evaluation: an id held → its row; missing (0) → row 1; any other → the table's last row (unknown ids)."""
-    held = state[f"{table}._mch_sorted_raw_ids"]
-    rows = state[f"{table}._mch_remapped_ids_mapping"]
-    raw = np.asarray(raw, dtype=np.int64)
-    at = np.searchsorted(held[:-1], raw)
-    out = np.where(held[at] == raw, rows[at], FIRST_ROW + len(held) - 1)
+    """Read-only remap of raw ids (int64) with a table's :func:`mapping_state`, as training remaps
+    (:func:`held_rows`); missing (0) → row 1; the unknown row is the table's last."""
+    held = torch.from_numpy(state[f"mch.{table}._mch_sorted_raw_ids"])
+    raw = torch.from_numpy(np.asarray(raw, dtype=np.int64))
+    out = held_rows(held, torch.from_numpy(state[f"mch.{table}._mch_remapped_ids_mapping"]), FIRST_ROW + len(held) - 1,
+                    raw)
     out[raw == 0] = MISSING_ROW
-    return out.astype(np.int64)
+    return out.numpy()

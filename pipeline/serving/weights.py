@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from modules.embedding import is_table_parameter
-from modules.zch import ADMISSION_KEY
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.runtime.errors import BundleError
 from pipeline.runtime.launch import group_rank
@@ -68,10 +67,9 @@ def read_zch_state(source: ModelSource) -> dict[str, np.ndarray] | None:
     None for a model without one."""
     if not source.model_cfg.zch.enabled:
         return None
-    if source.is_checkpoint:  # the remapper's state dict: TorchRec's buffers under mch., the admission counts
+    if source.is_checkpoint:  # the remapper's state dict, but the ids waiting for a round
         state = full_model_state(source.path, "state_dict/zch.remapper.")
-        return {k[len("mch."):] if k.startswith("mch.") else k: v.numpy() for k, v in state.items()
-                if k.startswith("mch.") or k == ADMISSION_KEY}
+        return {k: v.numpy() for k, v in state.items() if not k.startswith("_extra_state")}
     try:
         with np.load(source.path / ZCH_FILE, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
