@@ -64,7 +64,7 @@ def run_pass2(first: Pass1, vocab: Vocabulary, data: DataConfig, writer: StoreWr
         bounds = np.searchsorted(chunk["split"][order], np.arange(len(SPLITS) + 1))
         label = chunk["label"][order]
         dense = transform_dense(chunk["dense"][order], transforms, first.lo, first.hi)
-        sparse = np.empty((n_cat, len(order)), np.int64 if raw else np.int32)  # field-major: contiguous per field
+        sparse = np.empty((n_cat, len(order)), writer.arrays["sparse"])  # field-major: contiguous per field
         sequences: list[tuple[np.ndarray, np.ndarray]] = []
 
         def encode(j: int) -> np.ndarray:
@@ -105,18 +105,18 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
     sparse = sparse_features(data)
     pool = ThreadPoolExecutor(max_workers=max(1, min(len(sparse), os.cpu_count() or 1)))
     try:
-        id_bytes = 8 if cfg.categorical == "raw" else 4
-        row_bytes = 1 + 4 * len(data.numeric) + id_bytes * len(data.categorical)  # label, dense values, ids
+        id_dtype = np.dtype(np.int64 if cfg.categorical == "raw" else np.int32)  # raw ids are 63-bit
+        row_bytes = 1 + 4 * len(data.numeric) + id_dtype.itemsize * len(data.categorical)  # label, dense values, ids
         ensure_space(scratch, sum(os.path.getsize(p) for p, _ in sources) // 2)  # spill ≈ the parsed rows
         scratch.mkdir(parents=True, exist_ok=True)
         spill = Spill(scratch)
         first = run_pass1(sources, data, total_rows, spill, pool)
         vocab = build_vocabulary(first, data)
-        seq_bytes = (8 + id_bytes) * sum(sum(v) for v in first.split_values.values())  # values + offsets, roughly
+        seq_bytes = (8 + id_dtype.itemsize) * sum(sum(v) for v in first.split_values.values())  # values + offsets, roughly
         ensure_space(out_dir, first.spill.rows * row_bytes + seq_bytes)
         writer = StoreWriter(out_dir, first.split_rows, len(data.numeric), len(data.categorical),
                              {s: dict(zip(data.sequence, v)) for s, v in first.split_values.items()},
-                             np.int64 if cfg.categorical == "raw" else np.int32)
+                             id_dtype)
         positives = run_pass2(first, vocab, data, writer, pool)
         rows = first.split_rows
         tables = Tables.of_data(data)
@@ -131,7 +131,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             "transforms": {f: data.decl(f).transform for f in data.numeric},
             "table_sizes": vocab.table_sizes,
             "vocabulary_day": vocab.day,
-            "id_dtype": "int64" if cfg.categorical == "raw" else "int32",
+            "id_dtype": id_dtype.name,
             "splits": rows,
             "positive_rate": {k: positives[k] / rows[k] if rows[k] else None for k in SPLITS},
             **({"dense_range": {c: [float(first.lo[j]), float(first.hi[j])] for j, c in enumerate(data.numeric)

@@ -8,10 +8,10 @@ Layout of a store directory::
     <split>/dense.npy       float32[N, n_dense]   (already transformed, missing = 0)
     <split>/sparse.npy      int32  [N, n_cat]     one id per categorical feature (0 = OOV, 1 = missing, 2.. = vocabulary)
     <split>/seq/<f>.values.npy   int32 [V_f]       the ids of sequence feature f, row after row
+    <split>/seq/<f>.offsets.npy  int64 [N + 1]     row i's ids: values[offsets[i]:offsets[i+1]] (at least one)
 
 With ``categorical: raw`` the ids are int64 (``meta["id_dtype"]``): 63-bit ids of the values, 0 = missing,
 no vocabulary and no table sizes (``model.zch`` sizes the tables).
-    <split>/seq/<f>.offsets.npy  int64 [N + 1]     row i's ids: values[offsets[i]:offsets[i+1]] (at least one)
 
 A store is built in ``<dir>.tmp-<pid>`` and renamed into place when complete, so a directory
 with a ``meta.json`` is always a finished store. The writer appends rows to each array file
