@@ -91,6 +91,44 @@ features:
 """
 
 
+def test_raw_ids_in_one_pass_give_the_two_pass_store_with_one_id_per_value(log, tmp_path):
+    """``categorical: raw`` (one pass, min-max rescaled at the end) against the vocabulary's two passes with every
+    value kept: the same rows in each split, the same labels, numeric features (min-max included) and bags; and one
+    raw id per (table, value) exactly where the vocabulary has one id per value."""
+    from pipeline.data.encoding import raw_ids
+    from tests.test_readers import key_of
+
+    _, frame, _ = log
+    rows = frame.iloc[:6000]
+    csv = tmp_path / "a.csv"
+    rows.to_csv(csv, index=False)
+    text = DATASET_YAML.replace("transform: log1p", "transform: minmax")
+    small = {"block_size": 40_000}  # several blocks: the range grows over them before the rescale
+    vocab = preprocess([csv], declaration(text, preprocess={**small, "min_count": 1}), tmp_path / "vocab")
+    raw = preprocess([csv], declaration(text, preprocess={**small, "categorical": "raw"}), tmp_path / "raw")
+    assert raw.meta["splits"] == vocab.meta["splits"] and raw.meta["dense_range"] == vocab.meta["dense_range"]
+    assert raw.meta["id_dtype"] == "int64" and not (tmp_path / "raw" / "vocab").exists()
+    pairs: dict[tuple[int, int], int] = {}  # (column, vocabulary id) → raw id, over the training rows
+    for split in ("train", "valid", "test"):
+        a, b = vocab.split(split), raw.split(split)
+        np.testing.assert_array_equal(a.label, b.label)
+        np.testing.assert_array_equal(a.dense, b.dense)
+        assert 0 < b.dense.max() <= 1 and b.dense.min() >= 0  # rescaled, not the parsed prices
+        np.testing.assert_array_equal(a.sequences["tags"].offsets, b.sequences["tags"].offsets)
+        columns = [(a.sparse[:, j], b.sparse[:, j]) for j in range(a.sparse.shape[1])]
+        columns.append((a.sequences["tags"].values, b.sequences["tags"].values))
+        for j, (ids, raws) in enumerate(columns):
+            known = ids > 1 if split != "train" else np.ones(len(ids), bool)  # valid/test: values seen in training
+            for v, r in zip(ids[known].tolist(), raws[known].tolist()):
+                assert pairs.setdefault((j, v), r) == r, (split, j, v)
+    assert len(set(pairs.values())) == len(pairs)  # one id per (table, value), none shared
+    # every row in training: the ids are those of the rows' values, in file order
+    whole = preprocess([csv], declaration(text, preprocess={"categorical": "raw", "split": {"valid": 0, "test": 0}}),
+                       tmp_path / "whole")
+    keys = np.array([key_of(v.encode()) for v in rows["user_id"]], np.uint64)
+    np.testing.assert_array_equal(whole.split("train").sparse[:, 0], raw_ids(keys, "user_id"))
+
+
 def test_shared_table_one_vocabulary_counted_over_both_features(tmp_path):
     frame = pd.DataFrame({"y": [0, 1, 0, 1, 1, 0], "item": ["a", "b", "c", "a", "d", "e"],
                           "hist": ["b|c", "a", "", "d|d|a", "e", "x"]})

@@ -79,11 +79,3 @@ def encode_ids(distinct: np.ndarray, codes: np.ndarray, index: VocabIndex | None
     if index is None:
         return hashed_ids(distinct, hash_buckets)[codes]
     return ids_of(distinct, index.positions_of(distinct))[codes]
-
-
-def ragged_take(lengths: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, values) of the bags ``rows`` of a ragged array given by its ``lengths`` per row."""
-    starts = np.cumsum(lengths) - lengths
-    picked = lengths[rows]
-    index = np.repeat(starts[rows] - (np.cumsum(picked) - picked), picked) + np.arange(int(picked.sum()))
-    return picked, values[index]

@@ -81,6 +81,20 @@ def train_counts(codes: np.ndarray, distinct: np.ndarray, train: np.ndarray | No
     return distinct[seen], c[seen].astype(np.int64)
 
 
+def widen_range(lo: np.ndarray, hi: np.ndarray, numeric: np.ndarray, columns: list[int]) -> None:
+    """Widen the running range [lo, hi] of ``columns`` (in place) by the training rows ``numeric`` (NaN = missing)."""
+    if columns and len(numeric):
+        with warnings.catch_warnings():  # a column may be all missing in a block
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lo[columns] = np.fmin(lo[columns], np.nanmin(numeric[:, columns], axis=0))
+            hi[columns] = np.fmax(hi[columns], np.nanmax(numeric[:, columns], axis=0))
+
+
+def finite_range(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The range with columns never seen set to [0, 0] (min-max then maps them to 0)."""
+    return np.where(np.isfinite(lo), lo, 0.0), np.where(np.isfinite(hi), hi, 0.0)
+
+
 class Spill:
     """Pass-1 blocks on disk: split code, label, raw numeric values (NaN = missing), each sparse
     feature's codes (one per row, or one per value of a sequence; concatenated), each sparse feature's
@@ -137,7 +151,7 @@ class Spill:
                 fh.close()
 
 
-class _Pass:
+class ParsedBlocks:
     """Iterates (feature block, split codes) over all sources; row numbers continue across files."""
 
     def __init__(self, sources: Sources, data: DataConfig, total_rows: int, desc: str):
@@ -197,32 +211,31 @@ class Pass1:
     truncated: dict[str, int]
 
 
-def _feature_keys(values: pa.Array, train: np.ndarray | None, codes_out: np.ndarray, count: bool
-                  ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+def _feature_keys(values: pa.Array, train: np.ndarray | None, codes_out: np.ndarray
+                  ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """One sparse feature of a block: writes its codes (one per value); returns its distinct keys and
-    the training (keys, counts) when ``count`` (not for raw ids)."""
+    the training (keys, counts)."""
     codes_out[:], distinct = factorized_string_keys(values)
-    return distinct, train_counts(codes_out, distinct, train) if count else None
+    return distinct, train_counts(codes_out, distinct, train)
 
 
 def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: Spill, pool: ThreadPoolExecutor) -> Pass1:
     """Parse every file once, in blocks; spill the rows to ``spill``; gather split sizes and statistics."""
     cfg = data.preprocess
     hashed = cfg.categorical == "hash"
-    count = cfg.categorical != "raw"  # raw ids: no statistics to gather, one pass over the values
     tables = Tables.of_data(data)
     n_dense = len(data.numeric)
     out = Pass1(spill, dict.fromkeys(SPLITS, 0), {s: [0] * len(data.sequence) for s in SPLITS},
                 [[] for _ in tables.names], np.zeros((len(tables.names), cfg.hash_buckets), np.int64) if hashed else None,
                 np.full(n_dense, np.inf), np.full(n_dense, -np.inf), {}, {})
-    blocks = _Pass(sources, data, total_rows, "preprocess pass 1/2")
+    blocks = ParsedBlocks(sources, data, total_rows, "preprocess pass 1/2")
     minmax = [j for j, f in enumerate(data.numeric) if data.decl(f).transform == "minmax"]
     for block, split in prefetch(blocks):
         train = split == SPLIT_CODES["train"]
         masks = [None if train.all() else train if lengths is None else np.repeat(train, lengths)
                  for lengths in block.lengths]
         codes = [np.empty(len(v), np.int32) for v in block.sparse]
-        per_feature = list(pool.map(lambda j: _feature_keys(block.sparse[j], masks[j], codes[j], count),
+        per_feature = list(pool.map(lambda j: _feature_keys(block.sparse[j], masks[j], codes[j]),
                                     range(len(codes))))
         out.spill.append(split, block, codes, [d for d, _ in per_feature])
         for name, code in SPLIT_CODES.items():
@@ -230,12 +243,9 @@ def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: Spill,
             out.split_rows[name] += int(np.count_nonzero(rows))
             for k, lengths in enumerate(x for x in block.lengths if x is not None):
                 out.split_values[name][k] += int(lengths[rows].sum())
-        if minmax and train.any():
-            with warnings.catch_warnings():  # a column may be all missing in a block
-                warnings.simplefilter("ignore", RuntimeWarning)
-                out.lo[minmax] = np.fmin(out.lo[minmax], np.nanmin(block.numeric[train][:, minmax], axis=0))
-                out.hi[minmax] = np.fmax(out.hi[minmax], np.nanmax(block.numeric[train][:, minmax], axis=0))
-        for j, (_, counted) in enumerate(per_feature if count else ()):
+        if minmax:
+            widen_range(out.lo, out.hi, block.numeric[train], minmax)
+        for j, (_, counted) in enumerate(per_feature):
             t, (k, c) = tables.of[j], counted
             if hashed:
                 out.bucket_counts[t] += np.bincount((k % np.uint64(cfg.hash_buckets)).astype(np.int64), weights=c,
@@ -244,7 +254,7 @@ def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: Spill,
             out.key_counts[t].append((k, c))
             if len(out.key_counts[t]) >= 8:
                 out.key_counts[t] = [merge_counts(out.key_counts[t])]
-    out.lo, out.hi = np.where(np.isfinite(out.lo), out.lo, 0.0), np.where(np.isfinite(out.hi), out.hi, 0.0)
+    out.lo, out.hi = finite_range(out.lo, out.hi)
     out.skipped, out.truncated = blocks.skipped(), blocks.truncated
     if out.spill.rows == 0:
         raise BadInputError(f"{', '.join(str(p) for p, _ in sources)}: no data rows to preprocess"

@@ -1,4 +1,5 @@
-"""Streaming two-pass preprocessing of raw CTR files into a :mod:`pipeline.data.store`.
+"""Streaming preprocessing of raw CTR files into a :mod:`pipeline.data.store`: two passes with a vocabulary
+or hashing, one with raw ids (``categorical: raw``, :mod:`pipeline.data.raw_pass`: nothing to count first).
 
 Pass 1 parses the files once, in blocks (the reader of the dataset's format, then
 :func:`pipeline.data.features.extract`): it assigns every row to a split, turns every categorical and
@@ -34,10 +35,11 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from pipeline.data.dataset import DataConfig
-from pipeline.data.encoding import encode_ids, ragged_take, transform_dense
+from pipeline.data.encoding import encode_ids, transform_dense
 from pipeline.data.features import sparse_features
-from pipeline.data.pass1 import SPLIT_CODES, Pass1, Spill, Tables, count_rows, run_pass1, sources_from
+from pipeline.data.pass1 import Pass1, Spill, Tables, count_rows, run_pass1, sources_from
 from pipeline.data.prefetch import prefetch
+from pipeline.data.raw_pass import RawPass, run_raw_pass
 from pipeline.data.store import SPLITS, ColumnarStore, StoreWriter
 from pipeline.data.vocab_files import write_vocabulary
 from pipeline.data.vocab_growth import VocabIndex
@@ -57,33 +59,17 @@ def run_pass2(first: Pass1, vocab: Vocabulary, data: DataConfig, writer: StoreWr
     n_cat = len(data.categorical)
     transforms = [data.decl(f).transform for f in data.numeric]
     positives = dict.fromkeys(SPLITS, 0)
-    raw = cfg.categorical == "raw"
     for chunk in prefetch(first.spill.read()):
-        # rows grouped by split (file order kept inside each): every split's rows are one slice
-        order = np.argsort(chunk["split"], kind="stable")
-        bounds = np.searchsorted(chunk["split"][order], np.arange(len(SPLITS) + 1))
-        label = chunk["label"][order]
-        dense = transform_dense(chunk["dense"][order], transforms, first.lo, first.hi)
-        sparse = np.empty((n_cat, len(order)), writer.arrays["sparse"])  # field-major: contiguous per field
-        sequences: list[tuple[np.ndarray, np.ndarray]] = []
-
         def encode(j: int) -> np.ndarray:
             table = tables.names[tables.of[j]]
-            return encode_ids(chunk["distinct"][j], chunk["codes"][j], index[table], cfg.hash_buckets,
-                              table if raw else None)
+            return encode_ids(chunk["distinct"][j], chunk["codes"][j], index[table], cfg.hash_buckets)
 
-        for j, ids in enumerate(pool.map(encode, range(len(tables.of)))):
-            if j < n_cat:
-                sparse[j] = ids[order]
-            else:
-                sequences.append(ragged_take(chunk["lengths"][j - n_cat], ids, order))
-        for name, code in SPLIT_CODES.items():
-            lo, hi = int(bounds[code]), int(bounds[code + 1])
-            if hi > lo:
-                bags = [(lengths[lo:hi], values[lengths[:lo].sum():lengths[:hi].sum()])
-                        for lengths, values in sequences]
-                writer.append(name, label[lo:hi], dense[lo:hi], sparse[:, lo:hi].T, bags)
-                positives[name] += int(label[lo:hi].sum())
+        ids = list(pool.map(encode, range(len(tables.of))))
+        sparse = np.stack(ids[:n_cat]) if n_cat else np.zeros((0, len(chunk["label"])), writer.arrays["sparse"])
+        dense = transform_dense(chunk["dense"], transforms, first.lo, first.hi)
+        bags = list(zip(chunk["lengths"], ids[n_cat:]))
+        for name, n in writer.append_block(chunk["split"], chunk["label"], dense, sparse, bags).items():
+            positives[name] += n
     return positives
 
 
@@ -107,18 +93,24 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
     try:
         id_dtype = np.dtype(np.int64 if cfg.categorical == "raw" else np.int32)  # raw ids are 63-bit
         row_bytes = 1 + 4 * len(data.numeric) + id_dtype.itemsize * len(data.categorical)  # label, dense values, ids
-        ensure_space(scratch, sum(os.path.getsize(p) for p, _ in sources) // 2)  # spill ≈ the parsed rows
-        scratch.mkdir(parents=True, exist_ok=True)
-        spill = Spill(scratch)
-        first = run_pass1(sources, data, total_rows, spill, pool)
-        vocab = build_vocabulary(first, data)
-        seq_bytes = (8 + id_dtype.itemsize) * sum(sum(v) for v in first.split_values.values())  # values + offsets, roughly
-        ensure_space(out_dir, first.spill.rows * row_bytes + seq_bytes)
-        writer = StoreWriter(out_dir, first.split_rows, len(data.numeric), len(data.categorical),
-                             {s: dict(zip(data.sequence, v)) for s, v in first.split_values.items()},
-                             id_dtype)
-        positives = run_pass2(first, vocab, data, writer, pool)
-        rows = first.split_rows
+        if cfg.categorical == "raw":  # nothing to count first: one pass, no spill
+            ensure_space(out_dir, sum(os.path.getsize(p) for p, _ in sources) // 2)  # ≈ the parsed rows
+            writer = StoreWriter(out_dir, len(data.numeric), len(data.categorical), data.sequence, id_dtype)
+            done: Pass1 | RawPass = run_raw_pass(sources, data, total_rows, writer, pool)
+            vocab = build_vocabulary(None, data)
+            positives = done.positives
+        else:
+            ensure_space(scratch, sum(os.path.getsize(p) for p, _ in sources) // 2)  # spill ≈ the parsed rows
+            scratch.mkdir(parents=True, exist_ok=True)
+            spill = Spill(scratch)
+            done = first = run_pass1(sources, data, total_rows, spill, pool)
+            vocab = build_vocabulary(first, data)
+            seq_bytes = (8 + id_dtype.itemsize) * sum(sum(v) for v in first.split_values.values())  # values + offsets
+            ensure_space(out_dir, first.spill.rows * row_bytes + seq_bytes)
+            writer = StoreWriter(out_dir, len(data.numeric), len(data.categorical), data.sequence, id_dtype,
+                                 (first.split_rows, {s: dict(zip(data.sequence, v)) for s, v in first.split_values.items()}))
+            positives = run_pass2(first, vocab, data, writer, pool)
+        rows = done.split_rows
         tables = Tables.of_data(data)
         meta = {
             "dataset": data.name,
@@ -134,11 +126,11 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             "id_dtype": id_dtype.name,
             "splits": rows,
             "positive_rate": {k: positives[k] / rows[k] if rows[k] else None for k in SPLITS},
-            **({"dense_range": {c: [float(first.lo[j]), float(first.hi[j])] for j, c in enumerate(data.numeric)
+            **({"dense_range": {c: [float(done.lo[j]), float(done.hi[j])] for j, c in enumerate(data.numeric)
                                 if data.decl(c).transform == "minmax"}}
                if any(data.decl(c).transform == "minmax" for c in data.numeric) else {}),
-            "skipped_rows": first.skipped,
-            "truncated_rows": first.truncated,
+            "skipped_rows": done.skipped,
+            "truncated_rows": done.truncated,
             "stats": vocab.stats,
             "preprocess": asdict(cfg),
             "provenance": provenance or {},

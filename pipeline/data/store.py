@@ -25,7 +25,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -138,57 +138,107 @@ class ColumnarStore:
 ARRAYS = {"label": np.int8, "dense": np.float32, "sparse": np.int32}
 
 
-class StoreWriter:
-    """Builds a store in a temporary directory; ``commit`` renames it into place."""
+def ragged_take(lengths: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, values) of the bags ``rows`` of a ragged array given by its ``lengths`` per row."""
+    starts = np.cumsum(lengths) - lengths
+    picked = lengths[rows]
+    index = np.repeat(starts[rows] - (np.cumsum(picked) - picked), picked) + np.arange(int(picked.sum()))
+    return picked, values[index]
 
-    def __init__(self, final_dir: str | os.PathLike, split_rows: dict[str, int], n_dense: int, n_cat: int,
-                 sequence_values: dict[str, dict[str, int]] | None = None, id_dtype: Any = np.int32) -> None:
-        """``sequence_values``: per split, the number of ids of each sequence feature (pass 1 counted them);
-        ``id_dtype``: of the ids (int32; int64 for raw ids)."""
+
+class StoreWriter:
+    """Builds a store in a temporary directory; ``commit`` renames it into place.
+
+    Every array is appended to its ``.npy`` file (ordinary writes) behind a header written for zero rows and
+    rewritten for the rows written at ``commit``: numpy's header leaves room for the first axis to grow to 21
+    digits, so the header keeps its length and the data does not move. With ``planned`` rows per split (and
+    ids per split and sequence feature), ``commit`` also checks that exactly those were written."""
+
+    def __init__(self, final_dir: str | os.PathLike, n_dense: int, n_cat: int, sequences: Sequence[str] = (),
+                 id_dtype: Any = np.int32,
+                 planned: tuple[dict[str, int], dict[str, dict[str, int]]] | None = None) -> None:
+        """``sequences``: the sequence features' names; ``id_dtype``: of the ids (int32; int64 for raw ids);
+        ``planned``: (rows per split, per split the ids of each sequence feature) that pass 1 counted."""
         self.final_dir = Path(final_dir)
         self.tmp_dir = self.final_dir.with_name(self.final_dir.name + f".tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
         self.tmp_dir.mkdir(parents=True)
-        self.files: dict[str, dict[str, Any]] = {}
-        self.cursor = dict.fromkeys(split_rows, 0)
-        self.split_rows = dict(split_rows)
-        self.sequence_values = sequence_values or {s: {} for s in split_rows}
-        self.value_cursor = {s: dict.fromkeys(v, 0) for s, v in self.sequence_values.items()}
+        self.planned = planned
+        self.rows = dict.fromkeys(SPLITS, 0)
+        self.values = {s: dict.fromkeys(sequences, 0) for s in SPLITS}
         self.arrays = {**ARRAYS, "sparse": np.dtype(id_dtype)}
-        widths = {"label": (), "dense": (n_dense,), "sparse": (n_cat,)}
-        for split, n in split_rows.items():
+        self.widths = {"label": (), "dense": (n_dense,), "sparse": (n_cat,)}
+        self.files: dict[str, dict[str, Any]] = {}
+        self.headers: dict[Path, int] = {}  # each file's header length
+        for split in SPLITS:
             (self.tmp_dir / split).mkdir()
-            self.files[split] = {name: self._open(self.tmp_dir / split / f"{name}.npy", dtype, (n, *widths[name]))
+            self.files[split] = {name: self._open(self.tmp_dir / split / f"{name}.npy", dtype, (0, *self.widths[name]))
                                  for name, dtype in self.arrays.items()}
-            for f, total in self.sequence_values[split].items():
+            for f in sequences:
                 (self.tmp_dir / split / "seq").mkdir(exist_ok=True)
                 self.files[split][f"{f}.values"] = self._open(self.tmp_dir / split / "seq" / f"{f}.values.npy",
-                                                              self.arrays["sparse"], (total,))
-                offsets = self._open(self.tmp_dir / split / "seq" / f"{f}.offsets.npy", np.int64, (n + 1,))
+                                                              self.arrays["sparse"], (0,))
+                offsets = self._open(self.tmp_dir / split / "seq" / f"{f}.offsets.npy", np.int64, (0,))
                 offsets.write(np.zeros(1, np.int64).data)
                 self.files[split][f"{f}.offsets"] = offsets
 
-    @staticmethod
-    def _open(path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
+    def _open(self, path: Path, dtype: Any, shape: tuple[int, ...]) -> Any:
         fh = open(path, "wb")
-        np.lib.format.write_array_header_1_0(
-            fh, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
+        self._header(fh, dtype, shape)
+        self.headers[path] = fh.tell()
         return fh
 
+    @staticmethod
+    def _header(fh: Any, dtype: Any, shape: tuple[int, ...]) -> None:
+        np.lib.format.write_array_header_1_0(
+            fh, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
+
     def append(self, split: str, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
-               sequences: list[tuple[np.ndarray, np.ndarray]] = ()) -> None:
+               sequences: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> None:
         """Rows of ``split``; ``sequences``: (lengths [n], ids) of each sequence feature, in order."""
-        end = self.cursor[split] + len(label)
-        if end > self.split_rows[split]:
-            raise RuntimeError(f"split {split} overflows its {self.split_rows[split]} planned rows")
+        if self.planned is not None and self.rows[split] + len(label) > self.planned[0][split]:
+            raise RuntimeError(f"split {split} overflows its {self.planned[0][split]} planned rows")
         for name, values in (("label", label), ("dense", dense), ("sparse", sparse)):
             self.files[split][name].write(np.ascontiguousarray(values, dtype=self.arrays[name]).data)  # errno when full
-        for f, (lengths, ids) in zip(self.sequence_values[split], sequences):
-            start = self.value_cursor[split][f]
+        for f, (lengths, ids) in zip(self.values[split], sequences):
+            start = self.values[split][f]
             self.files[split][f"{f}.values"].write(np.ascontiguousarray(ids, dtype=self.arrays["sparse"]).data)
             self.files[split][f"{f}.offsets"].write((start + np.cumsum(lengths, dtype=np.int64)).data)
-            self.value_cursor[split][f] = start + int(np.sum(lengths))
-        self.cursor[split] = end
+            self.values[split][f] = start + int(np.sum(lengths))
+        self.rows[split] += len(label)
+
+    def append_block(self, split: np.ndarray, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
+                     sequences: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> dict[str, int]:
+        """A block of rows, each to its split by ``split`` (codes: index into :data:`SPLITS`), file order kept
+        within a split; ``sparse``: [categorical features, rows] (field-major). Returns the positives per split."""
+        order = np.argsort(split, kind="stable")
+        bounds = np.searchsorted(split[order], np.arange(len(SPLITS) + 1))
+        label, dense, sparse = label[order], dense[order], sparse[:, order]
+        bags = [ragged_take(lengths, ids, order) for lengths, ids in sequences]
+        positives = {}
+        for code, name in enumerate(SPLITS):
+            lo, hi = int(bounds[code]), int(bounds[code + 1])
+            if hi > lo:
+                starts = [(int(lengths[:lo].sum()), int(lengths[:hi].sum())) for lengths, _ in bags]
+                self.append(name, label[lo:hi], dense[lo:hi], sparse[:, lo:hi].T,
+                            [(lengths[lo:hi], ids[a:b]) for (lengths, ids), (a, b) in zip(bags, starts)])
+            positives[name] = int(label[lo:hi].sum())
+        return positives
+
+    def rewrite_dense(self, columns: Sequence[int], transform: Callable[[np.ndarray], np.ndarray],
+                      block_rows: int = 1 << 20) -> None:
+        """After the last append: rewrite ``columns`` of every split's dense array in place, block by block;
+        ``transform`` maps a block's values [rows, len(columns)] to what the store holds."""
+        for split in SPLITS:
+            n, path = self.rows[split], self.tmp_dir / split / "dense.npy"
+            if not n or not len(columns):
+                continue
+            self.files[split]["dense"].flush()
+            dense = np.memmap(path, np.float32, "r+", offset=self.headers[path], shape=(n, *self.widths["dense"]))
+            for a in range(0, n, block_rows):
+                dense[a:a + block_rows, columns] = transform(np.array(dense[a:a + block_rows, columns]))
+            dense.flush()
+            del dense
 
     def _close(self) -> None:
         for group in self.files.values():
@@ -201,12 +251,27 @@ class StoreWriter:
         (self.tmp_dir / "vocab").mkdir(exist_ok=True)
         return self.tmp_dir / "vocab"
 
+    def _shapes(self) -> dict[Path, tuple[Any, tuple[int, ...]]]:
+        """Each file's dtype and final shape: the rows written."""
+        out: dict[Path, tuple[Any, tuple[int, ...]]] = {}
+        for split in SPLITS:
+            for name, dtype in self.arrays.items():
+                out[self.tmp_dir / split / f"{name}.npy"] = (dtype, (self.rows[split], *self.widths[name]))
+            for f, n in self.values[split].items():
+                out[self.tmp_dir / split / "seq" / f"{f}.values.npy"] = (self.arrays["sparse"], (n,))
+                out[self.tmp_dir / split / "seq" / f"{f}.offsets.npy"] = (np.int64, (self.rows[split] + 1,))
+        return out
+
     def commit(self, meta: dict[str, Any]) -> ColumnarStore:
-        for split, n in self.split_rows.items():
-            if self.cursor[split] != n or self.value_cursor[split] != self.sequence_values[split]:
-                raise RuntimeError(f"split {split}: wrote {self.cursor[split]} of {n} planned rows, sequence ids "
-                                   f"{self.value_cursor[split]} of {self.sequence_values[split]}")
+        if self.planned is not None and (self.rows != self.planned[0] or self.values != self.planned[1]):
+            raise RuntimeError(f"wrote {self.rows} rows and sequence ids {self.values}; planned {self.planned[0]} "
+                               f"and {self.planned[1]}")
         self._close()
+        for path, (dtype, shape) in self._shapes().items():
+            with open(path, "r+b") as fh:
+                self._header(fh, dtype, shape)
+                if fh.tell() != self.headers[path]:
+                    raise RuntimeError(f"{path}: the header for shape {shape} does not fit the space left for it")
         meta = {"format_version": FORMAT_VERSION, **meta}
         (self.tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         try:

@@ -70,7 +70,7 @@ def _folder_meta(folder: str | os.PathLike) -> dict:
                      f"model.json)")
 
 
-def build_vocabulary(first: Pass1, data: DataConfig) -> Vocabulary:
+def build_vocabulary(first: Pass1 | None, data: DataConfig) -> Vocabulary:
     """Keys with training count >= ``min_count``, most frequent first (ties by key); or hash buckets.
 
     With ``preprocess.base_vocabulary`` (an earlier store or model folder) the vocabulary continues the
