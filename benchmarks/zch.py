@@ -22,6 +22,7 @@ meta, which times the whole preprocessing), training samples/s (mean of the days
 one process per run, on this machine.
 
     python benchmarks/zch.py --days 4 --rows-per-day 400000 --drift 0.05             # rows: as the vocabulary's
+    python benchmarks/zch.py --days 4 --rows-per-day 3000000 --zipf-exponent 1.05     # a longer tail: > 20M ids
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.data.synthetic import ARROW_SCHEMA, CHUNK_ROWS, SyntheticConfig, SyntheticCriteo  # noqa: E402
 
 
-def write_days(folder: Path, days: int, rows: int, drift: float, seed: int) -> list[Path]:
+def write_days(folder: Path, days: int, rows: int, drift: float, seed: int, zipf_exponent: float = 1.1) -> list[Path]:
     """The drifting days as Criteo-layout TSV files (generated once)."""
     files = []
     folder.mkdir(parents=True, exist_ok=True)
@@ -53,7 +54,7 @@ def write_days(folder: Path, days: int, rows: int, drift: float, seed: int) -> l
         files.append(path)
         if path.exists():
             continue
-        gen = SyntheticCriteo(SyntheticConfig(rows=rows, seed=seed, day=d, drift=drift))
+        gen = SyntheticCriteo(SyntheticConfig(rows=rows, seed=seed, day=d, drift=drift, zipf_exponent=zipf_exponent))
         tmp = path.with_suffix(".tmp")
         with pacsv.CSVWriter(str(tmp), ARROW_SCHEMA, write_options=options) as writer:
             for c in range(-(-rows // CHUNK_ROWS)):
@@ -118,6 +119,8 @@ def main() -> None:
                         help="table rows: a number (zch rows and hash buckets), or 'vocab': each zch table as many rows "
                              "as the vocabulary's table on the last day, hash buckets their mean (vocab runs first)")
     parser.add_argument("--drift", type=float, default=0.05)
+    parser.add_argument("--zipf-exponent", type=float, default=1.1,
+                        help="of the ids' frequencies (the generator's default 1.1; lower: a longer tail, more ids)")
     parser.add_argument("--evict-after", type=int, default=1)
     parser.add_argument("--min-count", type=int, default=2,
                         help="occurrences before a value gets a row: the vocabulary's min_count and model.zch.min_count")
@@ -127,8 +130,9 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    files = write_days(work / "days", args.days, args.rows_per_day, args.drift, args.seed)
-    print(f"{args.days} days x {args.rows_per_day:,} rows, drift {args.drift}: {distinct_ids(files):,} distinct ids",
+    files = write_days(work / "days", args.days, args.rows_per_day, args.drift, args.seed, args.zipf_exponent)
+    print(f"{args.days} days x {args.rows_per_day:,} rows, drift {args.drift}, Zipf {args.zipf_exponent}: "
+          f"{distinct_ids(files):,} distinct ids",
           flush=True)
     common = ["trainer.max_epochs=1", "trainer.batch_size=8192", "trainer.eval_batch_size=16384",
               "trainer.enable_progress_bar=false", "data.preprocess.split.method=sequential", *args.set]
