@@ -117,9 +117,9 @@ def main() -> None:
     from dataclasses import replace
 
     from modules.models import build_model
-    from modules.optimizers import replicated_parameters
-    from modules.sharding import shard_model
-    from modules.table_stacking import decide_stacking
+    from modules.optim.optimizers import replicated_parameters
+    from modules.sharding.planner import shard_model
+    from modules.sharding.table_stacking import decide_stacking
     from pipeline.commands.plan import spec_and_coverage
     from pipeline.config import compose_run_config
     from pipeline.data.store import FIRST_VOCAB_ID

@@ -41,12 +41,12 @@ def worker(store_dir: str, batch: int, steps: int, warmup: int = 5) -> None:
     import torch.nn.functional as F
     from torchrec.distributed.types import ShardedModule
 
-    from modules.embedding import FeatureSpec
+    from modules.embedding.sparse_arch import FeatureSpec
     from modules.models import ModelConfig, build_model
-    from modules.optimizers import OptimizerSpec, replicated_parameters
-    from modules.sharding import shard_model
-    from modules.table_stacking import decide_stacking
-    from modules.topology import TopologySpec
+    from modules.optim.optimizers import OptimizerSpec, replicated_parameters
+    from modules.sharding.planner import shard_model
+    from modules.sharding.table_stacking import decide_stacking
+    from modules.sharding.topology import TopologySpec
     from pipeline.data.batches import make_batch
     from pipeline.data.store import ColumnarStore
 

@@ -1,4 +1,4 @@
-"""LRU against LFU for the ``ssd`` tier's row cache (modules/ssd_tier/row_cache.py), on a log's real id stream.
+"""LRU against LFU for the ``ssd`` tier's row cache (modules/embedding/ssd_tier/row_cache.py), on a log's real id stream.
 
     python benchmarks/row_cache_policy.py --rows 1000000 --hashed 1876986 --fractions 0.1 0.25 0.5 1.0
     python benchmarks/row_cache_policy.py --rows 1000000 --fractions 0.1 0.25 0.5 1.0      # frequency-ordered ids
@@ -27,10 +27,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from modules.placement import MIN_SLOTS_PER_ID  # noqa: E402
-from modules.row_init import RowInit  # noqa: E402
-from modules.ssd_tier.backing import BackingTable  # noqa: E402
-from modules.ssd_tier.row_cache import WAYS, CacheTooSmallError, RowCache  # noqa: E402
+from modules.sharding.placement import MIN_SLOTS_PER_ID  # noqa: E402
+from modules.embedding.row_init import RowInit  # noqa: E402
+from modules.embedding.ssd_tier.backing import BackingTable  # noqa: E402
+from modules.embedding.ssd_tier.row_cache import WAYS, CacheTooSmallError, RowCache  # noqa: E402
 from pipeline.config import compose_run_config  # noqa: E402
 from pipeline.data.sources import prepare_store  # noqa: E402
 
@@ -66,7 +66,7 @@ def main() -> None:
     sparse = np.asarray(store.split("train").sparse)
     sizes = [store.table_sizes[f] for f in store.categorical_names]
     distinct = [len(np.unique(sparse[:, t])) for t in range(sparse.shape[1])]
-    # the least cache placement gives a table: 4 × the distinct rows one batch can bring (modules.placement)
+    # the least cache placement gives a table: 4 × the distinct rows one batch can bring (modules.sharding.placement)
     floor = [min(n, MIN_SLOTS_PER_ID * args.batch) for n in sizes]
     print(f"{len(sparse):,} training rows, {len(sizes)} tables, {sum(sizes):,} rows, {sum(distinct):,} touched; "
           f"batch {args.batch}; {'hashed to ' + format(args.hashed, ',') if args.hashed else 'frequency-ordered ids'}\n")

@@ -8,8 +8,8 @@ and :func:`check_runnable` checks what training needs of the machine (world size
 :class:`ConfigError` whose message starts with the full key.
 
 The dataclasses of the groups live beside the code they configure: ``OptimizerSpec``
-(:mod:`modules.optimizers`), ``CowClipConfig`` (:mod:`modules.cowclip`), ``MergeConfig``
-(:mod:`modules.kstep_merging`), ``TopologySpec`` (:mod:`modules.placement`), ``ModelConfig``
+(:mod:`modules.optim.optimizers`), ``CowClipConfig`` (:mod:`modules.optim.cowclip`), ``MergeConfig``
+(:mod:`modules.optim.kstep_merging`), ``TopologySpec`` (:mod:`modules.sharding.placement`), ``ModelConfig``
 (:mod:`modules.models`), ``DataConfig`` (:mod:`pipeline.data.dataset`) with ``PreprocessConfig`` and
 ``SyntheticConfig``; this module adds the trainer, logger and scaling settings and the root.
 
@@ -27,13 +27,13 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
-from modules.cowclip import CowClipConfig
-from modules.embedding_l2 import L2_SCOPES
-from modules.kstep_merging import MergeConfig
+from modules.optim.cowclip import CowClipConfig
+from modules.optim.embedding_l2 import L2_SCOPES
+from modules.optim.kstep_merging import MergeConfig
 from modules.models import ModelConfig
-from modules.optimizers import OptimizerSpec, is_fusable
-from modules.scaling_rules import RULES
-from modules.topology import TopologySpec
+from modules.optim.optimizers import OptimizerSpec, is_fusable
+from modules.optim.scaling_rules import RULES
+from modules.sharding.topology import TopologySpec
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import raw_fingerprint
 from pipeline.runtime.errors import ConfigError
@@ -54,7 +54,7 @@ class OptimConfig:
     dense: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("adam", 1e-3))
     embedding: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("rowwise_adagrad", 0.01))
     embedding_l2: float = 0.0          # λ of the L2 term 2λ·w_k (0: off)
-    embedding_l2_scope: str = "batch"  # batch: the ids in each batch | all: every row, every step (modules/embedding_l2.py)
+    embedding_l2_scope: str = "batch"  # batch: the ids in each batch | all: every row, every step (modules/optim/embedding_l2.py)
 
     def __post_init__(self) -> None:
         if self.embedding_l2 < 0:
@@ -65,7 +65,7 @@ class OptimConfig:
 
 @dataclass
 class ScalingConfig:
-    """``scaling``: how ``optim`` is rescaled to the run's batch (:mod:`modules.scaling_rules`), and CowClip."""
+    """``scaling``: how ``optim`` is rescaled to the run's batch (:mod:`modules.optim.scaling_rules`), and CowClip."""
 
     rule: str = "none"
     base_batch_size: int = 1024

@@ -120,7 +120,7 @@ def test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_and_resumes_
 
 
 def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_overrides, tmp_path):
-    """Every table in memory-mapped files (modules/ssd_tier/files.py), checkpoints in 50 KB row chunks: killed at
+    """Every table in memory-mapped files (modules/embedding/ssd_tier/files.py), checkpoints in 50 KB row chunks: killed at
     step 33, resumed from step 30, it ends with the uninterrupted host-memory run's tensors and metrics, and its
     export equals that run's. (Plans with file-backed tables are built without TorchRec's planner, which would
     count them against host memory: the host run uses the same manual plan, so tables sit on the same ranks.)"""

@@ -7,7 +7,7 @@ CowClip attached by ``attach_cowclip``.
 The reference keeps full ``nn.Embedding`` tables, computes the gradient of the global-mean loss,
 adds 2λw once per id present, clips per id with the formula, and applies the optimizer's update
 rule written out here. Global scope: statistics over the global batch; local scope: each rank's
-share clipped with its own counts (see modules/cowclip.py).
+share clipped with its own counts (see modules/optim/cowclip.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modules.cowclip import CowClipConfig, per_id_gradient
-from modules.embedding import STACKED_TABLE, FeatureSpec, SparseArch, wide_row_offsets
-from modules.embedding_l2 import DecayRule
+from modules.optim.cowclip import CowClipConfig, per_id_gradient
+from modules.embedding.sparse_arch import STACKED_TABLE, FeatureSpec, SparseArch, wide_row_offsets
+from modules.optim.embedding_l2 import DecayRule
 from tests.dist_utils import run_workers
 
 SPEC = FeatureSpec((), ("a", "b", "c"), {"a": 6, "b": 9, "c": 40})
@@ -74,7 +74,7 @@ def row_bucket(table: str, row: int) -> int:
 
 
 def row_buckets():
-    from modules.cowclip import RowBuckets
+    from modules.optim.cowclip import RowBuckets
 
     sizes = {**{f"emb_{f}": n for f, n in SPEC.table_sizes.items()}, "wide": sum(SPEC.table_sizes.values())}
     tables = {t: torch.tensor([row_bucket(t, r) for r in range(n)]) for t, n in sizes.items()}
@@ -175,10 +175,10 @@ def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: s
 
 def _check(rank: int, world: int, opt: str, sharding_type: str, scope: str, l2_scope: str = "batch",
            steps: int = STEPS, stack: bool = False) -> None:
-    from modules.cowclip_hooks import attach_cowclip
-    from modules.optimizers import OptimizerSpec, build_optimizer, replicated_parameters
-    from modules.sharding import shard_model
-    from modules.topology import TopologySpec
+    from modules.optim.cowclip_hooks import attach_cowclip
+    from modules.optim.optimizers import OptimizerSpec, build_optimizer, replicated_parameters
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
     from pipeline.data.batches import make_batch
     from pipeline.data.store import SplitArrays
 
@@ -294,8 +294,8 @@ def test_row_buckets_follow_the_vocabulary_counts(tmp_path):
     missing rows "unknown"; the first-order tables lay the tables' buckets out as their rows."""
     import pyarrow.parquet as pq
 
-    from modules.cowclip import BUCKET_LABELS
-    from modules.embedding import wide_row_offsets
+    from modules.optim.cowclip import BUCKET_LABELS
+    from modules.embedding.sparse_arch import wide_row_offsets
     from pipeline.data.datamodule import CTRDataModule
     from pipeline.data.preprocess import preprocess
     from tests.click_logs import click_log
@@ -318,10 +318,10 @@ def test_row_buckets_follow_the_vocabulary_counts(tmp_path):
 
 
 def _refusals(rank: int, world: int) -> None:
-    from modules.cowclip_hooks import attach_cowclip
-    from modules.optimizers import OptimizerSpec
-    from modules.sharding import shard_model
-    from modules.topology import TopologySpec
+    from modules.optim.cowclip_hooks import attach_cowclip
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
 
     dmp, _ = shard_model(ClipModel(device=torch.device("meta")), OptimizerSpec("rowwise_adagrad", 0.1),
                          TopologySpec(compute_device="cpu", sharding_types=["table_wise"]), torch.device("cpu"))

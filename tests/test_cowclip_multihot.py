@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from modules.cowclip import CowClipConfig
-from modules.embedding import FeatureSpec, wide_row_offsets
+from modules.optim.cowclip import CowClipConfig
+from modules.embedding.sparse_arch import FeatureSpec, wide_row_offsets
 from pipeline.data.store import Ragged, SplitArrays
 from tests.dist_utils import run_workers
 from tests.test_cowclip import DIM, ClipModel, score
@@ -129,10 +129,10 @@ def _worker(rank: int, world: int, optimizers: tuple[str, ...], sharding_types: 
 
 
 def _check(rank: int, world: int, optimizers: tuple[str, ...], sharding_type: str, scope: str) -> None:
-    from modules.cowclip_hooks import attach_cowclip
-    from modules.optimizers import OptimizerSpec
-    from modules.sharding import shard_model
-    from modules.topology import TopologySpec
+    from modules.optim.cowclip_hooks import attach_cowclip
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
     from pipeline.data.batches import make_batch
 
     for opt in optimizers:

@@ -1,4 +1,4 @@
-"""The lazy replay of the every-row L2 term (modules/embedding_l2.py) against torch's own optimizers.
+"""The lazy replay of the every-row L2 term (modules/optim/embedding_l2.py) against torch's own optimizers.
 
 For each row on its own: a parameter with the loss λ‖w‖² (gradient 2λw), stepped by ``torch.optim`` /
 TorchRec's ``RowWiseAdagrad`` once per missed step with that step's learning rate, from a non-zero
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchrec.optim import RowWiseAdagrad
 
-from modules.embedding_l2 import DecayRule, replay_decay
+from modules.optim.embedding_l2 import DecayRule, replay_decay
 
 L2, EPS, BETAS = 0.3, 1e-7, (0.9, 0.99)
 

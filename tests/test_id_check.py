@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec import KeyedJaggedTensor
 
-from modules.embedding import FeatureSpec
-from modules.lookup_inputs import IdOutOfRangeError, check_ids
+from modules.embedding.sparse_arch import FeatureSpec
+from modules.embedding.lookup_inputs import IdOutOfRangeError, check_ids
 from modules.models.deepfm import DeepFM
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays
@@ -64,9 +64,9 @@ def _sharded_worker(rank: int, world_size: int, stack: bool) -> None:
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    from modules.optimizers import OptimizerSpec
-    from modules.sharding import shard_model
-    from modules.topology import TopologySpec
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
 
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], stack_tables=stack, device=torch.device("meta"))
     dmp, _ = shard_model(net, OptimizerSpec("rowwise_adagrad", 0.1), TopologySpec(compute_device="cpu"),

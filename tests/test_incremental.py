@@ -82,7 +82,7 @@ def test_init_from_optimizer_carries_the_state_rows_mapped(days, day1):
     first gradients (same weights, data and seed), so the carried state is exactly the difference — row-wise
     Adagrad's accumulator adds (mapped rows: carried − fresh = day 1's row; new rows: equal), Adam's moments
     decay once (carried − fresh = β·day 1's) and its step count continues."""
-    from modules.embedding import FeatureSpec
+    from modules.embedding.sparse_arch import FeatureSpec
     from pipeline.checkpoint.discovery import newest_intact_checkpoint
     from pipeline.checkpoint.full_state import full_model_state
     from pipeline.checkpoint.run_description import checkpoint_run
@@ -159,7 +159,7 @@ def test_init_from_optimizer_needs_a_checkpoint(days, day1):
 
 def test_init_from_copies_known_rows_and_keeps_new_rows_fresh():
     """row_sources: a grown table keeps its old rows in place; a first-order table moves each table's segment."""
-    from modules.embedding import FeatureSpec
+    from modules.embedding.sparse_arch import FeatureSpec
     from pipeline.training.init_from import row_sources
 
     old = FeatureSpec((), ("a", "b"), {"a": 4, "b": 3})

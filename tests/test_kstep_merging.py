@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from modules.embedding import FeatureSpec
-from modules.kstep_merging import MergeConfig
+from modules.embedding.sparse_arch import FeatureSpec
+from modules.optim.kstep_merging import MergeConfig
 from tests.dist_utils import run_workers
 
 SPEC = FeatureSpec(("I1", "I2"), ("a", "b", "c"), {"a": 10, "b": 7, "c": 20})
@@ -17,12 +17,12 @@ SPEC = FeatureSpec(("I1", "I2"), ("a", "b", "c"), {"a": 10, "b": 7, "c": 20})
 
 def _setup(data_parallel: bool, seed: int = 0):
     from modules.models.deepfm import DeepFM
-    from modules.optimizers import OptimizerSpec
-    from modules.sharding import shard_model
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.planner import shard_model
 
     torch.manual_seed(seed)
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
-    from modules.topology import TopologySpec
+    from modules.sharding.topology import TopologySpec
 
     topology = TopologySpec(compute_device="cpu", sharding_types=["table_wise"])
     dmp, _ = shard_model(net, OptimizerSpec("sgd", 0.05), topology, torch.device("cpu"), data_parallel=data_parallel)
@@ -48,7 +48,7 @@ def _train_step(model, optimizer, step: int, rank: int) -> None:
 
 
 def _replicated(model) -> list[torch.Tensor]:
-    from modules.optimizers import replicated_parameters
+    from modules.optim.optimizers import replicated_parameters
 
     return [p for _, p in replicated_parameters(model)]
 
@@ -62,7 +62,7 @@ def _same_everywhere(tensors: list[torch.Tensor], group=None) -> bool:
 
 def _k4_worker(rank: int, world: int, moments: bool) -> None:
     from modules.comm_accounting import CommCounter, install
-    from modules.kstep_merging import KStepMerger
+    from modules.optim.kstep_merging import KStepMerger
 
     model = _setup(data_parallel=False, seed=rank)  # different init on purpose: the merger broadcasts
     params = _replicated(model)
@@ -93,7 +93,7 @@ def test_k4_identical_after_merges_and_different_between(moments):
 
 
 def _k1_worker(rank: int, world: int) -> None:
-    from modules.kstep_merging import KStepMerger
+    from modules.optim.kstep_merging import KStepMerger
 
     sync = _setup(data_parallel=True)      # DDP: gradient all-reduce every step
     local = _setup(data_parallel=False)    # local SGD + parameter averaging every step
@@ -119,7 +119,7 @@ def test_k1_with_sgd_equals_synchronous_data_parallelism():
 
 
 def _hierarchical_worker(rank: int, world: int) -> None:
-    from modules.kstep_merging import KStepMerger
+    from modules.optim.kstep_merging import KStepMerger
 
     model = _setup(data_parallel=False)
     params = _replicated(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
-from modules.optimizers import OptimizerChain
+from modules.optim.optimizers import OptimizerChain
 from tests.dist_utils import run_workers
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modules.embedding import FeatureSpec, wide_row_offsets
+from modules.embedding.sparse_arch import FeatureSpec, wide_row_offsets
 from modules.models.deepfm import DeepFM
 from modules.models.layers import ConcatLinear, fm_interaction
 from pipeline.data.batches import make_batch
@@ -97,9 +97,9 @@ def test_deepfm_forward_matches_hand_computation(regroup):
 
 
 def _sharded_forward_worker(rank: int, world_size: int, sharding_type: str) -> None:
-    from modules.optimizers import OptimizerSpec
-    from modules.sharding import shard_model
-    from modules.topology import TopologySpec
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
 
     reference = _random_deepfm()
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))
@@ -126,9 +126,9 @@ def test_sharded_deepfm_matches_unsharded_on_two_ranks():
 def _restore_worker(rank: int, world_size: int) -> None:
     import lightning as L
 
-    from modules.optimizers import OptimizerSpec, replicated_parameters
-    from modules.sharding import shard_model
-    from modules.topology import TopologySpec
+    from modules.optim.optimizers import OptimizerSpec, replicated_parameters
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
     from pipeline.training.best_validation import BestValidation
 
     net = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8], device=torch.device("meta"))
@@ -159,9 +159,9 @@ def test_restore_best_weights_on_sharded_model():
 
 
 def _stacked_init_worker(rank: int, world_size: int) -> None:
-    from modules.optimizers import OptimizerSpec
-    from modules.sharding import shard_model
-    from modules.topology import TopologySpec
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
 
     states, outputs = {}, {}
     _, batch = _batch(n=16, seed=4)
@@ -197,9 +197,9 @@ def test_deciding_auto_stacking_leaves_the_random_state_as_it_was():
     """``auto`` builds the unstacked model to place its tables; the run's model must still get the draws
     it would get with the resolved value set by hand."""
     from modules.models import ModelConfig
-    from modules.optimizers import OptimizerSpec
-    from modules.table_stacking import decide_stacking
-    from modules.topology import TopologySpec
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.table_stacking import decide_stacking
+    from modules.sharding.topology import TopologySpec
 
     torch.manual_seed(5)
     before = torch.get_rng_state()

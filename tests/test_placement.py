@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from modules.placement import PlacementError, TableInfo, place_tables, stacking_blocker
-from modules.topology import GB, SsdSpec, TopologySpec
+from modules.sharding.placement import PlacementError, TableInfo, place_tables, stacking_blocker
+from modules.sharding.topology import GB, SsdSpec, TopologySpec
 from modules.zipf import zipf_coverage
 from pipeline.commands.plan import plan_for_config
 from pipeline.runtime.numa import bind_to_gpu_numa_node, gpu_numa_node, node_cpus, parse_cpulist
@@ -86,8 +86,8 @@ def test_shared_first_order_table_sums_the_fields_coverage():
     """One ``wide`` table holds every field's rows: the rows covering q of its lookups add up per field."""
     from torchrec import EmbeddingBagCollection
 
-    from modules.embedding import FeatureSpec, table_configs
-    from modules.sharding import table_infos
+    from modules.embedding.sparse_arch import FeatureSpec, table_configs
+    from modules.sharding.planner import table_infos
 
     spec = FeatureSpec((), ("a", "b"), {"a": 1000, "b": 50})
     ebc = EmbeddingBagCollection(tables=table_configs(spec, 8, 0.01, wide=True), device=torch.device("meta"))

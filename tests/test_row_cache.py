@@ -1,7 +1,7 @@
-"""The ``ssd`` tier's row cache (modules/ssd_tier/row_cache.py, modules/ssd_tier/cached_tbe.py) against tables in host
+"""The ``ssd`` tier's row cache (modules/embedding/ssd_tier/row_cache.py, modules/embedding/ssd_tier/cached_tbe.py) against tables in host
 memory: the same FBGEMM kernel on slots gives the same numbers to the last bit, with caches small
 enough that most rows are evicted and read back; the files hold exactly the trained rows after a
-sync; rows are drawn from (seed, table, row) wherever they sit (modules/row_init.py)."""
+sync; rows are drawn from (seed, table, row) wherever they sit (modules/embedding/row_init.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from modules.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
-from modules.optimizers import OptimizerSpec
-from modules.ssd_tier.row_cache import CacheTooSmallError
-from modules.row_init import RowInit, normal_rows
-from modules.sharding import shard_model
-from modules.topology import SsdSpec, TopologySpec
+from modules.embedding.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
+from modules.optim.optimizers import OptimizerSpec
+from modules.embedding.ssd_tier.row_cache import CacheTooSmallError
+from modules.embedding.row_init import RowInit, normal_rows
+from modules.sharding.planner import shard_model
+from modules.sharding.topology import SsdSpec, TopologySpec
 from tests.dist_utils import run_workers
 
 ROWS = {"a": 40_000, "b": 9_000, "w": 49_000}  # w: 4 columns, as the first-order table

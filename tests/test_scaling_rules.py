@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from modules.scaling_rules import scale_hyperparameters, warmup_factor
+from modules.optim.scaling_rules import scale_hyperparameters, warmup_factor
 
 # batch → (dense lr, L2) from the reference table; embedding lr fixed at 1e-4
 REFERENCE = {1024: (8e-4, 1e-5), 8192: (22.62e-4, 8e-5), 32768: (45.25e-4, 32e-5), 131072: (90.50e-4, 128e-5)}

@@ -60,7 +60,7 @@ def test_fp16_rows_are_the_half_precision_values():
 def test_one_pass_frame_encoding_equals_the_reader_path(tmp_path):
     """A model folder of the synthetic Criteo layout; raw rows with missing values, numbers as strings,
     integers in categorical columns: ``encode_frame`` gives the ids and numbers of ``encode(frame_block)``."""
-    from modules.embedding import FeatureSpec
+    from modules.embedding.sparse_arch import FeatureSpec
     from modules.models import ModelConfig, build_model
     from pipeline.data.dataset import builtin_layout
     from pipeline.data.store import FIRST_VOCAB_ID

@@ -1,4 +1,4 @@
-"""The ``ssd`` tier on CPU (modules/ssd_tier/files.py): tables in memory-mapped files train, checkpoint,
+"""The ``ssd`` tier on CPU (modules/embedding/ssd_tier/files.py): tables in memory-mapped files train, checkpoint,
 resume, export and score exactly as in host memory, and are never loaded whole into memory."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from modules.placement import PlacementError, TableInfo, place_tables
-from modules.topology import GB, SsdSpec, TopologySpec
+from modules.sharding.placement import PlacementError, TableInfo, place_tables
+from modules.sharding.topology import GB, SsdSpec, TopologySpec
 from tests.conftest import PYTHON, ROOT, subprocess_env, train_cli
 
 ALL_ON_SSD = "topology.ddr_cap_gb=1e-12"  # a host budget below one row: every table goes to the ssd tier

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torchrec import JaggedTensor, KeyedJaggedTensor
 
-from modules.zch import FIRST_ROW, MISSING_ROW, ZchConfig, ZchRemapper, load_mapping_state, lookup_rows, mapping_state
+from modules.embedding.zch.remapper import FIRST_ROW, MISSING_ROW, ZchConfig, ZchRemapper, load_mapping_state, lookup_rows, mapping_state
 from pipeline.checkpoint.discovery import complete_checkpoints
 from tests.test_checkpointing import _assert_same, _kill, _run, _run_id_of, _tensors
 
@@ -156,7 +156,7 @@ def _killed_and_resumed(ckpt_overrides, tmp_path, nproc: int):
 def _replayed_mapping(overrides: list[str]) -> dict[str, torch.Tensor]:
     """The mapping a run's training batches build, computed without training: its store's global batches (the
     loader of one process, the run's seed) through a fresh remapper, in this process."""
-    from modules.embedding import FeatureSpec
+    from modules.embedding.sparse_arch import FeatureSpec
     from pipeline.config import parse_config
     from pipeline.data.batches import BatchLoader
     from pipeline.data.sources import store_dir

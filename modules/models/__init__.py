@@ -3,6 +3,8 @@
 Every model takes ``device`` for its embedding collection only (the meta device when it is going to
 be sharded: DistributedModelParallel materialises each shard on its rank); the dense layers are built
 on the CPU with their usual initialisation (seeded: identical on every rank) and moved by DMP.
+
+May import: modules.embedding
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import nn
 
-from modules.embedding import FeatureSpec
+from modules.embedding.sparse_arch import FeatureSpec
 from modules.models.dcn import DCN
 from modules.models.deepfm import DeepFM
 from modules.models.wide_deep import WideDeep
-from modules.zch import ZchConfig
+from modules.embedding.zch.remapper import ZchConfig
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "deepfm": DeepFM,
@@ -45,8 +47,8 @@ class ModelConfig:
     low_rank: Optional[int] = None
     num_experts: Optional[int] = None
     wide: Optional[bool] = None
-    # the bag collection's tables as one stacked table (modules/embedding.py): true | false | auto (decided
-    # against the topology before the model is built, modules/table_stacking.py)
+    # the bag collection's tables as one stacked table (modules/embedding/sparse_arch.py): true | false | auto (decided
+    # against the topology before the model is built, modules/sharding/table_stacking.py)
     stack_tables: Union[bool, str] = "auto"
     # the MLP's hidden layers (Linear + ReLU) on oneDNN's fp32 GEMM when they run on the CPU in fp32
     # (modules/models/onednn_linear.py); false: PyTorch's default kernels (MKL). Same model, float rounding apart
@@ -56,7 +58,7 @@ class ModelConfig:
     # rounding apart; false: one after the other
     overlap_embedding_backward: bool = True
     # raw 64-bit ids (data.preprocess.categorical=raw) mapped to table rows without collisions, with eviction
-    # (modules/zch.py); rows 0: off
+    # (modules/embedding/zch/remapper.py); rows 0: off
     zch: ZchConfig = field(default_factory=ZchConfig)
 
     def __post_init__(self) -> None:
@@ -86,5 +88,5 @@ class ModelConfig:
 def build_model(cfg: ModelConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
     if cfg.stack_tables == "auto":
         raise ValueError("model.stack_tables=auto is decided against the topology before the model is built "
-                         "(modules.table_stacking.decide_stacking)")
+                         "(modules.sharding.table_stacking.decide_stacking)")
     return MODELS[cfg.name](spec, device=device, **cfg.arguments())

@@ -19,7 +19,7 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 from torchrec.modules.crossnet import CrossNet, LowRankMixtureCrossNet, VectorCrossNet
 
-from modules.embedding import FeatureSpec, SparseArch
+from modules.embedding.sparse_arch import FeatureSpec, SparseArch
 from modules.models.backward_overlap import overlap_lookup_backward
 from modules.models.layers import MLP
 

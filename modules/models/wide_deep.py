@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from modules.embedding import FeatureSpec, SparseArch
+from modules.embedding.sparse_arch import FeatureSpec, SparseArch
 from modules.models.backward_overlap import DeferredWeightGrads, overlap_lookup_backward
 from modules.models.layers import MLP
 

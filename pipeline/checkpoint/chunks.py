@@ -5,7 +5,7 @@ DCP writes each shard of a ``ShardedTensor`` as one item and reads an item whole
 memory on load, and a shard that is a view of a larger buffer (a TBE's flat weights) is cloned
 whole on save. :func:`row_chunks` presents every shard as row blocks of at most ``max_bytes``
 (views of the same storage): DCP then saves and loads chunk by chunk, and loading writes straight
-into the live tensors — for a file-backed table (:mod:`modules.ssd_tier.files`) into its file, so a
+into the live tensors — for a file-backed table (:mod:`modules.embedding.ssd_tier.files`) into its file, so a
 table larger than memory checkpoints and resumes.
 
 DCP (torch 2.14) also keeps every tensor it wrote referenced until the file is complete, and it

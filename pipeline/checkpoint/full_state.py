@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from modules.embedding import is_table_parameter
-from modules.ssd_tier.files import mapped_file
+from modules.embedding.sparse_arch import is_table_parameter
+from modules.embedding.ssd_tier.files import mapped_file
 from pipeline.checkpoint.safe_reader import SafeFileSystemReader
 from pipeline.checkpoint.skeleton import STATE_FILE, placeholders
 
@@ -22,7 +22,7 @@ def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
                      table_dir: Path | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict from a checkpoint as full tensors, in this process, whatever number of
     processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``.
-    With ``table_dir``, embedding tables are read into files there (:func:`modules.ssd_tier.files.mapped_file`):
+    With ``table_dir``, embedding tables are read into files there (:func:`modules.embedding.ssd_tier.files.mapped_file`):
     DCP reads them chunk by chunk, so no table is whole in memory."""
     path = Path(path)
     skeleton = json.loads((path / STATE_FILE.format(rank=0)).read_text())

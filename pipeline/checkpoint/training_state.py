@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from modules.ssd_tier.cached_tbe import reload_tables
+from modules.embedding.ssd_tier.cached_tbe import reload_tables
 from pipeline.checkpoint.skeleton import split_tensors
 
 

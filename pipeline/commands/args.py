@@ -1,8 +1,8 @@
 """How the commands end on a user error: one clean line naming the cause, a hint, exit status 2.
 
 User errors are the classes of :mod:`pipeline.runtime.errors` (each with its hint), tables that cannot
-be placed (:class:`modules.placement.PlacementError`), an id outside its table
-(:class:`modules.lookup_inputs.IdOutOfRangeError`) and a missing file. Anything else is a bug and
+be placed (:class:`modules.sharding.placement.PlacementError`), an id outside its table
+(:class:`modules.embedding.lookup_inputs.IdOutOfRangeError`) and a missing file. Anything else is a bug and
 keeps its traceback; ``HYDRA_FULL_ERROR=1`` shows the traceback of user errors too.
 """
 
@@ -14,8 +14,8 @@ from typing import Callable, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from modules.lookup_inputs import IdOutOfRangeError
-from modules.placement import PlacementError
+from modules.embedding.lookup_inputs import IdOutOfRangeError
+from modules.sharding.placement import PlacementError
 from pipeline.config import to_typed
 from pipeline.runtime.errors import UserError
 

@@ -12,12 +12,12 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from modules.embedding import FeatureSpec
+from modules.embedding.sparse_arch import FeatureSpec
 from modules.models import build_model
-from modules.plan_report import format_plan
-from modules.sharding import plan_model
-from modules.table_stacking import decide_stacking
-from modules.zch import ZchConfig
+from modules.sharding.plan_report import format_plan
+from modules.sharding.planner import plan_model
+from modules.sharding.table_stacking import decide_stacking
+from modules.embedding.zch.remapper import ZchConfig
 from modules.zipf import zipf_coverage
 from pipeline.commands.args import exit_on_user_error
 from pipeline.config import parse_config, register_configs

@@ -7,12 +7,12 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from modules.cowclip import RowBuckets, frequency_bucket
-from modules.embedding import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
+from modules.optim.cowclip import RowBuckets, frequency_bucket
+from modules.embedding.sparse_arch import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
 from pipeline.data.batches import BatchLoader
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import prepare_store, store_dir
-from modules.zch import ZchConfig
+from modules.embedding.zch.remapper import ZchConfig
 from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore, with_table_sizes
 from pipeline.data.vocab_files import read_vocabulary
 
@@ -57,7 +57,7 @@ class CTRDataModule(L.LightningDataModule):
                 for f, s in self.store.meta["stats"].items()}
 
     def row_buckets(self) -> RowBuckets:
-        """Each embedding row's id-frequency bucket from the vocabulary counts (:func:`modules.cowclip.frequency_bucket`;
+        """Each embedding row's id-frequency bucket from the vocabulary counts (:func:`modules.optim.cowclip.frequency_bucket`;
         the OOV and missing rows, and every row of a hashed table, are "unknown")."""
         assert self.store is not None, "setup() first"
         spec = self.feature_spec

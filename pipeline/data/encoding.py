@@ -3,7 +3,7 @@ serving path (:mod:`pipeline.serving.row_encoder`), so both encode a value the s
 
 * categorical and sequence values: their 64-bit key's position in the table's vocabulary + 2, OOV → 0,
   missing → 1; or, hashed, ``2 + key mod buckets``; or, raw, a 63-bit id of (table, key)
-  (:func:`raw_ids`, missing → 0) that ``model.zch`` maps to a row while training (:mod:`modules.zch`);
+  (:func:`raw_ids`, missing → 0) that ``model.zch`` maps to a row while training (:mod:`modules.embedding.zch.remapper`);
 * numeric, per feature: ``log1p(max(x, 0))``, min-max ``(x - min) / (max - min)`` clipped to [0, 1], or
   none; missing → 0.
 """
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from modules.row_init import table_key
+from modules.embedding.row_init import table_key
 from pipeline.data.hashing import splitmix64
 from pipeline.data.store import FIRST_VOCAB_ID, MAX_RAW_ID, MISSING_ID, OOV_ID
 from pipeline.data.vocab_growth import VocabIndex

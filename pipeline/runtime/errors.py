@@ -4,7 +4,7 @@ A bad config value, a bad input file, a checkpoint that does not fit or is damag
 that cannot be read, a full disk, an unreachable tracking server. The commands report each as one
 clean line, its ``hint`` and exit status 2 (:func:`pipeline.commands.args.exit_on_user_error`);
 anything else is a bug and keeps its traceback. Tables that cannot be placed raise
-:class:`modules.placement.PlacementError`, which carries a hint of its own (``modules`` does not
+:class:`modules.sharding.placement.PlacementError`, which carries a hint of its own (``modules`` does not
 import the pipeline).
 """
 

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from modules.embedding import FeatureSpec, is_table_parameter
+from modules.embedding.sparse_arch import FeatureSpec, is_table_parameter
 from modules.models import build_model
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays

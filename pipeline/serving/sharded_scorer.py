@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from modules.models import build_model
-from modules.optimizers import OptimizerSpec
-from modules.sharding import shard_model
-from modules.topology import TopologySpec
+from modules.optim.optimizers import OptimizerSpec
+from modules.sharding.planner import shard_model
+from modules.sharding.topology import TopologySpec
 from pipeline.checkpoint.chunks import row_chunks
 from pipeline.checkpoint.safe_reader import SafeFileSystemReader
 from pipeline.data.store import SplitArrays

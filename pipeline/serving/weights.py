@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modules.embedding import is_table_parameter
+from modules.embedding.sparse_arch import is_table_parameter
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.runtime.errors import BundleError
 from pipeline.runtime.launch import group_rank
@@ -63,7 +63,7 @@ ZCH_FILE = "zch.npz"
 
 
 def read_zch_state(source: ModelSource) -> dict[str, np.ndarray] | None:
-    """The ``model.zch`` mapping of a model folder (``zch.npz``) or checkpoint (:func:`modules.zch.mapping_state`);
+    """The ``model.zch`` mapping of a model folder (``zch.npz``) or checkpoint (:func:`modules.embedding.zch.remapper.mapping_state`);
     None for a model without one."""
     if not source.model_cfg.zch.enabled:
         return None

@@ -5,13 +5,13 @@ directory, written by any number of processes; the new run may have any world si
 the rows of its own shards). Every dense parameter and buffer is copied as it is. An embedding table
 whose vocabulary grew (``data.preprocess.base_vocabulary``: the earlier ids are kept) keeps the rows
 of the ids it had, and its new rows keep their fresh initialisation; a first-order table (the rows of
-several tables back to back, :func:`modules.embedding.wide_row_offsets`) is copied table by table,
+several tables back to back, :func:`modules.embedding.sparse_arch.wide_row_offsets`) is copied table by table,
 since a grown table moves the ones after it.
 
 The optimizers' states start fresh unless ``trainer.init_from_optimizer`` says otherwise (a checkpoint
 only; a model folder holds weights alone): ``embedding`` carries the fused embedding optimizer's state
 (row-wise Adagrad's accumulator, Adam's moments: one row per table row, mapped like the weights; new
-rows start at 0) and the state of data-parallel tables' optimizer (:mod:`modules.optimizers`);
+rows start at 0) and the state of data-parallel tables' optimizer (:mod:`modules.optim.optimizers`);
 ``dense`` the dense optimizer's state (Adam's moments and step count); ``all`` both. Learning rates and
 the schedule are always the new run's own.
 """
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from modules.embedding import FeatureSpec, is_table_parameter
-from modules.row_reset import table_segments
+from modules.embedding.sparse_arch import FeatureSpec, is_table_parameter
+from modules.embedding.row_reset import table_segments
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import read_vocabulary
@@ -183,7 +183,7 @@ def carry_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, so
     """Load the optimizer state of the checkpoint ``source`` named by ``parts`` (module docstring) into this
     run's fused embedding optimizer and its ``optimizer`` (a torch optimizer or an ``OptimizerChain``
     with members ``dense`` and ``embedding``), mapping table rows as :func:`initialize_from` does."""
-    from modules.optimizers import replicated_parameters
+    from modules.optim.optimizers import replicated_parameters
 
     if parts == "none":
         return

@@ -11,9 +11,9 @@ from typing import Any
 import lightning as L
 from mlflow.exceptions import MlflowException
 
-from modules.ssd_tier.cached_tbe import sync_tables
-from modules.plan_report import format_plan
-from modules.zch import mapping_state
+from modules.embedding.ssd_tier.cached_tbe import sync_tables
+from modules.sharding.plan_report import format_plan
+from modules.embedding.zch.remapper import mapping_state
 from pipeline.config import RunConfig
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import example_rows

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from modules.topology import TopologySpec
+from modules.sharding.topology import TopologySpec
 from pipeline.checkpoint.resume import resume_checkpoint
 from pipeline.config import RunConfig, check_runnable, parse_config
 from pipeline.data.datamodule import CTRDataModule

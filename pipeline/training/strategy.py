@@ -25,7 +25,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from modules.ssd_tier.cached_tbe import reload_tables
+from modules.embedding.ssd_tier.cached_tbe import reload_tables
 from pipeline.checkpoint.full_state import without_doubled_prefix
 
 

@@ -1,8 +1,8 @@
 """The LightningModule: builds the sharded model, trains it with BCE, evaluates AUC / logloss.
 
 Hyperparameters come from ``optim`` (tuned for ``scaling.base_batch_size``) rescaled to the run's
-global batch by ``scaling.rule`` (:mod:`modules.scaling_rules`); CowClip and the per-id embedding L2
-term are attached to the sharded model (:mod:`modules.cowclip_hooks`); the dense learning rate warms
+global batch by ``scaling.rule`` (:mod:`modules.optim.scaling_rules`); CowClip and the per-id embedding L2
+term are attached to the sharded model (:mod:`modules.optim.cowclip_hooks`); the dense learning rate warms
 up linearly over ``scaling.warmup_epochs``; every learning rate is multiplied by ``lr_factor``, which
 :class:`pipeline.training.best_validation.BestValidation` lowers on a plateau. Everything else a run does —
 checkpoint state, k-step merging, communication accounting, throughput, best-epoch tracking — is a
@@ -19,18 +19,18 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from modules.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
-from modules.ssd_tier.backing import CacheStats
-from modules.cowclip_hooks import CowClipHooks, attach_cowclip
-from modules.embedding import is_table_parameter
-from modules.embedding_l2 import DecayRule
+from modules.embedding.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
+from modules.embedding.ssd_tier.backing import CacheStats
+from modules.optim.cowclip_hooks import CowClipHooks, attach_cowclip
+from modules.embedding.sparse_arch import is_table_parameter
+from modules.optim.embedding_l2 import DecayRule
 from modules.models import ModelConfig, build_model, onednn_linear
-from modules.optimizers import OptimizerChain, build_optimizer, replicated_parameters
-from modules.scaling_rules import scale_hyperparameters, warmup_factor
-from modules.sharding import PlanResult, shard_model
-from modules.table_stacking import decide_stacking
-from modules.topology import TopologySpec
-from modules.zch import load_mapping_state
+from modules.optim.optimizers import OptimizerChain, build_optimizer, replicated_parameters
+from modules.optim.scaling_rules import scale_hyperparameters, warmup_factor
+from modules.sharding.planner import PlanResult, shard_model
+from modules.sharding.table_stacking import decide_stacking
+from modules.sharding.topology import TopologySpec
+from modules.embedding.zch.remapper import load_mapping_state
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap
@@ -74,7 +74,7 @@ class CTRTask(L.LightningModule):
         self.val_metrics = CTRMetrics()
         self.test_metrics = CTRMetrics()
         self._skip_step = False
-        self.row_cache_totals = CacheStats()  # the ssd tier's row caches over training (modules.ssd_tier.row_cache)
+        self.row_cache_totals = CacheStats()  # the ssd tier's row caches over training (modules.embedding.ssd_tier.row_cache)
         self.row_cache_bytes = [0.0, 0.0]     # read, written
         self.onednn_mlp_used = False  # decided with the model (configure_model); logged to MLflow
         self.overlap_embedding_backward_used = False  # likewise
@@ -127,7 +127,7 @@ class CTRTask(L.LightningModule):
         self.test_metrics.to(device)
 
     def _stacking_decided(self, data: Any) -> ModelConfig:
-        """``model.stack_tables`` decided (:mod:`modules.table_stacking`). A resumed run, or one started with
+        """``model.stack_tables`` decided (:mod:`modules.sharding.table_stacking`). A resumed run, or one started with
         ``trainer.init_from``, keeps the layout of the checkpoint or model it continues under ``auto``: its
         rows and optimizer state then map one to one."""
         source = model_source(self.resume_from, verify=False) if self.resume_from else self.init_from
@@ -183,7 +183,7 @@ class CTRTask(L.LightningModule):
         return loss
 
     def _log_row_caches(self) -> None:
-        """The ssd tier's row caches (:mod:`modules.ssd_tier.row_cache`), every ``log_every_n_steps`` steps, over
+        """The ssd tier's row caches (:mod:`modules.embedding.ssd_tier.row_cache`), every ``log_every_n_steps`` steps, over
         the steps since the last log: hit rate, rows and bytes read, drawn and written (per step)."""
         every = max(1, self.trainer.log_every_n_steps)
         if (self.global_step + 1) % every or not (stats := self._take_row_cache_stats()):

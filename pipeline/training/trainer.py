@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lightning as L
 
-from modules.topology import TopologySpec
+from modules.sharding.topology import TopologySpec
 from pipeline.checkpoint.dcp_io import DCPCheckpointIO
 from pipeline.checkpoint.sharded_checkpoint import ShardedCheckpoint
 from pipeline.checkpoint.training_state import TrainingState

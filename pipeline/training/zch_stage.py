@@ -1,6 +1,6 @@
 """``model.zch`` while training: raw ids become rows before the sharded model looks them up
-(:class:`modules.zch.ZchRemapper`, a submodule of the task, so checkpoints hold its state), and rows that
-change hands start afresh (:func:`modules.row_reset.reset_rows`; the every-row L2 owes them no decay)."""
+(:class:`modules.embedding.zch.remapper.ZchRemapper`, a submodule of the task, so checkpoints hold its state), and rows that
+change hands start afresh (:func:`modules.embedding.row_reset.reset_rows`; the every-row L2 owes them no decay)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBat
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
-from modules.embedding import FeatureSpec
-from modules.row_reset import reset_rows
-from modules.sharded_kernels import kernels
-from modules.zch import ZchConfig, ZchRemapper
+from modules.embedding.sparse_arch import FeatureSpec
+from modules.embedding.row_reset import reset_rows
+from modules.embedding.sharded_kernels import kernels
+from modules.embedding.zch.remapper import ZchConfig, ZchRemapper
 from pipeline.runtime.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from modules.cowclip import BUCKET_LABELS
+from modules.optim.cowclip import BUCKET_LABELS
 
 
 class CowClipLogging(Callback):
@@ -19,7 +19,7 @@ class CowClipLogging(Callback):
     * ``train/cowclip_clipped_fraction`` per epoch: the share of (id, step) pairs whose gradient CowClip
       scaled down;
     * every ``trainer.log_every_n_steps`` steps, that share per id-frequency bucket (the id's occurrences
-      in the training data, :data:`modules.cowclip.BUCKET_LABELS`) since the last log,
+      in the training data, :data:`modules.optim.cowclip.BUCKET_LABELS`) since the last log,
       ``train/cowclip_clipped_fraction/<bucket>``, summed over the ranks; at the end of training a plot
       of it over the steps, ``cowclip_clipped_by_frequency.png`` in the output folder and the MLflow run.
     """

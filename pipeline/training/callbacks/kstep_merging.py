@@ -1,4 +1,4 @@
-"""k-step model merging as a callback (the algorithm: :mod:`modules.kstep_merging`)."""
+"""k-step model merging as a callback (the algorithm: :mod:`modules.optim.kstep_merging`)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from modules.kstep_merging import KStepMerger, MergeConfig
-from modules.optimizers import replicated_parameters
+from modules.optim.kstep_merging import KStepMerger, MergeConfig
+from modules.optim.optimizers import replicated_parameters
 
 
 class KStepMerging(Callback):
-    """k-step model merging of the replicated parameters (:mod:`modules.kstep_merging`): after every
+    """k-step model merging of the replicated parameters (:mod:`modules.optim.kstep_merging`): after every
     training step, and a final merge before validation, testing, checkpoints and at each epoch's end.
     Its step and merge counters are saved with checkpoints."""
 

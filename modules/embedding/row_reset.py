@@ -1,11 +1,11 @@
 """Rows that start afresh while training: an id evicted by ``model.zch`` leaves its row to another id
-(:mod:`modules.zch`), which must not inherit what the old id learned.
+(:mod:`modules.embedding.zch.remapper`), which must not inherit what the old id learned.
 
-For every FBGEMM kernel of the sharded model (:mod:`modules.sharded_kernels`) and every table in it that
+For every FBGEMM kernel of the sharded model (:mod:`modules.embedding.sharded_kernels`) and every table in it that
 holds a logical table with such rows — ``emb_<t>``, or the first-order / stacked tables at the table's
 offset (:func:`table_segments`) — the rows of this rank's shard get
 
-* the weights they had at initialisation: the table's ``init_fn`` (:class:`modules.row_init.RowInit`, a
+* the weights they had at initialisation: the table's ``init_fn`` (:class:`modules.embedding.row_init.RowInit`, a
   pure function of (seed, table, row), so the same values wherever the table sits);
 * zero optimizer state (Adagrad's sum of squares, Adam's moments: a fresh row's).
 
@@ -22,9 +22,9 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from modules.embedding import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
-from modules.sharded_kernels import kernels
-from modules.ssd_tier.cached_tbe import CachedRowsTBE
+from modules.embedding.sparse_arch import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TABLE, WIDE_TABLE, FeatureSpec, wide_row_offsets
+from modules.embedding.sharded_kernels import kernels
+from modules.embedding.ssd_tier.cached_tbe import CachedRowsTBE
 
 
 def table_segments(spec: FeatureSpec, physical: str) -> dict[str, tuple[int, int]]:

@@ -1,11 +1,11 @@
 """``model.stack_tables=auto``: the one-id features' tables become one stacked table
-(:mod:`modules.embedding`) when placement and sharding lose nothing by it.
+(:mod:`modules.embedding.sparse_arch`) when placement and sharding lose nothing by it.
 
 Stacking keeps the model: the same rows, initialised with the same values (drawn per table and row,
-:mod:`modules.row_init`), updated the same way. It changes what the planner sees:
+:mod:`modules.embedding.row_init`), updated the same way. It changes what the planner sees:
 one table instead of one per feature, so FBGEMM's CPU backward runs once instead of once per table
 (≈ 7 % of a DeepFM step at batch 8,192 on CPU, docs/throughput.md). The tables are placed one by one
-first (:func:`modules.placement.place_tables`); :func:`modules.placement.stacking_blocker` says when
+first (:func:`modules.sharding.placement.place_tables`); :func:`modules.sharding.placement.stacking_blocker` says when
 the stacked table would be placed worse: tables forced in ``topology.table_overrides``, tables on
 different tiers or on a tier sized per table, or several ranks without row-wise sharding.
 """
@@ -18,19 +18,19 @@ from typing import Mapping
 import torch
 from torchrec import EmbeddingBagCollection
 
-from modules.embedding import EMB_PREFIX, FeatureSpec
+from modules.embedding.sparse_arch import EMB_PREFIX, FeatureSpec
 from modules.models import ModelConfig, build_model
-from modules.optimizers import OptimizerSpec, is_fusable
-from modules.placement import PlacementError, place_tables, stacking_blocker
-from modules.sharding import process_bytes, table_infos
-from modules.topology import TopologySpec
+from modules.optim.optimizers import OptimizerSpec, is_fusable
+from modules.sharding.placement import PlacementError, place_tables, stacking_blocker
+from modules.sharding.planner import process_bytes, table_infos
+from modules.sharding.topology import TopologySpec
 
 
 def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec, optimizer: OptimizerSpec,
                     coverage: Mapping[str, Mapping[float, int]] | None = None,
                     batch_rows: int = 0, eval_rows: int = 0) -> tuple[ModelConfig, str]:
     """``cfg`` with ``stack_tables`` true or false, and why. ``topology``: as run (its world size);
-    ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once, as :func:`modules.sharding.plan_model` takes them
+    ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once, as :func:`modules.sharding.planner.plan_model` takes them
     (the tables are placed as the plan will place them). Leaves the random state as it was: ``auto``
     trains the same model as the value it resolves to."""
     if cfg.stack_tables != "auto":

@@ -18,7 +18,7 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 
-from modules.embedding import lookup_name
+from modules.embedding.sparse_arch import lookup_name
 
 EXACT_SHARDINGS = (TwPooledEmbeddingSharding, RwPooledEmbeddingSharding, TwSequenceEmbeddingSharding,
                    RwSequenceEmbeddingSharding)

@@ -1,5 +1,5 @@
 """``optim.embedding_l2_scope=all``: the L2 term 2λ·w on every row at every step, attached to a sharded
-model (the two algorithms, dense and lazy, are :mod:`modules.embedding_l2`).
+model (the two algorithms, dense and lazy, are :mod:`modules.optim.embedding_l2`).
 
 The training loop drives it: :meth:`EveryRowL2.begin_step` before each step's forward,
 :meth:`~EveryRowL2.after_backward` before the optimizers step, :meth:`~EveryRowL2.flush` before
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch import nn
 
-from modules.cowclip import CowClipConfig, CowClipStats, RowBuckets
-from modules.embedding import lookup_name
-from modules.embedding_l2 import DecayRule, DenseRowsL2, LazyRowsL2
-from modules.sharded_kernels import kernel_layout, kernels
+from modules.optim.cowclip import CowClipConfig, CowClipStats, RowBuckets
+from modules.embedding.sparse_arch import lookup_name
+from modules.optim.embedding_l2 import DecayRule, DenseRowsL2, LazyRowsL2
+from modules.embedding.sharded_kernels import kernel_layout, kernels
 
 
 @dataclass
@@ -38,7 +38,7 @@ def attach_every_row_l2(model: nn.Module, rules: dict[str, bool], cfg: CowClipCo
                         stats: CowClipStats, buckets: RowBuckets | None) -> tuple[EveryRowL2, dict[str, bool]]:
     """The every-row L2 term on a DMP model: the dense version on data-parallel kernels (which then need no
     per-id hook: it clips too), the lazy one on fused kernels; returns it and the lookup ``rules``
-    (:func:`modules.cowclip_hooks.lookup_rules`) left to the per-id hooks."""
+    (:func:`modules.optim.cowclip_hooks.lookup_rules`) left to the per-id hooks."""
     if cfg.fields is not None:
         raise ValueError("optim.embedding_l2_scope=all applies to every table: scaling.cowclip.fields must be null")
     l2_term = EveryRowL2(DenseRowsL2(l2, cfg, stats), LazyRowsL2(decay))

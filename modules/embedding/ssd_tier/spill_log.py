@@ -1,6 +1,6 @@
 """Evicted rows written back to a log, not to their home in the table files.
 
-A dirty row the row cache evicts (:mod:`modules.ssd_tier.row_cache`) is appended — its weights and
+A dirty row the row cache evicts (:mod:`modules.embedding.ssd_tier.row_cache`) is appended — its weights and
 optimizer state as one float32 record — to the table batch's spill file, and an index (row → byte
 offset; the newest wins) finds it when the row is missed again. Written home instead, hashed ids
 scatter the evicted rows over the whole table: each dirties (and, in a sparse file, allocates) a 4 KiB
@@ -10,14 +10,14 @@ bottleneck, docs/scale.md). Appended, 60 rows share a page and the pages go out 
 log-structured store, as LSM trees and FASTER's hybrid log write their updates.
 
 The home files are brought up to date when something reads them (:meth:`SpillLog.entries` applied by
-:meth:`~modules.ssd_tier.row_cache.RowCache.flush`: checkpoints, the model folder, the every-row L2's
+:meth:`~modules.embedding.ssd_tier.row_cache.RowCache.flush`: checkpoints, the model folder, the every-row L2's
 flush), and the log starts empty again (:meth:`SpillLog.clear`).
 
 The index is, per table, sorted runs of (rows, offsets): each batch of spilled rows adds a run, and past
 ``RUNS`` runs they are merged into one — 16 bytes per row in the log. The log is bounded: once it holds
 as many records as the cache has slots, the cache writes it home (sorted by row) and empties it, so the
 index takes at most 16 bytes per slot (counted by placement with the slot,
-:data:`modules.placement.SLOT_BOOKKEEPING_BYTES`) and the file stays small.
+:data:`modules.sharding.placement.SLOT_BOOKKEEPING_BYTES`) and the file stays small.
 """
 
 from __future__ import annotations

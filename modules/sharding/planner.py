@@ -1,8 +1,8 @@
 """Planning and applying TorchRec sharding: topology → placement → planner → DistributedModelParallel.
 
-Each table's memory tier and compute kernel come from :mod:`modules.placement` (GPU memory, UVM
+Each table's memory tier and compute kernel come from :mod:`modules.sharding.placement` (GPU memory, UVM
 caching, SSD, or host memory on CPU; the embedding optimizer decides between ``fused`` and ``dense``
-on CPU, see :mod:`modules.optimizers`). The planner (``EmbeddingShardingPlanner``) receives a
+on CPU, see :mod:`modules.optim.optimizers`). The planner (``EmbeddingShardingPlanner``) receives a
 ``Topology`` built from the topology config and per-table ``ParameterConstraints`` (allowed sharding
 types, that kernel, the cache size) and chooses the sharding types and ranks.
 
@@ -39,12 +39,12 @@ from torchrec.distributed.sharding_plan import (
 from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from modules.embedding import field_of
-from modules.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
-from modules.row_init import DrawnLater, RowInit
-from modules.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.placement import KERNELS, Placement, TableInfo, own_resident_bytes, place_tables
-from modules.topology import GB, TopologySpec
+from modules.embedding.sparse_arch import field_of
+from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
+from modules.embedding.row_init import DrawnLater, RowInit
+from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
+from modules.sharding.placement import KERNELS, Placement, TableInfo, own_resident_bytes, place_tables
+from modules.sharding.topology import GB, TopologySpec
 
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
 CPU_UNPLANNED = {ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value}
@@ -177,7 +177,7 @@ class PlanResult:
 
 
 def file_backed_names(placements: Mapping[str, Placement]) -> set[str]:
-    """Tables on the CPU ``ssd`` tier (:mod:`modules.ssd_tier.files`): ``ssd`` with a CPU kernel, not ``key_value``."""
+    """Tables on the CPU ``ssd`` tier (:mod:`modules.embedding.ssd_tier.files`): ``ssd`` with a CPU kernel, not ``key_value``."""
     return {p.table for p in placements.values() if p.tier == "ssd" and p.kernel != KERNELS["ssd"]}
 
 
@@ -185,7 +185,7 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
                coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False,
                table_of: Mapping[str, str] | None = None, batch_rows: int = 0, eval_rows: int = 0) -> PlanResult:
     """Place every table on a tier and plan its sharding over ``topology.world_size`` ranks (a topology
-    :meth:`~modules.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts.
+    :meth:`~modules.sharding.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts.
     ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once in a training / evaluation step
     (the larger sizes the ``ssd`` tier's row caches; both the step's working set)."""
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
@@ -227,7 +227,7 @@ def step_bytes(model: nn.Module, batch_rows: int, eval_rows: int = 0) -> int:
 
 
 def process_bytes(model: nn.Module, batch_rows: int, world_size: int, eval_rows: int = 0) -> int:
-    """What one training process holds besides its tables (the CPU host budget, :mod:`modules.placement`): its
+    """What one training process holds besides its tables (the CPU host budget, :mod:`modules.sharding.placement`): its
     resident memory now and what a step adds for its share of ``batch_rows`` / ``eval_rows`` (the samples of
     all ranks)."""
     world = max(1, world_size)
@@ -236,7 +236,7 @@ def process_bytes(model: nn.Module, batch_rows: int, world_size: int, eval_rows:
 
 def without_fbgemm_bounds_check(plan: ShardingPlan) -> None:
     """No FBGEMM bounds check for the fused CPU kernels of ``plan``: the model checks every id against its
-    table once per batch before the lookups (:func:`modules.lookup_inputs.check_ids`), vectorised, where
+    table once per batch before the lookups (:func:`modules.embedding.lookup_inputs.check_ids`), vectorised, where
     FBGEMM's CPU check is a serial loop (1.8 ms of DeepFM's step at batch 8,192, docs/throughput.md)."""
     for module_plan in plan.plan.values():
         for sharding in module_plan.values():  # type: ignore[union-attr]
@@ -266,7 +266,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     its rank only. ``topology`` is planned for the process group's world size (its ``ranks_per_node``
     when set, else all ranks on one node). The replicated parameters go into DDP when there is more
     than one rank and ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step
-    merging, :mod:`modules.kstep_merging`).
+    merging, :mod:`modules.optim.kstep_merging`).
     """
     ebcs = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     if is_fusable(embedding_optim, device.type):
@@ -296,7 +296,7 @@ def drawn_later(collections: list[Collection], result: PlanResult) -> Iterator[d
     other = sorted(name for name, init in inits.items() if not isinstance(init, RowInit))
     if other:
         raise ValueError(f"tables {other} on the ssd tier: their rows must be drawn one by one when first met, which "
-                         f"needs modules.row_init.RowInit as their init_fn")
+                         f"needs modules.embedding.row_init.RowInit as their init_fn")
     cached = {c.name: CachedTable(result.placements[c.name].cache_rows or 0, inits[c.name]) for c in configs}
     for c in configs:
         c.init_fn = DrawnLater(inits[c.name])

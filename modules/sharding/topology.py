@@ -1,6 +1,6 @@
 """``topology``: the hardware embedding tables are placed on (``conf/topology/*.yaml``) — nodes and ranks,
 each tier's capacity and reserve, bandwidths, the sharding types allowed, per-table overrides — as a
-typed config checked once. The placement itself is :mod:`modules.placement`."""
+typed config checked once. The placement itself is :mod:`modules.sharding.placement`."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """The ``ssd`` tier on CPU: embedding tables whose weights and optimizer state live in files.
 
-A table placed on ``ssd`` by a CPU topology (:mod:`modules.placement`) is trained by the same FBGEMM
+A table placed on ``ssd`` by a CPU topology (:mod:`modules.sharding.placement`) is trained by the same FBGEMM
 CPU kernel as a table in host memory (fused SGD / Adagrad / row-wise Adagrad); only its storage
 differs. Each table batch (TBE) that holds such tables gets its flat ``weights_host`` and
 ``momentum1_host`` buffers as shared memory maps of files under ``topology.ssd.path``
 (``torch.from_file(shared=True)``: ``mmap(MAP_SHARED)``), handed to FBGEMM's
 ``SplitTableBatchedEmbeddingBagsCodegen(preallocated_host_buffers=...)``, and is then turned into a
-:class:`modules.ssd_tier.cached_tbe.CachedRowsTBE`: the kernel runs on a row cache in host memory
-(:mod:`modules.ssd_tier.row_cache`) sized by the placement, and the files are its backing store. The files
+:class:`modules.embedding.ssd_tier.cached_tbe.CachedRowsTBE`: the kernel runs on a row cache in host memory
+(:mod:`modules.embedding.ssd_tier.row_cache`) sized by the placement, and the files are its backing store. The files
 start sparse (zeros) and are not written at initialisation: a row is drawn from (seed, table, row)
-when the cache first meets it (:mod:`modules.row_init`), so the table is never whole in memory.
+when the cache first meets it (:mod:`modules.embedding.row_init`), so the table is never whole in memory.
 
 File-backed tables sit in TBEs of their own: their parameter shardings carry a cache precision
 (FP32, what the CPU kernels use anyway) that no host table carries, and TorchRec groups tables into
@@ -36,8 +36,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import OptimType, Sp
 from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
 from torchrec.distributed.types import CacheParams, DataType, ShardingPlan
 
-from modules.ssd_tier.cached_tbe import CachedRowsTBE
-from modules.row_init import RowInit
+from modules.embedding.ssd_tier.cached_tbe import CachedRowsTBE
+from modules.embedding.row_init import RowInit
 
 MARK = CacheParams(precision=DataType.FP32)
 FILE_NAME_MAX = 200

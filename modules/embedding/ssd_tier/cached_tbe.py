@@ -1,9 +1,9 @@
 """A CPU table batch (TBE) whose tables live in files and are trained through a row cache.
 
 :class:`CachedRowsTBE` is FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` whose host buffers are
-the memory-mapped files (:mod:`modules.ssd_tier.files`): TorchRec's state dict, checkpoints, export
+the memory-mapped files (:mod:`modules.embedding.ssd_tier.files`): TorchRec's state dict, checkpoints, export
 and ``init_from`` see the whole tables there. Its forward does not run on them: its tables have a
-:class:`modules.ssd_tier.row_cache.RowCache`, whose slots are the rows of a second, private TBE of the
+:class:`modules.embedding.ssd_tier.row_cache.RowCache`, whose slots are the rows of a second, private TBE of the
 same optimizer (``inner``: a slot table of C_t rows per table). A batch
 
     indices [N] (rows of the features' tables), offsets [F·B + 1]
@@ -16,12 +16,12 @@ in the slots. Same kernel, same per-row order of gradients: the same numbers as 
 which FBGEMM's CPU backward sums a row's gradients — measured: 1-ulp differences.)
 
 The files hold every row only after :meth:`CachedRowsTBE.sync_to_file` (dirty rows written back, rows
-never met drawn, :meth:`modules.ssd_tier.row_cache.RowCache.materialise`): it runs before anything reads the
+never met drawn, :meth:`modules.embedding.ssd_tier.row_cache.RowCache.materialise`): it runs before anything reads the
 tables' state (:func:`sync_tables`: checkpoints, the model folder, the every-row L2's flush). After
 anything writes the files from outside (a checkpoint load, ``init_from``), :func:`reload_tables`
 drops the slots.
 
-The TBE is made by TorchRec and turned into this class right after (:func:`modules.ssd_tier.files
+The TBE is made by TorchRec and turned into this class right after (:func:`modules.embedding.ssd_tier.files
 .file_backed_tables`, the one place that does): TorchRec's sharders build the FBGEMM module
 themselves, and a kernel of our own (``CUSTOMIZED_KERNEL``) would have to re-implement the state
 dict handling TorchRec gives the fused kernel.
@@ -37,10 +37,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 from torch import nn
 
-from modules.ssd_tier.backing import BackingTable, CacheStats
-from modules.ssd_tier.row_cache import WAYS, RowCache
-from modules.row_init import RowInit
-from modules.sharded_kernels import kernels
+from modules.embedding.ssd_tier.backing import BackingTable, CacheStats
+from modules.embedding.ssd_tier.row_cache import WAYS, RowCache
+from modules.embedding.row_init import RowInit
+from modules.embedding.sharded_kernels import kernels
 
 NOT_INNER = ("embedding_specs", "feature_table_map", "table_names", "preallocated_host_buffers",
              "embedding_shard_info", "res_params")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from modules.row_init import RowInit
+from modules.embedding.row_init import RowInit
 
 
 @dataclass

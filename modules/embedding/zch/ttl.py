@@ -1,4 +1,4 @@
-"""``model.zch.eviction=ttl``: a TTL in days of data as a TorchRec MCH eviction policy (:mod:`modules.zch`).
+"""``model.zch.eviction=ttl``: a TTL in days of data as a TorchRec MCH eviction policy (:mod:`modules.embedding.zch.remapper`).
 
 Metadata per held id: ``last_day`` = the day it was last seen + 1 (0: an empty row). At an admission round on day
 d (``stamp = d + 1``) the ids of the round are stamped, then TorchRec's MCH keeps the ``zch_size`` highest scores:

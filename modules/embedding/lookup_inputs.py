@@ -1,4 +1,4 @@
-"""What :class:`modules.embedding.SparseArch` feeds its collections and does with their rows.
+"""What :class:`modules.embedding.sparse_arch.SparseArch` feeds its collections and does with their rows.
 
 Tables that share one physical table at row offsets (the first-order table, and the stacked table of
 ``model.stack_tables``) are read with ids shifted into their rows:
@@ -6,13 +6,13 @@ Tables that share one physical table at row offsets (the first-order table, and 
     key f                 ids_f + o_f  if f's own table is stacked, else ids_f
     key wide_f (added)    ids_f + o_f                              (rows of the first-order table)
 
-``o_f`` is the first row of f's table (:func:`modules.embedding.wide_row_offsets`); both shared tables
+``o_f`` is the first row of f's table (:func:`modules.embedding.sparse_arch.wide_row_offsets`); both shared tables
 lay the same tables out in the same order, so one shift serves both. The stacked table's rows are
-drawn table by table (:class:`modules.row_init.RowInit`), the values the tables would have alone.
+drawn table by table (:class:`modules.embedding.row_init.RowInit`), the values the tables would have alone.
 
 Every id is checked against its own table before any lookup (:func:`check_ids`), once per batch and
 vectorised; the tables' FBGEMM kernels then run without their own check on the CPU
-(:func:`modules.sharding.shard_model`).
+(:func:`modules.sharding.planner.shard_model`).
 """
 
 from __future__ import annotations

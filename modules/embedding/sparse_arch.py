@@ -26,14 +26,14 @@ row belongs to one table.
 
 With ``stack`` (``model.stack_tables``), the ``emb_<t>`` tables of the bag collection are rows
 ``[o_t, o_t + n_t)`` of one table ``stacked`` — the first-order table's layout at ``embedding_dim``
-columns — read by the features' own keys with shifted ids (:mod:`modules.lookup_inputs`). The model
+columns — read by the features' own keys with shifted ids (:mod:`modules.embedding.lookup_inputs`). The model
 and each row's update are the same; FBGEMM's CPU backward runs once over all the ids instead of once
 per table (≈ 10 % of a DeepFM step at batch 8,192, docs/throughput.md). The lookups keep their names
 (``emb_<t>``); placement and sharding see one table, so it goes to one tier and, table-wise, one rank.
 
 CowClip and the per-id L2 term work per *lookup* — ``emb_<t>`` or ``wide_<f>`` — whatever table it
 reads (:attr:`SparseArch.lookup_names`, :func:`lookup_name`); they are attached from outside
-(:mod:`modules.cowclip_hooks`), to the sharded lookups or to :class:`PooledLookups` /
+(:mod:`modules.optim.cowclip_hooks`), to the sharded lookups or to :class:`PooledLookups` /
 :class:`UnpooledLookups`. A sharded collection returns its outputs in sharding order, not config
 order, so the outputs are selected by key (``KeyedTensor.regroup``), never by position.
 """
@@ -56,8 +56,8 @@ from torchrec import (
     PoolingType,
 )
 
-from modules.lookup_inputs import check_ids, pool_bags, shifted_keys
-from modules.row_init import RowInit
+from modules.embedding.lookup_inputs import check_ids, pool_bags, shifted_keys
+from modules.embedding.row_init import RowInit
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -170,7 +170,7 @@ def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: 
     """The tables of the bag collection (``unpooled`` False) or of the sequence collection (True): ``emb_<t>``
     per table in order of first use (with ``stack``, the bag collection's as one table ``stacked``), then the
     first-order table of their features. Rows start as N(0, ``init_std``²) drawn from (``seed``, table, row)
-    (:mod:`modules.row_init`: a stacked table's rows as its tables' own), the first-order rows as zeros."""
+    (:mod:`modules.embedding.row_init`: a stacked table's rows as its tables' own), the first-order rows as zeros."""
     if embedding_dim % 4:
         raise ValueError(f"model.embedding_dim={embedding_dim}: FBGEMM kernels need a multiple of 4")
     features = spec.seq_features if unpooled else spec.bag_features
@@ -201,7 +201,7 @@ class PooledLookups(nn.Module):
     and the KJT they were looked up with (ids of the ``emb`` keys first, then the ``wide_<f>`` keys).
 
     A named place in the model where gradient hooks attach from outside (local-scope CowClip and the
-    per-id L2 term, :mod:`modules.cowclip_hooks`), as TorchRec's sharded lookups are for global scope.
+    per-id L2 term, :mod:`modules.optim.cowclip_hooks`), as TorchRec's sharded lookups are for global scope.
     """
 
     def forward(self, emb: torch.Tensor, wide: torch.Tensor | None,
@@ -213,7 +213,7 @@ class UnpooledLookups(nn.Module):
     """Identity over the sequence collection's rows before pooling: ``emb`` [N, D] (one row per id of the
     sequence-collection keys, key after key), ``wide`` [N, 4] or None (the same ids' first-order rows),
     and the KJT they were looked up with (those keys, then their ``wide_<f>`` keys). Where CowClip sees
-    every occurrence of an id with its own gradient (:mod:`modules.cowclip_hooks`)."""
+    every occurrence of an id with its own gradient (:mod:`modules.optim.cowclip_hooks`)."""
 
     def forward(self, emb: torch.Tensor, wide: torch.Tensor | None,
                 features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:

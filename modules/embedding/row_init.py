@@ -18,10 +18,10 @@ float32 rather than float64: 85M against 8–30M values/s here, which matters wh
 each row it meets for the first time inside a training step.
 
 A table's key is the CRC-32 of its name, so a table keeps its values when it is stacked with others
-(:func:`modules.embedding.table_configs`: the stacked table is the tables' row ranges one after the
+(:func:`modules.embedding.sparse_arch.table_configs`: the stacked table is the tables' row ranges one after the
 other, each drawn with its own key) and when a plan puts it on another rank or tier. Because any row
 can be drawn alone, a file-backed table is never written at initialisation: the row cache
-(:mod:`modules.ssd_tier.row_cache`) draws a row the first time it meets it.
+(:mod:`modules.embedding.ssd_tier.row_cache`) draws a row the first time it meets it.
 """
 
 from __future__ import annotations

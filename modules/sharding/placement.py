@@ -10,18 +10,18 @@ tier           kernel                where the table lives
 ``ssd``        ``key_value``          SSD (FBGEMM SSD TBE), with a GPU cache
 ``host``       ``fused`` / ``dense``  CPU training: host memory
 ``ssd`` (CPU)  ``fused``              CPU training: files under ``topology.ssd.path``, trained through
-                                     a row cache in host memory (:mod:`modules.ssd_tier.files`)
+                                     a row cache in host memory (:mod:`modules.embedding.ssd_tier.files`)
 =============  ====================  ==============================================================
 
 On CPU, the host budget is what the stated memory leaves for tables once the process itself is
 counted: ``nodes × (ddr_cap_gb × (1 − ddr_reserve) − ranks per node × process)``, where *process* is
 the memory the planning process holds (measured, :func:`own_resident_bytes`: Python,
 torch and their libraries' code, the data's index, …) plus a step's working set (estimated from the model,
-:func:`modules.sharding.step_bytes`); ``ddr_reserve`` is left to the page cache.
+:func:`modules.sharding.planner.step_bytes`); ``ddr_reserve`` is left to the page cache.
 Every table stays in host memory while the tables fit that budget (weights + optimizer state);
 otherwise the largest move to ``ssd`` until the rest fits (tables forced to a tier in
 ``table_overrides`` stay where they are forced). What the host tables leave is the ``ssd`` tables'
-row cache (:mod:`modules.ssd_tier.row_cache`), shared in proportion to their bytes (``Placement.cache_rows``);
+row cache (:mod:`modules.embedding.ssd_tier.row_cache`), shared in proportion to their bytes (``Placement.cache_rows``);
 ``ssd.cache_mb`` sets it outright instead. The ``ssd`` budget is ``ssd.cap_gb`` per node, or the free
 space of ``ssd.path`` when ``cap_gb`` is 0.
 
@@ -47,8 +47,8 @@ from typing import Mapping, Sequence
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
-from modules.ssd_tier.row_cache import MIN_SLOTS_PER_ID
-from modules.topology import GB, TableOverride, TopologySpec
+from modules.embedding.ssd_tier.row_cache import MIN_SLOTS_PER_ID
+from modules.sharding.topology import GB, TableOverride, TopologySpec
 
 KERNELS = {
     "hbm": EmbeddingComputeKernel.FUSED.value,
@@ -60,7 +60,7 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
-SLOT_BOOKKEEPING_BYTES = 41  # per row-cache slot: int64 key, last use and uses, bool dirty (modules.ssd_tier.row_cache),
+SLOT_BOOKKEEPING_BYTES = 41  # per row-cache slot: int64 key, last use and uses, bool dirty (modules.embedding.ssd_tier.row_cache),
                              # and the spill log's index, which holds at most one row per slot (16 bytes)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
@@ -251,7 +251,7 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
 def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float, process_bytes: float,
                 floor: Mapping[str, int]) -> dict[str, Placement]:
     """Each ``ssd`` table's row cache: at least ``floor`` rows (the distinct ids one batch can bring, ×
-    :data:`MIN_SLOTS_PER_ID`: :mod:`modules.ssd_tier.row_cache`), plus ``left`` bytes (or ``ssd.cache_mb`` per rank)
+    :data:`MIN_SLOTS_PER_ID`: :mod:`modules.embedding.ssd_tier.row_cache`), plus ``left`` bytes (or ``ssd.cache_mb`` per rank)
     beyond the floors shared in proportion to the tables' bytes; at most the whole table."""
     on_disk = [p for p in place.values() if p.tier == "ssd"]
     if not on_disk:
@@ -278,7 +278,7 @@ def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float
 
 def stacking_blocker(placements: Mapping[str, Placement], tables: Sequence[str], topology: TopologySpec) -> str | None:
     """Why ``tables``, placed one by one, should not become one stacked table (``model.stack_tables=auto``,
-    :mod:`modules.table_stacking`); None: stacking gains and loses nothing else. The gain is FBGEMM's CPU
+    :mod:`modules.sharding.table_stacking`); None: stacking gains and loses nothing else. The gain is FBGEMM's CPU
     backward running once instead of per table; on GPU its kernel already takes all tables at once. A
     stacked table has one tier and, table-wise, one rank: what the tables get anyway when none is forced
     in ``topology.table_overrides``, all are in host memory (``ssd`` files are per table), and there is

@@ -16,11 +16,11 @@ steps since the last round are counted (``torch.unique``); held ids update their
 with the best scores among held and new ones keep or take a row — free rows first, so the mapping is
 collision-free while there is room — and the rows of the ids that lose theirs are returned
 (:meth:`ZchRemapper.take_evicted`) to start afresh: weights drawn as at initialisation, optimizer state
-zero (:mod:`modules.row_reset`). Scores (``model.zch.eviction``):
+zero (:mod:`modules.embedding.row_reset`). Scores (``model.zch.eviction``):
 
 * ``lru``: ``−(t − last seen + 1)``, t counted in admission rounds (TorchRec's ``LRU_EvictionPolicy``);
 * ``lfu``: occurrences since admission (TorchRec's ``LFU_EvictionPolicy``);
-* ``ttl``: in the data's own time, its day (:class:`modules.zch_ttl.DayTTLPolicy`): a held id unseen for fewer than
+* ``ttl``: in the data's own time, its day (:class:`modules.embedding.zch.ttl.DayTTLPolicy`): a held id unseen for fewer than
   ``ttl_days`` days keeps its row; an expired one gives it up to a new id (newest days first). Replaying
   last month's logs day by day evicts as production would have.
 
@@ -47,8 +47,8 @@ from torchrec.modules.mc_modules import (
     MCHManagedCollisionModule,
 )
 
-from modules.zch_admission import CountMinAdmission
-from modules.zch_ttl import DayTTLPolicy
+from modules.embedding.zch.admission import CountMinAdmission
+from modules.embedding.zch.ttl import DayTTLPolicy
 
 ADMISSION_KEY = "admission.counts"
 MISSING_ROW = 1
@@ -66,7 +66,7 @@ class ZchConfig:
     eviction: str = "lru"           # lru | lfu | ttl
     eviction_interval: int = 16     # training steps between admission rounds
     ttl_days: int = 7               # eviction=ttl: days an id keeps its row unseen
-    min_count: int = 1              # occurrences before a new id may take a row (modules/zch_admission.py)
+    min_count: int = 1              # occurrences before a new id may take a row (modules/embedding/zch/admission.py)
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTIONS:

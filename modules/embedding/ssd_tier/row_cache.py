@@ -1,7 +1,7 @@
 """A row cache in host memory in front of file-backed tables (the CPU ``ssd`` tier).
 
 Rows — weights and optimizer state together — sit in slot arrays; FBGEMM's CPU kernel runs on the
-slots with each id remapped to its slot (:mod:`modules.ssd_tier.cached_tbe`), so the update math is the
+slots with each id remapped to its slot (:mod:`modules.embedding.ssd_tier.cached_tbe`), so the update math is the
 kernel's own. The cache is set-associative, as FBGEMM's ``lxu_cache`` is on GPU: each table has S_t
 sets of ``W`` ways, and its row ℓ may sit in set ``ℓ mod S_t`` (hashed ids are spread already;
 frequency-ordered ids put consecutive hot rows in different sets).
@@ -12,7 +12,7 @@ For each batch (unique ids, sorted):
               lfu (default): fewest uses since admission, ties by lru;  lru: least recently used
               (LFU hit more on hashed and on frequency-ordered ids: benchmarks/row_cache_policy.py)
             a dirty victim is written back to the file first; the row is then read from the file —
-            or, if it was never written there, drawn from its initialiser (:mod:`modules.row_init`):
+            or, if it was never written there, drawn from its initialiser (:mod:`modules.embedding.row_init`):
             a file-backed table is never written whole, its file stays sparse until a checkpoint.
 
 Rows of the batch under way are pinned (their last use is this call), so a batch's rows are all
@@ -20,9 +20,9 @@ resident when the kernel runs; more distinct rows of one batch in a set than ``W
 and is refused with a message (the cache is then too small for the batch: the pinned rows of one
 batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ID`).
 
-Rows go to and from the file through its shared memory map (:func:`modules.ssd_tier.files.mapped_file`), sorted by
+Rows go to and from the file through its shared memory map (:func:`modules.embedding.ssd_tier.files.mapped_file`), sorted by
 file offset: misses are read in the call that needs them. Evicted dirty rows are appended to a spill
-log (:mod:`modules.ssd_tier.spill_log`; without one, written home) by a background thread while the step
+log (:mod:`modules.embedding.ssd_tier.spill_log`; without one, written home) by a background thread while the step
 goes on (a read from the files waits for it first); :meth:`RowCache.flush` brings the files up to date. The cache absorbs
 the repeated updates of hot rows, so the file sees one write per eviction of a dirty row instead of a
 dirty 4 KiB page per update.
@@ -43,8 +43,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from modules.ssd_tier.backing import BackingTable, CacheStats
-from modules.ssd_tier.spill_log import SpillLog, records, split_records
+from modules.embedding.ssd_tier.backing import BackingTable, CacheStats
+from modules.embedding.ssd_tier.spill_log import SpillLog, records, split_records
 
 POLICIES = ("lru", "lfu")
 WAYS = 32

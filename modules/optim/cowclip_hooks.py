@@ -6,26 +6,26 @@ clips the ``emb_<t>`` lookups, and the ``wide_<f>`` ones too with ``clip_wide`` 
 
 Bag collection (one id per bag): the pooled output of a bag is its id's row, so the per-id function
 sits on pooled outputs, one column block per key. Sequence collection (multi-hot bags, shared tables):
-TorchRec returns one row per occurrence before :class:`modules.embedding.SparseArch` pools them, so the
+TorchRec returns one row per occurrence before :class:`modules.embedding.sparse_arch.SparseArch` pools them, so the
 function sits on those rows, grouped by (table, id) over every occurrence of every feature reading the
 table — the paper's cnt_k and Σ g over all occurrences, whatever the pooling (the pooling's 1/len is
 part of each occurrence's gradient).
 
-Where (the algorithm is :mod:`modules.cowclip`):
+Where (the algorithm is :mod:`modules.optim.cowclip`):
 
 * ``global`` scope — on TorchRec's sharded lookups. Inside a ``ShardedEmbeddingBagCollection`` every
   rank runs one FBGEMM kernel module per group of its shards (``_lookups[i]._emb_modules[j]``). After
   the input all-to-all that module receives the ids its shards own for the *whole global batch*; its
   pooled output goes back through the output all-to-all, whose backward divides the gradient by the
-  world size. A forward hook that wraps that output with :func:`modules.cowclip.apply_cowclip`
+  world size. A forward hook that wraps that output with :func:`modules.optim.cowclip.apply_cowclip`
   therefore sees, for each id the shard owns, every occurrence in the global batch in
   global-mean-loss units: exact CowClip over the global batch for table-wise and row-wise shards
   (row-wise ids are shard-local rows, which is all grouping needs). Data-parallel and column-wise
   shards do not see the whole global batch / the whole row: their lookups fall back to local scope.
-* ``local`` scope — on each rank's pooled outputs (:class:`modules.embedding.PooledLookups`), over the
-  rank's own batch, with ``grad_scale = l2_share = 1/W`` (see :mod:`modules.cowclip`).
+* ``local`` scope — on each rank's pooled outputs (:class:`modules.embedding.sparse_arch.PooledLookups`), over the
+  rank's own batch, with ``grad_scale = l2_share = 1/W`` (see :mod:`modules.optim.cowclip`).
 
-With ``optim.embedding_l2_scope=all`` the L2 term reaches every row (:mod:`modules.embedding_l2`):
+With ``optim.embedding_l2_scope=all`` the L2 term reaches every row (:mod:`modules.optim.embedding_l2`):
 data-parallel kernels then get no per-id hook (the dense version adds the term and clips every row
 itself, over the global batch), fused kernels keep theirs and get the lazy replay as a pre-hook.
 """
@@ -44,8 +44,8 @@ from torchrec import KeyedJaggedTensor
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
-from modules.cowclip import Block, CowClipConfig, CowClipStats, RowBuckets, apply_cowclip, one_hot_ids
-from modules.embedding import (
+from modules.optim.cowclip import Block, CowClipConfig, CowClipStats, RowBuckets, apply_cowclip, one_hot_ids
+from modules.embedding.sparse_arch import (
     EMB_PREFIX,
     STACKED_TABLE,
     WIDE_COLUMNS,
@@ -56,9 +56,9 @@ from modules.embedding import (
     lookup_field,
     lookup_name,
 )
-from modules.embedding_l2 import DecayRule
-from modules.every_row_l2 import EveryRowL2, attach_every_row_l2
-from modules.sharded_kernels import EXACT_SHARDINGS, kernel_layout, kernels, shard_tables
+from modules.optim.embedding_l2 import DecayRule
+from modules.optim.every_row_l2 import EveryRowL2, attach_every_row_l2
+from modules.embedding.sharded_kernels import EXACT_SHARDINGS, kernel_layout, kernels, shard_tables
 
 log = logging.getLogger(__name__)
 TABLE_BITS = 40  # group key of an occurrence: table index << 40 | id
@@ -79,7 +79,7 @@ def lookup_rules(lookups: Iterable[str], cfg: CowClipConfig, l2: float) -> dict[
 @dataclass
 class CowClipHooks:
     """What :func:`attach_cowclip` attached: lookups per scope, the statistics the backward fills, handles,
-    and with ``embedding_l2_scope=all`` the every-row L2 term (:mod:`modules.every_row_l2`)."""
+    and with ``embedding_l2_scope=all`` the every-row L2 term (:mod:`modules.optim.every_row_l2`)."""
 
     global_lookups: set[str] = field(default_factory=set)
     local_lookups: set[str] = field(default_factory=set)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from modules.sharding import PlanResult
-from modules.topology import GB
+from modules.sharding.planner import PlanResult
+from modules.sharding.topology import GB
 
 
 def memory_per_rank(result: PlanResult, world_size: int) -> dict[int, dict[str, float]]:

@@ -18,9 +18,9 @@ backward is linear in these, so the optimizer sees exactly the clipped ``g_k``. 
 the pooled output *is* ``w_k``.
 
 Scopes. ``global``: statistics over the global batch (the hook sits on the sharded lookups, see
-:mod:`modules.cowclip_hooks`), exactly the single-process algorithm at the global batch size.
+:mod:`modules.optim.cowclip_hooks`), exactly the single-process algorithm at the global batch size.
 ``local``: every rank clips its own share of the gradient with its own counts (the function sits
-on the rank's pooled output). This module is the algorithm; :mod:`modules.cowclip_hooks` attaches it
+on the rank's pooled output). This module is the algorithm; :mod:`modules.optim.cowclip_hooks` attaches it
 to a model from outside. Both work in the units of the loss the optimizer finally applies,
 the mean over the global batch: ``grad_scale`` is 1 on sharded lookups (TorchRec's all-to-all
 backward has already divided by the world size W) and 1/W on a rank's pooled output (divided

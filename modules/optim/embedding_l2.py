@@ -18,7 +18,7 @@ appearances and CowClip's threshold (∝ ‖w‖) becomes small for exactly the 
 Two implementations of the same thing, chosen per embedding kernel:
 
 * :class:`DenseRowsL2` — tables whose gradient is a dense tensor (data-parallel tables updated by a
-  ``torch.optim`` optimizer, :mod:`modules.optimizers`): after the backward (and DDP's all-reduce)
+  ``torch.optim`` optimizer, :mod:`modules.optim.optimizers`): after the backward (and DDP's all-reduce)
   add 2λ·W to the whole gradient and clip every row with its global count (absent: 1). Exactly the
   reference; O(table) per step, like the dense gradient itself.
 * :class:`LazyRowsL2` — tables updated inside FBGEMM's backward, where touching every row every step
@@ -26,7 +26,7 @@ Two implementations of the same thing, chosen per embedding kernel:
   kernel that holds it (a forward pre-hook: after TorchRec's input all-to-all, so the ids of the
   whole global batch for table-wise and row-wise shards), the missed steps are replayed exactly —
   each with that step's learning rate — before the lookup; the row's own update (batch-scope L2
-  term and clipping, :mod:`modules.cowclip`) follows as usual. :meth:`LazyRowsL2.flush` brings every
+  term and clipping, :mod:`modules.optim.cowclip`) follows as usual. :meth:`LazyRowsL2.flush` brings every
   row up to date; it runs before evaluation, checkpoints and the end of training, so what is read
   or saved is what the dense version would hold.
 """
@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from modules.ssd_tier.cached_tbe import CachedRowsTBE
-from modules.cowclip import CowClipConfig, CowClipStats, RowBuckets
+from modules.embedding.ssd_tier.cached_tbe import CachedRowsTBE
+from modules.optim.cowclip import CowClipConfig, CowClipStats, RowBuckets
 
 L2_SCOPES = ("batch", "all")
 FBGEMM_KINDS = {"EXACT_SGD": "sgd", "EXACT_ADAGRAD": "adagrad", "EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad",
@@ -165,7 +165,7 @@ class LazyRowsL2:
         self.step = step
 
     def restart_rows(self, module: nn.Module, table: int, rows: torch.Tensor) -> None:
-        """``rows`` of a kernel's ``table`` start afresh before this step (:mod:`modules.row_reset`): no decay owed."""
+        """``rows`` of a kernel's ``table`` start afresh before this step (:mod:`modules.embedding.row_reset`): no decay owed."""
         for kernel in self.kernels:
             if kernel.module is module:
                 kernel.last[table][rows] = self.step - 1

@@ -7,9 +7,9 @@
   ``sync_tables`` / ``reload_tables`` for everything that reads or writes the files from outside;
 * :mod:`.row_cache` — the set-associative cache of one table batch's tables (each its own sets and slot
   table): lookup, LFU/LRU eviction, write-back, rows drawn when first met (their initial values:
-  :mod:`modules.row_init`); what it works on and counts: :mod:`.backing`;
+  :mod:`modules.embedding.row_init`); what it works on and counts: :mod:`.backing`;
 * :mod:`.spill_log` — evicted dirty rows appended to a log, not written to their scattered homes.
 
-Placement (which tables, how many cache rows) is :mod:`modules.placement`; docs/scale.md has the
+Placement (which tables, how many cache rows) is :mod:`modules.sharding.placement`; docs/scale.md has the
 measurements.
 """

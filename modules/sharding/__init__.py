@@ -1,0 +1,12 @@
+"""Where the tables go: the hardware topology, the placement of each table on a memory tier (GPU, host
+memory with a UVM cache, the ``ssd`` tier) with its row cache, stacking of one-id tables, TorchRec's planner
+and DistributedModelParallel, and the plan as a table for people.
+
+* :mod:`.topology` — ``topology``: nodes, ranks, each tier's capacity;
+* :mod:`.placement` — tables on tiers within the budget the process leaves (measured), row-cache sizes;
+* :mod:`.table_stacking` — ``model.stack_tables=auto``: whether the one-id tables become one;
+* :mod:`.planner` — placement → TorchRec plan → the sharded model;
+* :mod:`.plan_report` — the plan per table (rows, bytes, tier, cache).
+
+May import: modules.embedding, modules.models, modules.optim
+"""
