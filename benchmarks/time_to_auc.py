@@ -5,7 +5,8 @@
     python benchmarks/time_to_auc.py ... --device cuda        # the same measurement on one GPU
 
 The number the CowClip paper sells (12 hours → 10 minutes) is wall time to a given AUC, not AUC at a
-given batch. Each recipe ``batch:rule[:l2_scope[:epochs]]`` is one ``python -m pipeline.commands.train`` in its own
+given batch. Each recipe ``batch:rule[/embedding_lr][:l2_scope[:epochs]]`` (``16384:cowclip/sqrt:all``: CowClip with the
+embedding LR × √s, ``scaling.embedding_lr``) is one ``python -m pipeline.commands.train`` in its own
 process with the batch-scaling experiment's settings (``+experiment=batch_scaling``: the reference's
 base hyperparameters at batch 1,024, DeepFM, the same synthetic data), validating
 ``--val-per-epoch`` times per epoch. A callback (:class:`AUCTimeline`, given to the run through
@@ -66,25 +67,33 @@ class AUCTimeline(Callback):
 
 
 def run_recipe(recipe: str, args: argparse.Namespace, out: Path) -> list[dict]:
+    """One recipe's timeline; a recipe finished earlier in ``out`` (its ``.done`` file) is read, not run again."""
     parts = recipe.split(":")
     batch, rule = parts[:2]
+    rule, _, embedding_lr = rule.partition("/")  # cowclip/sqrt: CowClip with the embedding LR × √s
     scope = parts[2] if len(parts) > 2 else "batch"
     epochs = parts[3] if len(parts) > 3 else args.epochs
-    timeline = out / f"{recipe.replace(':', '_')}.json"
+    timeline = out / f"{recipe.replace(':', '_').replace('/', '-')}.json"
+    done = timeline.with_suffix(".done")
+    if done.exists():
+        print(f"[{recipe}] finished earlier: {timeline}", flush=True)
+        return json.loads(timeline.read_text())
     cmd = [sys.executable, "-m", "pipeline.commands.train", "+experiment=batch_scaling", "hydra.mode=RUN",
-           f"hydra.run.dir={out / recipe.replace(':', '_')}", f"data.synthetic.rows={args.rows}",
+           f"hydra.run.dir={out / timeline.stem}", f"data.synthetic.rows={args.rows}",
            f"paths.cache_dir={args.cache_dir}", f"trainer.batch_size={batch}", f"scaling={rule}",
            f"optim.embedding_l2_scope={scope}", f"trainer.max_epochs={epochs}",
            "trainer.early_stopping_patience=null", f"trainer.val_check_interval={1.0 / args.val_per_epoch}",
            "trainer.enable_progress_bar=false", "logger.log_model=false", f"seed={args.seed}",
            f"logger.tracking_uri=sqlite:///{out / 'mlflow.db'}", "logger.experiment_name=time_to_auc",
            f"+trainer.callbacks=[{{_target_: benchmarks.time_to_auc.AUCTimeline, path: '{timeline}'}}]",
+           *([f"scaling.embedding_lr={embedding_lr}"] if embedding_lr else []),
            *(["topology=1gpu"] if args.device == "cuda" else []), *args.extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     print(f"[{recipe}] {' '.join(cmd[3:])}", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"[{recipe}] failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    done.touch()
     return json.loads(timeline.read_text())
 
 
@@ -103,7 +112,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "data"))
-    p.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
+    p.add_argument("--out", default=None, help="folder for the runs (default: a temporary one); run again with the "
+                                               "same folder, recipes finished there are read instead of run")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
     args = p.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="time-to-auc-"))

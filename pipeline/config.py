@@ -32,7 +32,7 @@ from modules.optim.embedding_l2 import L2_SCOPES
 from modules.optim.kstep_merging import MergeConfig
 from modules.models import ModelConfig
 from modules.optim.optimizers import OptimizerSpec, is_fusable
-from modules.optim.scaling_rules import RULES
+from modules.optim.scaling_rules import EMBEDDING_LR_RULES, RULES
 from modules.sharding.topology import TopologySpec
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import raw_fingerprint
@@ -70,14 +70,19 @@ class ScalingConfig:
     rule: str = "none"
     base_batch_size: int = 1024
     warmup_epochs: float = 0.0         # linear warmup of the dense LR (fractions allowed)
+    embedding_lr: str = "rule"         # rule (the rule's) | fixed | sqrt | linear: the embedding LR's own scaling
+    embedding_warmup_epochs: float = 0.0  # linear warmup of the embedding LR (fused tables too)
     cowclip: CowClipConfig = field(default_factory=CowClipConfig)
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"rule={self.rule!r}: expected one of {RULES}")
-        if self.base_batch_size <= 0 or self.warmup_epochs < 0:
-            raise ValueError(f"base_batch_size={self.base_batch_size}, warmup_epochs={self.warmup_epochs}: "
-                             f"expected a positive batch size and warmup >= 0")
+        if self.embedding_lr not in EMBEDDING_LR_RULES:
+            raise ValueError(f"embedding_lr={self.embedding_lr!r}: expected one of {EMBEDDING_LR_RULES}")
+        if self.base_batch_size <= 0 or self.warmup_epochs < 0 or self.embedding_warmup_epochs < 0:
+            raise ValueError(f"base_batch_size={self.base_batch_size}, warmup_epochs={self.warmup_epochs}, "
+                             f"embedding_warmup_epochs={self.embedding_warmup_epochs}: expected a positive batch "
+                             f"size and warmups >= 0")
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from modules.optim.scaling_rules import scale_hyperparameters, warmup_factor
 
@@ -37,3 +38,68 @@ def test_linear_warmup():
     assert [warmup_factor(t, 4) for t in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert warmup_factor(0, 0) == 1.0
     assert math.isclose(warmup_factor(9, 10), 1.0)
+
+
+def test_the_embedding_lr_can_follow_its_own_rule():
+    s = 16
+    cowclip = scale_hyperparameters("cowclip", 1024 * s, 1024, 8e-4, 1e-4, 1e-5)
+    for rule, times in (("rule", 1.0), ("fixed", 1.0), ("sqrt", 4.0), ("linear", 16.0)):
+        hp = scale_hyperparameters("cowclip", 1024 * s, 1024, 8e-4, 1e-4, 1e-5, embedding_lr_rule=rule)
+        assert (hp.dense_lr, hp.l2) == (cowclip.dense_lr, cowclip.l2)  # only the embedding column changes
+        assert hp.embedding_lr == pytest.approx(1e-4 * times, rel=1e-12)
+    assert scale_hyperparameters("sqrt", 4096, 1024, 1e-3, 1e-2, 0.0, "fixed").embedding_lr == 1e-2
+    with pytest.raises(ValueError, match="scaling.embedding_lr='cube'"):
+        scale_hyperparameters("none", 2048, 1024, 1e-3, 1e-3, 0.0, "cube")
+
+
+def test_learning_rates_warm_up_each_family_over_its_own_steps_and_follow_the_factor():
+    from pipeline.training.learning_rates import LearningRates
+
+    rates = LearningRates(dense=1.0, embedding=0.1, dense_warmup_epochs=1.0, embedding_warmup_epochs=0.5,
+                          steps_per_epoch=4)
+    assert [rates.dense_at(t) for t in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert [rates.embedding_at(t) for t in range(4)] == pytest.approx([0.05, 0.1, 0.1, 0.1])
+    rates.factor = 0.5
+    assert rates.dense_at(9) == 0.5 and rates.embedding_at(9) == pytest.approx(0.05)
+
+
+def _fused_sgd_steps(rank: int, world: int) -> None:
+    """A fused SGD table (FBGEMM updates it in the backward) under a 4-step embedding warmup: each step's update
+    is −lr(t)·g, with lr(t) = 0.4·(t + 1)/4 — the rate reached the kernel."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import TopologySpec
+    from pipeline.training.learning_rates import LearningRates
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4,
+                                                            feature_names=["f"], pooling=PoolingType.SUM)],
+                                 device=torch.device("meta"))
+    dmp, _ = shard_model(torch.nn.ModuleDict({"ebc": ebc}), OptimizerSpec("sgd", 0.4), TopologySpec(compute_device="cpu"),
+                         torch.device("cpu"))
+    rates = LearningRates(dense=1.0, embedding=0.4, embedding_warmup_epochs=1.0, steps_per_epoch=4)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([3]), torch.tensor([1]))
+    weight = dmp.state_dict()["ebc.embedding_bags.t.weight"].local_shards()[0].tensor
+    for step in range(6):
+        rates.apply_fused(dmp, step)
+        before = weight[3].clone()
+        dmp.module["ebc"](kjt)["f"].sum().backward()  # d/dw of the row's sum: 1 per column
+        assert torch.allclose(before - weight[3], torch.full((4,), 0.4 * min(1.0, (step + 1) / 4))), step
+
+
+def test_the_embedding_warmup_reaches_fbgemms_fused_update():
+    from tests.dist_utils import run_workers
+
+    run_workers(_fused_sgd_steps, 1)
+
+
+def test_auto_is_none_up_to_the_base_batch_and_sqrt_above():
+    from modules.optim.scaling_rules import resolve_rule
+
+    assert [resolve_rule("auto", s) for s in (0.5, 1, 2, 64)] == ["none", "none", "sqrt", "sqrt"]
+    assert resolve_rule("cowclip", 16) == "cowclip"
+    for batch in (512, 1024, 16384, 65536):
+        auto = scale_hyperparameters("auto", batch, 1024, 8e-4, 1e-4, 1e-5)
+        same = scale_hyperparameters("none" if batch <= 1024 else "sqrt", batch, 1024, 8e-4, 1e-4, 1e-5)
+        assert auto == same

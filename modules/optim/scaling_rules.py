@@ -13,6 +13,17 @@ cowclip    lr · √s         lr (fixed)       λ · s
 
 CowClip's ζ stays fixed. Reference (Criteo, DeepFM, b0 = 1024, dense lr 8e-4, λ 1e-5): 8K → 22.63e-4
 and 8e-5; 32K → 45.25e-4 and 32e-5; 128K → 90.51e-4 and 128e-5.
+
+``auto`` picks a rule for the batch (:func:`resolve_rule`): ``none`` at s ≤ 1, ``sqrt`` above. Provisional,
+from measurements with a few epochs' budget (docs/batch_scaling.md): on 5M-row Criteo-format logs of another
+generator, 2 epochs, `sqrt` lost 0.0025 AUC at 16K where CowClip lost 0.0227, and 0.0238 against 0.0272 at
+64K; CowClip's wins here came with budgets of up to 10 epochs. It is to be chosen again by
+``benchmarks/time_to_auc.py`` over several generators.
+
+``embedding_lr`` overrides the rule's embedding column: ``fixed`` (lr), ``sqrt`` (lr · √s) or ``linear``
+(lr · s); ``rule`` keeps the rule's. CowClip with a scaled embedding rate is the recipe where the clip is what
+makes a larger embedding step safe for frequent ids (issue: with a few epochs' budget, CowClip's fixed rate
+moves the tables s× fewer steps).
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-RULES = ("none", "sqrt", "linear", "cowclip")
+RULES = ("none", "sqrt", "linear", "cowclip", "auto")
+EMBEDDING_LR_RULES = ("rule", "fixed", "sqrt", "linear")
 
 
 @dataclass(frozen=True)
@@ -32,19 +44,34 @@ class ScaledHyperparameters:
 
 
 def scale_hyperparameters(rule: str, batch_size: int, base_batch_size: int, dense_lr: float,
-                          embedding_lr: float, l2: float) -> ScaledHyperparameters:
+                          embedding_lr: float, l2: float, embedding_lr_rule: str = "rule") -> ScaledHyperparameters:
     if rule not in RULES:
         raise ValueError(f"scaling.rule={rule!r}: expected one of {RULES}")
+    if embedding_lr_rule not in EMBEDDING_LR_RULES:
+        raise ValueError(f"scaling.embedding_lr={embedding_lr_rule!r}: expected one of {EMBEDDING_LR_RULES}")
     if batch_size <= 0 or base_batch_size <= 0:
         raise ValueError("batch sizes must be positive")
     s = batch_size / base_batch_size
+    rule = resolve_rule(rule, s)
     if rule == "none":
-        return ScaledHyperparameters(s, dense_lr, embedding_lr, l2)
-    if rule == "sqrt":
-        return ScaledHyperparameters(s, dense_lr * math.sqrt(s), embedding_lr * math.sqrt(s), l2)
-    if rule == "linear":
-        return ScaledHyperparameters(s, dense_lr * s, embedding_lr * s, l2)
-    return ScaledHyperparameters(s, dense_lr * math.sqrt(s), embedding_lr, l2 * s)
+        out = ScaledHyperparameters(s, dense_lr, embedding_lr, l2)
+    elif rule == "sqrt":
+        out = ScaledHyperparameters(s, dense_lr * math.sqrt(s), embedding_lr * math.sqrt(s), l2)
+    elif rule == "linear":
+        out = ScaledHyperparameters(s, dense_lr * s, embedding_lr * s, l2)
+    else:
+        out = ScaledHyperparameters(s, dense_lr * math.sqrt(s), embedding_lr, l2 * s)
+    if embedding_lr_rule == "rule":
+        return out
+    times = {"fixed": 1.0, "sqrt": math.sqrt(s), "linear": s}[embedding_lr_rule]
+    return ScaledHyperparameters(s, out.dense_lr, embedding_lr * times, out.l2)
+
+
+def resolve_rule(rule: str, s: float) -> str:
+    """The rule ``auto`` stands for at scale ``s`` (module docstring); any other rule as it is."""
+    if rule != "auto":
+        return rule
+    return "none" if s <= 1 else "sqrt"
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:

@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-RULE_ORDER = ("none", "sqrt", "linear", "cowclip")
+RULE_ORDER = ("none", "sqrt", "linear", "cowclip", "auto")
 SAME_AT_SCALE_1 = ("none", "sqrt", "linear")  # identical hyperparameters at the base batch size
 
 

@@ -2,9 +2,9 @@
 
 Hyperparameters come from ``optim`` (tuned for ``scaling.base_batch_size``) rescaled to the run's
 global batch by ``scaling.rule`` (:mod:`modules.optim.scaling_rules`); CowClip and the per-id embedding L2
-term are attached to the sharded model (:mod:`modules.optim.cowclip_hooks`); the dense learning rate warms
-up linearly over ``scaling.warmup_epochs``; every learning rate is multiplied by ``lr_factor``, which
-:class:`pipeline.training.best_validation.BestValidation` lowers on a plateau. Everything else a run does —
+term are attached to the sharded model (:mod:`modules.optim.cowclip_hooks`); the learning rates step by step —
+warmups, and the factor :class:`pipeline.training.best_validation.BestValidation` lowers on a plateau — are
+:mod:`pipeline.training.learning_rates`. Everything else a run does —
 checkpoint state, k-step merging, communication accounting, throughput, best-epoch tracking — is a
 callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
 """
@@ -26,7 +26,7 @@ from modules.embedding.sparse_arch import is_table_parameter
 from modules.optim.embedding_l2 import DecayRule
 from modules.models import ModelConfig, build_model, onednn_linear
 from modules.optim.optimizers import OptimizerChain, build_optimizer, replicated_parameters
-from modules.optim.scaling_rules import scale_hyperparameters, warmup_factor
+from modules.optim.scaling_rules import scale_hyperparameters
 from modules.sharding.planner import PlanResult, shard_model
 from modules.sharding.table_stacking import decide_stacking
 from modules.sharding.topology import TopologySpec
@@ -37,6 +37,7 @@ from pipeline.runtime import heap
 from pipeline.serving.source import ModelSource, model_source
 from pipeline.serving.weights import read_zch_state
 from pipeline.training.init_from import carry_optimizer_state, init_source, initialize_from, reused_positions
+from pipeline.training.learning_rates import LearningRates
 from pipeline.training.metrics import CTRMetrics
 from pipeline.training.nonfinite import NonFiniteGuard
 from pipeline.training.zch_stage import ZchStage, check_zch_model, table_inits
@@ -56,15 +57,16 @@ class CTRTask(L.LightningModule):
         self.topology = topology  # as run: this world's ranks per node and nodes
         self.data_parallel = not cfg.trainer.merging.enabled  # k-step merging averages the replicas itself
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
-                                            cfg.optim.dense.lr, cfg.optim.embedding.lr, cfg.optim.embedding_l2)
+                                            cfg.optim.dense.lr, cfg.optim.embedding.lr, cfg.optim.embedding_l2,
+                                            cfg.scaling.embedding_lr)
         self.dense_optim = replace(cfg.optim.dense, lr=self.scaled.dense_lr)
         self.embedding_optim = replace(cfg.optim.embedding, lr=self.scaled.embedding_lr)
         self.cowclip_cfg = cfg.scaling.cowclip
         self.l2_scope = cfg.optim.embedding_l2_scope
-        self.warmup_epochs = cfg.scaling.warmup_epochs
+        self.rates = LearningRates(self.scaled.dense_lr, self.scaled.embedding_lr, cfg.scaling.warmup_epochs,
+                                   cfg.scaling.embedding_warmup_epochs)
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
         self.batch_rows = (cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank: training, evaluation
-        self.lr_factor = 1.0
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
         self.model: torch.nn.Module | None = None
@@ -165,8 +167,9 @@ class CTRTask(L.LightningModule):
 
     # -- steps -----------------------------------------------------------------------------------
     def on_train_batch_start(self, batch: CTRBatch, batch_idx: int) -> None:
+        self.rates.apply_fused(self.model, self.global_step)
         if self.cowclip.every_row_l2 is not None:
-            self.cowclip.every_row_l2.begin_step(self.global_step, self.embedding_optim.lr * self.lr_factor)
+            self.cowclip.every_row_l2.begin_step(self.global_step, self.rates.embedding_at(self.global_step))
 
     def training_step(self, batch: CTRBatch, batch_idx: int) -> torch.Tensor:
         self.data_position = (self.current_epoch, batch_idx + 1)
@@ -278,8 +281,7 @@ class CTRTask(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """Dense parameters, plus embedding tables whose optimizer is not fused into the backward.
 
-        The warmup schedule scales the dense groups only (embedding LRs stay as the rule set them);
-        ``lr_factor`` scales all of them.
+        Their rates follow :class:`LearningRates` (warmups, the plateau factor).
         """
         dense, embedding = [], []
         for name, p in replicated_parameters(self.model):  # the fused tables are updated by FBGEMM
@@ -289,19 +291,9 @@ class CTRTask(L.LightningModule):
         if embedding:
             optimizer = OptimizerChain({"dense": dense_opt, "embedding": build_optimizer(self.embedding_optim, embedding)})
         steps_per_epoch = self.trainer.estimated_stepping_batches / max(1, self.trainer.max_epochs)
-        warmup_steps = int(round(self.warmup_epochs * steps_per_epoch))
-        n_dense = len(dense_opt.param_groups)
-        lambdas = [lambda step: warmup_factor(step, warmup_steps) * self.lr_factor] * n_dense + \
-                  [lambda step: self.lr_factor] * (len(optimizer.param_groups) - n_dense)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+        scheduler = self.rates.scheduler(optimizer, len(dense_opt.param_groups), steps_per_epoch)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def set_lr_factor(self, factor: float) -> None:
-        """Multiply every base learning rate by ``factor`` from the next step on (fused tables at once)."""
-        self.lr_factor = factor
-        fused = getattr(self.model, "fused_optimizer", None)
-        if fused is None or not fused.param_groups:
-            return
-        for group in fused.param_groups:
-            group["lr"] = self.embedding_optim.lr * factor
-        fused.step()  # TorchRec's fused optimizers hand the new rate to FBGEMM here
+        """Multiply every base learning rate by ``factor`` from the next step on."""
+        self.rates.factor = factor
