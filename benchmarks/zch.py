@@ -8,7 +8,7 @@ model) and is scored on day N + 1 before training it (the next-day AUC):
 
 * ``vocab``: ``categorical=vocab`` (min_count 2) growing day by day, ``evict_after`` days;
 * ``hash``: ``categorical=hash``, ``--rows`` buckets a table;
-* ``zch-<policy>``: ``categorical=raw`` and ``model.zch.rows = --rows`` (TorchRec's MCH, lru or ttl);
+* ``zch-<policy>``: ``categorical=raw`` and ``model.zch.rows = --rows`` (TorchRec's MCH, lru, lfu or ttl);
 
 ``--rows vocab`` (the default) gives every ZCH table the rows of the vocabulary's table on the last day (the
 largest it grew to: ``evict_after`` keeps it bounded) and hashing their mean, so all methods hold about the same
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--evict-after", type=int, default=1)
     parser.add_argument("--min-count", type=int, default=2,
                         help="occurrences before a value gets a row: the vocabulary's min_count and model.zch.min_count")
+    parser.add_argument("--zch-min-count", type=int, default=None, help="model.zch.min_count alone (default: --min-count)")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--methods", nargs="+", default=["vocab", "hash", "zch-lru", "zch-ttl"])
     parser.add_argument("--set", nargs="*", default=[], help="extra overrides for every run")
@@ -136,14 +137,15 @@ def main() -> None:
           flush=True)
     common = ["trainer.max_epochs=1", "trainer.batch_size=8192", "trainer.eval_batch_size=16384",
               "trainer.enable_progress_bar=false", "data.preprocess.split.method=sequential", *args.set]
+    zch_min = args.min_count if args.zch_min_count is None else args.zch_min_count
     rows = 1000 if args.rows == "vocab" else int(args.rows)  # 'vocab': the default of tables the vocabulary lacks
     methods = {
         "vocab": [f"data.preprocess.evict_after={args.evict_after}", f"data.preprocess.min_count={args.min_count}"],
         "hash": ["data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={rows}"],
-        "zch-lru": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}", "model.zch.eviction=lru",
-                    f"model.zch.min_count={args.min_count}"],
+        **{f"zch-{policy}": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}", f"model.zch.eviction={policy}",
+                             f"model.zch.min_count={zch_min}"] for policy in ("lru", "lfu")},
         "zch-ttl": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}", "model.zch.eviction=ttl",
-                    f"model.zch.ttl_days={args.evict_after}", f"model.zch.min_count={args.min_count}"],
+                    f"model.zch.ttl_days={args.evict_after}", f"model.zch.min_count={zch_min}"],
     }
     table = []
     for name in sorted(args.methods, key=lambda m: m != "vocab"):
@@ -153,7 +155,8 @@ def main() -> None:
                 methods[name][-1] = f"data.preprocess.hash_buckets={round(sum(sizes.values()) / len(sizes))}"
             else:
                 methods[name] += [f"+model.zch.tables.{t}={max(2, n - 2)}" for t, n in sizes.items()]
-        r = run_method(name, methods[name], files, work, common)
+        label = f"{name}-min{zch_min}" if name.startswith("zch") and args.zch_min_count is not None else name
+        r = run_method(label, methods[name], files, work, common)
         print(json.dumps(r), flush=True)
         table.append(r)
     print("\n| method | next-day AUC (mean) | per day | preprocess rows/s | train samples/s | rows/table (last day) |")
