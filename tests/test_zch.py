@@ -79,6 +79,24 @@ def test_ttl_keeps_a_row_for_ttl_days_of_data_then_gives_it_to_a_new_id():
     assert (counts["admitted"], counts["evicted"]) == (3, 1)  # 10 and 11 into free rows, then 12 in place of 11
 
 
+def test_distance_lfu_keeps_a_frequent_id_until_its_count_over_the_rounds_since_seen_falls_behind():
+    """TorchRec's DistanceLFU: score = occurrences / (rounds since last seen + 1). Id 10 seen 6 times in round 1
+    against a new id seen twice a round (score 2, while the previous one's falls to 1): 10 keeps its row while
+    6 / t > 1 and has lost it once 6 / t < 1."""
+    cfg = ZchConfig(rows=3, eviction="distance_lfu", eviction_interval=1)  # two rows for ids
+    remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
+    remapper.train()
+    row_of_10 = remapper(_kjt({"a": [10] * 6 + [11]})).values().tolist()[0]
+    unknown = 4
+    for t in range(2, 9):
+        remapper(_kjt({"a": [10 + t, 10 + t]}))
+        held = lookup_rows(mapping_state(remapper), "t", np.array([10]))[0]
+        if t <= 5:
+            assert held == row_of_10, t
+        elif t >= 8:
+            assert held == unknown, t
+
+
 def test_min_count_keeps_an_id_on_the_unknown_row_until_seen_that_often():
     cfg = ZchConfig(rows=10, eviction_interval=1, min_count=3)
     remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))

@@ -20,6 +20,8 @@ zero (:mod:`modules.embedding.row_reset`). Scores (``model.zch.eviction``):
 
 * ``lru``: ``−(t − last seen + 1)``, t counted in admission rounds (TorchRec's ``LRU_EvictionPolicy``);
 * ``lfu``: occurrences since admission (TorchRec's ``LFU_EvictionPolicy``);
+* ``distance_lfu``: occurrences since admission / (rounds since last seen + 1) (TorchRec's
+  ``DistanceLFU_EvictionPolicy``, decay exponent 1): frequent ids keep their rows, but not forever once unseen;
 * ``ttl``: in the data's own time, its day (:class:`modules.embedding.zch.ttl.DayTTLPolicy`): a held id unseen for fewer than
   ``ttl_days`` days keeps its row; an expired one gives it up to a new id (newest days first). Replaying
   last month's logs day by day evicts as production would have.
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.modules.mc_modules import (
+    DistanceLFU_EvictionPolicy,
     LFU_EvictionPolicy,
     LRU_EvictionPolicy,
     MCHEvictionPolicy,
@@ -53,7 +56,7 @@ from modules.embedding.zch.ttl import DayTTLPolicy
 ADMISSION_KEY = "admission.counts"
 MISSING_ROW = 1
 FIRST_ROW = 2
-EVICTIONS = ("lru", "lfu", "ttl")
+EVICTIONS = ("lru", "lfu", "distance_lfu", "ttl")
 
 
 @dataclass
@@ -63,7 +66,7 @@ class ZchConfig:
 
     rows: int = 0
     tables: dict[str, int] = field(default_factory=dict)
-    eviction: str = "lru"           # lru | lfu | ttl
+    eviction: str = "lru"           # lru | lfu | distance_lfu | ttl
     eviction_interval: int = 16     # training steps between admission rounds
     ttl_days: int = 7               # eviction=ttl: days an id keeps its row unseen
     min_count: int = 1              # occurrences before a new id may take a row (modules/embedding/zch/admission.py)
@@ -100,6 +103,8 @@ def _policy(cfg: ZchConfig) -> MCHEvictionPolicy:
         return LRU_EvictionPolicy()
     if cfg.eviction == "lfu":
         return LFU_EvictionPolicy()
+    if cfg.eviction == "distance_lfu":
+        return DistanceLFU_EvictionPolicy(decay_exponent=1.0)
     return DayTTLPolicy(cfg.ttl_days)
 
 
