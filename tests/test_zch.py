@@ -97,6 +97,37 @@ def test_distance_lfu_keeps_a_frequent_id_until_its_count_over_the_rounds_since_
             assert held == unknown, t
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=10), min_size=1, max_size=25),
+       st.integers(2, 3), st.integers(1, 12))
+def test_probation_counts_new_ids_exactly_and_forgets_the_least_recently_seen(rounds, min_count, capacity):
+    """The probation list against a dict of our own: per round, an id's occurrences add to its count; admitted once
+    the count reaches min_count (and then off the list, as an id that took a row); past ``capacity`` ids, whole
+    rounds leave, oldest first, until it fits."""
+    from modules.embedding.zch.admission import ProbationAdmission
+
+    probation = ProbationAdmission(min_count, capacity)
+    ref: dict[int, tuple[int, int]] = {}  # id → (count, last round)
+    for r, ids in enumerate(rounds):
+        distinct, occurrences = torch.unique(torch.tensor(ids), return_counts=True)
+        admitted = probation.admitted(distinct, occurrences, r)
+        expected = []
+        for x, n in zip(distinct.tolist(), occurrences.tolist()):
+            count = ref.get(x, (0, 0))[0] + n
+            ref[x] = (count, r)
+            expected.append(count >= min_count)
+        assert admitted.tolist() == expected
+        probation.forget(distinct[admitted])
+        for x in distinct[admitted].tolist():
+            del ref[x]
+        probation.trim()
+        while len(ref) > capacity:
+            oldest = min(last for _, last in ref.values())
+            ref = {x: v for x, v in ref.items() if v[1] != oldest}
+        assert probation.ids.tolist() == sorted(ref)
+        assert probation.counts.tolist() == [ref[x][0] for x in sorted(ref)]
+
+
 def test_min_count_keeps_an_id_on_the_unknown_row_until_seen_that_often():
     cfg = ZchConfig(rows=10, eviction_interval=1, min_count=3)
     remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))

@@ -50,10 +50,10 @@ from torchrec.modules.mc_modules import (
     MCHManagedCollisionModule,
 )
 
-from modules.embedding.zch.admission import CountMinAdmission
+from modules.embedding.zch.admission import ProbationAdmission
 from modules.embedding.zch.ttl import DayTTLPolicy
 
-ADMISSION_KEY = "admission.counts"
+ADMISSION_PREFIX = "admission."
 MISSING_ROW = 1
 FIRST_ROW = 2
 EVICTIONS = ("lru", "lfu", "distance_lfu", "ttl")
@@ -70,6 +70,7 @@ class ZchConfig:
     eviction_interval: int = 16     # training steps between admission rounds
     ttl_days: int = 7               # eviction=ttl: days an id keeps its row unseen
     min_count: int = 1              # occurrences before a new id may take a row (modules/embedding/zch/admission.py)
+    probation: float = 4.0          # min_count > 1: new ids counted on probation, × the rows of all tables
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTIONS:
@@ -78,6 +79,8 @@ class ZchConfig:
             raise ValueError(f"model.zch.eviction_interval={self.eviction_interval}: expected a number of steps >= 1")
         if self.min_count < 1:
             raise ValueError(f"model.zch.min_count={self.min_count}: expected a number of occurrences >= 1")
+        if self.probation <= 0:
+            raise ValueError(f"model.zch.probation={self.probation}: expected a positive multiple of the tables' rows")
         if self.ttl_days < 1:
             raise ValueError(f"model.zch.ttl_days={self.ttl_days}: expected a number of days >= 1")
         for name, n in {"rows": self.rows, **{f"tables.{k}": v for k, v in self.tables.items()}}.items():
@@ -152,7 +155,8 @@ class ZchRemapper(nn.Module):
             zch_size=table_sizes[t] - FIRST_ROW, device=torch.device("cpu"), eviction_policy=self.policies[t],
             eviction_interval=1, output_global_offset=FIRST_ROW, name=t) for t in features})
         self.unknown_row = {t: table_sizes[t] - 1 for t in features}
-        self.admission = CountMinAdmission(cfg.min_count) if cfg.min_count > 1 else None
+        rows = sum(table_sizes[t] - FIRST_ROW for t in features)
+        self.admission = ProbationAdmission(cfg.min_count, int(cfg.probation * rows)) if cfg.min_count > 1 else None
         self.pending: dict[str, list[torch.Tensor]] = {t: [] for t in features}
         self.pending_steps = 0
         self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
@@ -197,16 +201,14 @@ class ZchRemapper(nn.Module):
         return held_rows(module._mch_sorted_raw_ids, module._mch_remapped_ids_mapping, self.unknown_row[table], raw)
 
     def _admit(self) -> None:
-        for t, parts in self.pending.items():
-            ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        round_ids = {t: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64) for t, parts in self.pending.items()}
+        for parts in self.pending.values():
             parts.clear()
-            module = self.mch[t]
-            if self.admission is not None and len(ids):  # held ids, and new ones seen min_count times
-                distinct, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
-                keep = (self._remap(t, distinct) != self.unknown_row[t]) | self.admission.admitted(distinct, occurrences)
-                ids = ids[keep[inverse]]
+        new = self._admitted(round_ids) if self.admission is not None else {}
+        for t, ids in round_ids.items():
             if not len(ids):
                 continue
+            module = self.mch[t]
             if module._input_history_buffer_size < len(ids):
                 # TorchRec sizes the history buffer at its first call (1.25 × that call's ids) and drops what
                 # overflows it later; rounds differ in size (the first ones come sooner): let it size anew (at
@@ -220,8 +222,34 @@ class ZchRemapper(nn.Module):
             self.counts["evicted"] += taken - (free_before - int(module.open_slots()))  # free rows taken evict nobody
             if evicted is not None and taken:
                 self.evicted[t] = evicted if t not in self.evicted else torch.unique(torch.cat([self.evicted[t], evicted]))
+        if self.admission is not None:  # new ids that took a row leave probation
+            entered = [n[self._remap(t, n) != self.unknown_row[t]] for t, n in new.items()]
+            self.admission.forget(torch.sort(torch.cat(entered)).values if entered else torch.zeros(0, dtype=torch.int64))
+            self.admission.trim()
         self.pending_steps = 0
         self.rounds += 1
+
+    def _admitted(self, round_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``min_count``: drop from ``round_ids`` (in place) the occurrences of new ids not yet seen ``min_count``
+        times; every table's new ids go through the probation list at once (the ids are table-salted). Returns
+        each table's new ids of the round that may now take a row."""
+        per_table = {}
+        for t, ids in round_ids.items():
+            distinct, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
+            per_table[t] = (distinct, inverse, occurrences, self._remap(t, distinct) == self.unknown_row[t])
+        new = torch.cat([d[m] for d, _, _, m in per_table.values()]) if per_table else torch.zeros(0, dtype=torch.int64)
+        order = torch.argsort(new)
+        occurrences = torch.cat([o[m] for _, _, o, m in per_table.values()]) if per_table else torch.zeros(0, dtype=torch.int64)
+        ok = torch.empty(len(new), dtype=torch.bool)
+        ok[order] = self.admission.admitted(new[order], occurrences[order], self.rounds)
+        out, start = {}, 0
+        for t, (distinct, inverse, _, is_new) in per_table.items():
+            keep = ~is_new
+            keep[is_new] = ok[start:start + int(is_new.sum())]
+            start += int(is_new.sum())
+            round_ids[t] = round_ids[t][keep[inverse]]
+            out[t] = distinct[is_new][keep[is_new]]
+        return out
 
     def take_evicted(self) -> dict[str, torch.Tensor]:
         """Rows that changed hands since the last call (table → rows): to start afresh."""
@@ -249,20 +277,20 @@ class ZchRemapper(nn.Module):
 def mapping_state(remapper: ZchRemapper) -> dict[str, np.ndarray]:
     """The mapping of every table: the remapper's state dict without the ids waiting for a round — TorchRec's
     buffers ``mch.<table>.<buffer>`` (ids held, sorted, their rows, the policy's metadata, the round count) and
-    ``admission.counts`` if any. What a model folder keeps to score, and a next day continues from; a
+    the probation list ``admission.ids`` / ``.counts`` / ``.last`` if any. What a model folder keeps to score, and a next day continues from; a
     checkpoint holds the same keys under ``state_dict/zch.remapper.``."""
     return {k: v.numpy().copy() for k, v in remapper.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def load_mapping_state(remapper: ZchRemapper, state: dict[str, np.ndarray] | None) -> None:
-    """Continue from :func:`mapping_state` (``trainer.init_from``): same ids on the same rows; admission counts
-    where both runs count."""
+    """Continue from :func:`mapping_state` (``trainer.init_from``): same ids on the same rows; the probation list
+    where both runs keep one."""
     if not state:
         raise ValueError("trainer.init_from: the source model has no model.zch mapping (it was trained on a "
                          "vocabulary or hashed ids); start this raw-id run afresh")
     result = remapper.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=False)
     missing = [k for k in result.missing_keys if k.startswith("mch.")]
-    unexpected = [k for k in result.unexpected_keys if k != ADMISSION_KEY]
+    unexpected = [k for k in result.unexpected_keys if not k.startswith(ADMISSION_PREFIX)]
     if missing or unexpected:
         raise ValueError(f"trainer.init_from: the source's model.zch mapping does not fit this run's tables "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
