@@ -11,6 +11,9 @@ read, unlike the vocabulary's two passes. Per block:
   the end: those columns are written as parsed (NaN = missing) and rescaled in place in the written
   ``dense.npy`` arrays (:meth:`pipeline.data.store.StoreWriter.rewrite_dense`: a pass over that one
   array, not over the raw files).
+
+With ``split.method: sequential`` the files' lines are counted first (a newline count, as for the two passes), since
+a row's split depends on its position from the end.
 """
 
 from __future__ import annotations
