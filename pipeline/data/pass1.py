@@ -95,6 +95,12 @@ def finite_range(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return np.where(np.isfinite(lo), lo, 0.0), np.where(np.isfinite(hi), hi, 0.0)
 
 
+def no_rows_error(sources: Sources, skipped: dict[str, int]) -> BadInputError:
+    """The files held no data row (perhaps every row skipped as bad)."""
+    return BadInputError(f"{', '.join(str(p) for p, _ in sources)}: no data rows to preprocess"
+                         + (f" ({sum(skipped.values())} skipped as bad)" if skipped else ""))
+
+
 class Spill:
     """Pass-1 blocks on disk: split code, label, raw numeric values (NaN = missing), each sparse
     feature's codes (one per row, or one per value of a sequence; concatenated), each sparse feature's
@@ -257,7 +263,6 @@ def run_pass1(sources: Sources, data: DataConfig, total_rows: int, spill: Spill,
     out.lo, out.hi = finite_range(out.lo, out.hi)
     out.skipped, out.truncated = blocks.skipped(), blocks.truncated
     if out.spill.rows == 0:
-        raise BadInputError(f"{', '.join(str(p) for p, _ in sources)}: no data rows to preprocess"
-                            + (f" ({sum(out.skipped.values())} skipped as bad)" if out.skipped else ""))
+        raise no_rows_error(sources, out.skipped)
     return out
 

@@ -65,10 +65,9 @@ def run_pass2(first: Pass1, vocab: Vocabulary, data: DataConfig, writer: StoreWr
             return encode_ids(chunk["distinct"][j], chunk["codes"][j], index[table], cfg.hash_buckets)
 
         ids = list(pool.map(encode, range(len(tables.of))))
-        sparse = np.stack(ids[:n_cat]) if n_cat else np.zeros((0, len(chunk["label"])), writer.arrays["sparse"])
         dense = transform_dense(chunk["dense"], transforms, first.lo, first.hi)
         bags = list(zip(chunk["lengths"], ids[n_cat:]))
-        for name, n in writer.append_block(chunk["split"], chunk["label"], dense, sparse, bags).items():
+        for name, n in writer.append_block(chunk["split"], chunk["label"], dense, ids[:n_cat], bags).items():
             positives[name] += n
     return positives
 

@@ -26,10 +26,9 @@ import numpy as np
 from pipeline.data.dataset import DataConfig
 from pipeline.data.encoding import encode_ids, transform_dense
 from pipeline.data.hashing import factorized_string_keys
-from pipeline.data.pass1 import SPLIT_CODES, ParsedBlocks, Sources, Tables, finite_range, widen_range
+from pipeline.data.pass1 import SPLIT_CODES, ParsedBlocks, Sources, Tables, finite_range, no_rows_error, widen_range
 from pipeline.data.prefetch import prefetch
 from pipeline.data.store import SPLITS, StoreWriter
-from pipeline.runtime.errors import BadInputError
 
 
 @dataclass
@@ -68,14 +67,12 @@ def run_raw_pass(sources: Sources, data: DataConfig, total_rows: int, writer: St
         if now:
             dense[:, now] = transform_dense(dense[:, now], [transforms[j] for j in now], out.lo[now], out.hi[now])
         encoded = list(pool.map(lambda j: ids(block.sparse, j), range(len(names))))
-        sparse = np.stack(encoded[:n_cat]) if n_cat else np.zeros((0, block.rows), np.int64)
-        bags = [(lengths, values) for lengths, values in zip(block.lengths[n_cat:], encoded[n_cat:])]
-        for name, positives in writer.append_block(split, block.label, dense, sparse, bags).items():
+        bags = list(zip(block.lengths[n_cat:], encoded[n_cat:]))
+        for name, positives in writer.append_block(split, block.label, dense, encoded[:n_cat], bags).items():
             out.positives[name] += positives
     out.split_rows = dict(writer.rows)
     if sum(out.split_rows.values()) == 0:
-        raise BadInputError(f"{', '.join(str(p) for p, _ in sources)}: no data rows to preprocess"
-                            + (f" ({sum(blocks.skipped().values())} skipped as bad)" if blocks.skipped() else ""))
+        raise no_rows_error(sources, blocks.skipped())
     out.lo, out.hi = finite_range(out.lo, out.hi)
     writer.rewrite_dense(minmax, lambda x: transform_dense(x, ["minmax"] * len(minmax), out.lo[minmax], out.hi[minmax]))
     out.skipped, out.truncated = blocks.skipped(), blocks.truncated

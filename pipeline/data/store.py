@@ -207,20 +207,22 @@ class StoreWriter:
             self.values[split][f] = start + int(np.sum(lengths))
         self.rows[split] += len(label)
 
-    def append_block(self, split: np.ndarray, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
+    def append_block(self, split: np.ndarray, label: np.ndarray, dense: np.ndarray, columns: Sequence[np.ndarray],
                      sequences: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> dict[str, int]:
         """A block of rows, each to its split by ``split`` (codes: index into :data:`SPLITS`), file order kept
-        within a split; ``sparse``: [categorical features, rows] (field-major). Returns the positives per split."""
+        within a split; ``columns``: the ids of each categorical feature. Returns the positives per split."""
         order = np.argsort(split, kind="stable")
         bounds = np.searchsorted(split[order], np.arange(len(SPLITS) + 1))
-        label, dense, sparse = label[order], dense[order], sparse[:, order]
+        label, dense = label[order], dense[order]
+        sparse = np.stack([c[order] for c in columns], axis=1) if len(columns) else \
+            np.zeros((len(order), 0), self.arrays["sparse"])
         bags = [ragged_take(lengths, ids, order) for lengths, ids in sequences]
         positives = {}
         for code, name in enumerate(SPLITS):
             lo, hi = int(bounds[code]), int(bounds[code + 1])
             if hi > lo:
                 starts = [(int(lengths[:lo].sum()), int(lengths[:hi].sum())) for lengths, _ in bags]
-                self.append(name, label[lo:hi], dense[lo:hi], sparse[:, lo:hi].T,
+                self.append(name, label[lo:hi], dense[lo:hi], sparse[lo:hi],
                             [(lengths[lo:hi], ids[a:b]) for (lengths, ids), (a, b) in zip(bags, starts)])
             positives[name] = int(label[lo:hi].sum())
         return positives
@@ -229,9 +231,9 @@ class StoreWriter:
                       block_rows: int = 1 << 20) -> None:
         """After the last append: rewrite ``columns`` of every split's dense array in place, block by block;
         ``transform`` maps a block's values [rows, len(columns)] to what the store holds."""
-        for split in SPLITS:
+        for split in SPLITS if len(columns) else ():
             n, path = self.rows[split], self.tmp_dir / split / "dense.npy"
-            if not n or not len(columns):
+            if not n:
                 continue
             self.files[split]["dense"].flush()
             dense = np.memmap(path, np.float32, "r+", offset=self.headers[path], shape=(n, *self.widths["dense"]))
