@@ -97,9 +97,10 @@ PREPARE = """
 import json, shutil, sys, time
 from pipeline.config import compose_run_config
 from pipeline.data.sources import prepare_store, raw_files, store_dir
-cfg = compose_run_config(sys.argv[1:])
+cfg = compose_run_config(sys.argv[2:])
 raw_files(cfg.data, cfg.paths.cache_dir)  # generated first (and kept): not part of the preprocessing time
-shutil.rmtree(store_dir(cfg.data, cfg.paths.cache_dir), ignore_errors=True)  # a cached store: built again
+if sys.argv[1] == "rebuild":
+    shutil.rmtree(store_dir(cfg.data, cfg.paths.cache_dir), ignore_errors=True)  # a cached store: built again
 t0 = time.perf_counter()
 store = prepare_store(cfg.data, cfg.paths.cache_dir)
 print("PREPROCESS", time.perf_counter() - t0, sum(store.meta["splits"].values()))
@@ -107,8 +108,9 @@ print("TABLES", json.dumps(store.meta["table_sizes"]))
 """
 
 
-def prepare(overrides: list[str]) -> dict:
-    m = measured([sys.executable, "-c", PREPARE, *overrides])
+def prepare(overrides: list[str], rebuild: bool = True) -> dict:
+    """The store of the log ``overrides`` describe (``rebuild``: built again, timed), its size and its tables."""
+    m = measured([sys.executable, "-c", PREPARE, "rebuild" if rebuild else "reuse", *overrides])
     seconds, rows = re.search(r"PREPROCESS ([\d.]+) (\d+)", m["out"]).groups()
     sizes = json.loads(re.search(r"TABLES (.*)", m["out"]).group(1))
     return {**m, "seconds": float(seconds), "rows": int(rows), "table_sizes": sizes}
@@ -206,7 +208,7 @@ def table_scale(args: argparse.Namespace) -> None:
                       f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}", "trainer.max_epochs=1"]
             if args.vocab_rows:
                 data = [f"data.synthetic.rows={args.vocab_rows}", *args.set]
-                sizes = prepare(data)["table_sizes"]
+                sizes = prepare(data, rebuild=False)["table_sizes"]
                 gib = sum(n * 4 * (16 + 1) for n in sizes.values()) / 2**30 + \
                     sum(sizes.values()) * 4 * (4 + 1) / 2**30  # tables + the first-order table, row-wise state
                 limit = gib / fraction
@@ -215,7 +217,7 @@ def table_scale(args: argparse.Namespace) -> None:
                 buckets = int(fraction * args.limit_gb * 2**30 / BYTES_PER_HASH_ROW)
                 data = [f"data.synthetic.rows={args.rows}", "data.preprocess.categorical=hash",
                         f"data.preprocess.hash_buckets={buckets}", *args.set]
-                prepare(data)
+                prepare(data, rebuild=False)
                 gib, limit = buckets * BYTES_PER_HASH_ROW / 2**30, args.limit_gb
                 common += data
             (group / "memory.limit_in_bytes").write_text(str(int(limit * 2**30)))

@@ -30,7 +30,7 @@ def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_h
     # bytes with row-wise Adagrad: rows · 4 · (16 + 1)
     tables = [TableInfo("a", 1_000, 16), TableInfo("b", 10_000, 16), TableInfo("c", 100, 16)]
     budget = 224_800  # holds a (68,000 B) and c (6,800 B), not b (680,000 B); 150,000 B left for b's row cache
-    slot = 68 + 41  # a cache slot: the row with its state, the cache's bookkeeping and the spill log's index
+    slot = 68 + 25 + (68 + 8) / 4  # a cache slot: the row with its state, the cache's bookkeeping, a quarter record (memtable)
     ddr = budget / 0.75 / GB
     placed = place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad")
     assert {n: p.tier for n, p in placed.items()} == {"a": "host", "b": "ssd", "c": "host"}

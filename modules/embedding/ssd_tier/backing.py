@@ -1,10 +1,12 @@
 """What a row cache works on and counts: the table (shard) behind it (:class:`BackingTable`: views of its rows
-in the memory-mapped files and its initialiser) and the cache's counts (:class:`CacheStats`)."""
+in the memory-mapped files and its initialiser), the cache's counts (:class:`CacheStats`), and a row as
+one record (:func:`records`, :func:`split_records`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from modules.embedding.row_init import RowInit
@@ -52,3 +54,20 @@ class BackingTable:
         dim = self.weights.shape[1]
         full = self.init.rows(rows + self.row_offset, self.table_dim or dim)
         return full[:, self.col_offset:self.col_offset + dim]
+
+
+def records(weights: torch.Tensor, states: list[torch.Tensor]) -> np.ndarray:
+    """[n, D + state floats] float32: a row's weights then its optimizer state, one record per row."""
+    n = weights.shape[0]
+    return torch.cat([weights.reshape(n, -1), *[s.reshape(n, -1) for s in states]], dim=1).numpy()
+
+
+def split_records(records: torch.Tensor, dim: int, states: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Records back into (weights [n, dim], each state shaped as ``states``' rows)."""
+    out, at = [], dim
+    for s in states:
+        width = s[0].numel() if s.dim() > 1 else 1
+        part = records[:, at:at + width]
+        out.append(part.reshape(-1) if s.dim() == 1 else part)
+        at += width
+    return records[:, :dim], out

@@ -54,9 +54,10 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
 
     @classmethod
     def attach(cls, tbe: SplitTableBatchedEmbeddingBagsCodegen, kwargs: dict[str, Any], slots: Sequence[int],
-               inits: Sequence[RowInit], policy: str, spill: Path | None = None) -> "CachedRowsTBE":
+               inits: Sequence[RowInit], policy: str, runs: Path | None = None) -> "CachedRowsTBE":
         """Turn a built file-backed ``tbe`` (constructor ``kwargs``) into this class: ``slots`` cache rows per
-        table (rounded up to whole sets), ``inits`` each table's initialiser, ``spill`` the spill log's file."""
+        table (rounded up to whole sets), ``inits`` each table's initialiser, ``runs`` the stem of the sorted
+        runs' files (:mod:`modules.embedding.ssd_tier.sorted_runs`; none: evicted rows go home at once)."""
         tbe.__class__ = cls
         self: CachedRowsTBE = tbe  # type: ignore[assignment]
         slots = [max(WAYS, -(-n // WAYS) * WAYS) for n in slots]
@@ -73,7 +74,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         backing = [BackingTable(outer[t], states[t], inits[t], int(row), int(col), int(width))
                    for t, (_, width, row, col) in enumerate(info)]
         self._inner = [inner]
-        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy, spill)
+        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy, runs)
         self._first_of_feature = torch.tensor([int(self.cache.first[t]) for t in self.feature_table_map])
         return self
 

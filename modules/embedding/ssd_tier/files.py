@@ -16,8 +16,8 @@ File-backed tables sit in TBEs of their own: their parameter shardings carry a c
 TBEs by their fused parameters.
 
 Files: ``<path>/rank<r>/<table>[+<table>...].<state>.f32`` (state ``weights`` or ``momentum1``) and the
-row cache's spill log ``<table>[+<table>...].spill`` (:mod:`.spill_log`), re-created by each run (a
-resumed run loads the checkpoint into them).
+row cache's sorted runs ``<table>[+<table>...].run<n>.{keys,records}`` (:mod:`.sorted_runs`), re-created
+by each run (a resumed run loads the checkpoint into the table files).
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathL
             kwargs["preallocated_host_buffers"] = buffers
             original(self, *args, **kwargs)
             slots = [min(tables[n].slots, rows) for n, (rows, *_) in zip(names, specs)]
-            spill = stem.with_name(f"{stem.name}.spill")
-            made.append(spill)
-            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy, spill)
+            for old in stem.parent.glob(f"{stem.name}.run*"):  # a killed run's leftovers: stale
+                old.unlink()
+            CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy, stem)
             return
         if names and set(names) & set(tables):
             raise RuntimeError(f"a TBE mixes file-backed and in-memory tables: {names} (ssd: {sorted(tables)})")

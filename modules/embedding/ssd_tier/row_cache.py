@@ -20,13 +20,12 @@ resident when the kernel runs; more distinct rows of one batch in a set than ``W
 and is refused with a message (the cache is then too small for the batch: the pinned rows of one
 batch need about a quarter of the slots at most, :data:`MIN_SLOTS_PER_ID`).
 
-Rows go to and from the file through its shared memory map (:func:`modules.embedding.ssd_tier.files.mapped_file`), sorted by
-file offset: misses are read in the call that needs them. Evicted dirty rows are appended to a spill
-log (:mod:`modules.embedding.ssd_tier.spill_log`; without one, written home) by a background thread while the step
-goes on (a read from the files waits for it first); :meth:`RowCache.flush` brings the files up to date. The cache absorbs
-the repeated updates of hot rows, so the file sees one write per eviction of a dirty row instead of a
-dirty 4 KiB page per update.
-Which rows the file holds is one bit per row (``written``).
+Evicted dirty rows go to sorted runs on disk (:mod:`modules.embedding.ssd_tier.sorted_runs`, an LSM store;
+without one, home by a background thread); a miss is read from the runs (newest record), else from the
+file through its shared memory map (:func:`modules.embedding.ssd_tier.files.mapped_file`), in file order.
+:meth:`RowCache.flush` writes the runs home in one sweep in file order. The cache absorbs the repeated
+updates of hot rows, the runs the scattered writes of rows met once. Which rows were ever written
+back — to the runs or home — is one bit per row (``written``).
 
 Anchors read, not copied: FBGEMM ``split_table_batched_embeddings_ops_training`` (lxu_cache,
 LRU/LFU over sets), ColossalAI ``CachedEmbeddingBag`` (frequency-aware), HierarchicalKV (scored
@@ -36,21 +35,21 @@ eviction), OneFlow OneEmbedding (cached SSD store).
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from modules.embedding.ssd_tier.backing import BackingTable, CacheStats
-from modules.embedding.ssd_tier.spill_log import SpillLog, records, split_records
+from modules.embedding.ssd_tier.backing import BackingTable, CacheStats, records, split_records
+from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
 POLICIES = ("lru", "lfu")
 WAYS = 32
 MIN_SLOTS_PER_ID = 4   # cache rows per distinct row of one batch: a set overflows about never (placement's floor)
 BLOCK_ROWS = 1 << 16   # rows materialised at once
 USE_BITS = 40          # lfu score: uses << 40 | last use
+MEMTABLE_PER_SLOTS = 8  # the sorted runs' memtable holds one evicted record per 8 cache slots
 
 
 class CacheTooSmallError(RuntimeError):
@@ -65,7 +64,7 @@ class RowCache:
     and admitted with one set of vectorised operations (module docstring)."""
 
     def __init__(self, tables: Sequence[BackingTable], weights: Sequence[torch.Tensor],
-                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu", spill: Path | None = None) -> None:
+                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu", runs: Path | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"topology.ssd.cache_policy={policy!r}: expected one of {POLICIES}")
         if any(w.shape[0] % WAYS for w in weights):
@@ -80,12 +79,13 @@ class RowCache:
         self.used = torch.zeros(shape, dtype=torch.int64)
         self.uses = torch.zeros(shape, dtype=torch.int64)
         self.dirty = torch.zeros(shape, dtype=torch.bool)
-        self.written = [np.zeros((t.rows + 7) // 8, dtype=np.uint8) for t in self.tables]
+        self.written = np.zeros((sum(t.rows for t in self.tables) + 7) // 8, dtype=np.uint8)  # bit per linear id
         self.clock = 0
         self.stats = CacheStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
         self._pending: Future | None = None
-        self.log = SpillLog(spill, len(self.tables)) if spill is not None else None
+        width = max(self._record_floats(t) for t in range(len(self.tables)))
+        self.runs = SortedRuns(runs, width, self.slots // MEMTABLE_PER_SLOTS) if runs is not None else None
 
     @property
     def slots(self) -> int:
@@ -156,100 +156,97 @@ class RowCache:
         return out
 
     # -- rows to and from the files -----------------------------------------------------------------
-    def _by_table(self, ids: torch.Tensor, slots: torch.Tensor):
-        """(table index, its rows sorted in file order, their local slots) for the tables ``ids`` fall in."""
-        order = torch.argsort(ids)
-        ids, slots = ids[order], slots[order]
-        table = torch.searchsorted(self.first, ids, right=True) - 1
-        bounds = torch.searchsorted(table, torch.arange(len(self.tables) + 1)).tolist()
-        for t in range(len(self.tables)):
-            a, b = bounds[t], bounds[t + 1]
-            if a < b:
-                yield t, ids[a:b] - self.first[t], slots[a:b] - self.set_offset[t] * WAYS
+    def _spans(self, ids: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(table, start, stop) of each table's part of linear ``ids`` (ascending)."""
+        bounds = torch.searchsorted(ids, torch.cat([self.first, self.first[-1:] + self.tables[-1].rows])).tolist()
+        return [(t, a, b) for t, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if a < b]
 
-    def _is_written(self, t: int, rows: torch.Tensor) -> torch.Tensor:
-        i = rows.numpy()
-        return torch.from_numpy(((self.written[t][i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool))
+    def _is_written(self, ids: torch.Tensor) -> torch.Tensor:
+        i = ids.numpy()
+        return torch.from_numpy(((self.written[i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool))
 
-    def _mark_written(self, t: int, rows: torch.Tensor) -> None:
-        i = rows.numpy()
-        np.bitwise_or.at(self.written[t], i >> 3, (1 << (i & 7)).astype(np.uint8))
+    def _mark_written(self, ids: torch.Tensor) -> None:
+        i = ids.numpy()
+        np.bitwise_or.at(self.written, i >> 3, (1 << (i & 7)).astype(np.uint8))
 
     def _read(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Fill ``slots`` with rows ``ids``: from the file (in file order) where written there, else drawn."""
-        for t, rows, local in self._by_table(ids, slots):
-            table, weights, states = self.tables[t], self.weights[t], self.states[t]
-            on_file = self._is_written(t, rows)
-            drawn = ~on_file
+        """Fill ``slots`` with rows ``ids`` (linear): the newest evicted record from the sorted runs, else the
+        row in its file (in file order) where it was written, else drawn from its initialiser."""
+        order = torch.argsort(ids)
+        ids, slots = ids[order], slots[order]
+        written = self._is_written(ids)
+        from_file = written.clone()
+        if self.runs is not None and bool(written.any()):
+            at = torch.nonzero(written).view(-1)
+            found, values = self.runs.find(ids[at].numpy())
+            at = at[torch.from_numpy(found)]
+            self._fill(ids[at], slots[at], torch.from_numpy(values))
+            from_file[at] = False
+            self.stats.rows_read += int(at.numel())
+        if bool(from_file.any()):
+            self.drain()  # a row written home a moment ago may be among them
+        for t, a, b in self._spans(ids):
+            table, local = self.tables[t], slots[a:b] - self.set_offset[t] * WAYS
+            rows, on_file, drawn = ids[a:b] - self.first[t], from_file[a:b], ~written[a:b]
             if bool(on_file.any()):
-                self.drain()  # a row written back a moment ago may be among them
-                if self.log is not None:
-                    on_file &= ~self._read_spilled(t, rows, local, on_file)
                 r, s = rows[on_file], local[on_file]
-                weights[s] = table.weights[r]
-                for cache, file in zip(states, table.states):
+                self.weights[t][s] = table.weights[r]
+                for cache, file in zip(self.states[t], table.states):
                     cache[s] = file[r]
                 self.stats.rows_read += int(r.numel())
             if bool(drawn.any()):
                 r, s = rows[drawn], local[drawn]
-                weights[s] = table.draw(r)
-                for cache in states:
+                self.weights[t][s] = table.draw(r)
+                for cache in self.states[t]:
                     cache[s] = 0.0
                 self.stats.rows_drawn += int(r.numel())
 
-    def _read_spilled(self, t: int, rows: torch.Tensor, local: torch.Tensor, on_file: torch.Tensor) -> torch.Tensor:
-        """Fill the slots of those of ``rows`` (``on_file``) the spill log holds; returns which they were."""
-        offsets = torch.from_numpy(self.log.find(t, rows.numpy()))
-        found = on_file & (offsets >= 0)
-        if bool(found.any()):
-            states = self.states[t]
-            weights, values = split_records(self.log.read(offsets[found].numpy(), self._record_floats(t)),
-                                            self.weights[t].shape[1], states)
-            self.weights[t][local[found]] = weights
-            for cache, v in zip(states, values):
-                cache[local[found]] = v
-            self.stats.rows_read += int(found.sum())
-        return found
+    def _fill(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> None:
+        """Slots ``slots`` of rows ``ids`` (ascending) from their ``records``."""
+        for t, a, b in self._spans(ids):
+            local = slots[a:b] - self.set_offset[t] * WAYS
+            weights, states = split_records(records[a:b], self.weights[t].shape[1], self.states[t])
+            self.weights[t][local] = weights
+            for cache, values in zip(self.states[t], states):
+                cache[local] = values
 
     def _record_floats(self, t: int) -> int:
         return self.weights[t].shape[1] + sum(s[0].numel() if s.dim() > 1 else 1 for s in self.states[t])
 
     def _write(self, ids: torch.Tensor, slots: torch.Tensor, home: bool = False) -> None:
-        """Write ``slots`` back as rows ``ids``, in file order, in the background: appended to the spill log,
-        or with ``home`` (or no log) to their places in the files. Their values are copied out now (the slots
-        are about to be reused) and one writer thread stores them while the step goes on. They are clean
-        afterwards; anything that reads the files waits for it (:meth:`drain`)."""
-        to_log = self.log is not None and not home
-        jobs = []
-        for t, rows, local in self._by_table(ids, slots):
-            weights, states = self.weights[t][local], [cache[local] for cache in self.states[t]]
-            if to_log:
-                data = records(weights, states)
-                jobs.append(partial(self.log.write, self.log.reserve(t, rows.numpy(), data.shape[1] * 4), data))
-            else:
-                jobs.append(partial(_store_rows, [(self.tables[t], rows, weights, states)]))
-            self._mark_written(t, rows)
+        """Write ``slots`` back as rows ``ids`` (linear): into the sorted runs, or with ``home`` (or no runs) to
+        their places in the files — in file order, by a writer thread while the step goes on (the slots'
+        values are copied out now: they are about to be reused). They are clean afterwards; anything that
+        reads the files waits for the writer (:meth:`drain`)."""
+        order = torch.argsort(ids)
+        ids, slots = ids[order], slots[order]
+        spans = self._spans(ids)
+        if self.runs is not None and not home:
+            out = np.zeros((ids.numel(), self.runs.width), dtype=np.float32)
+            for t, a, b in spans:
+                local = slots[a:b] - self.set_offset[t] * WAYS
+                data = records(self.weights[t][local], [cache[local] for cache in self.states[t]])
+                out[a:b, :data.shape[1]] = data
+            self.runs.put(ids.numpy(), out)
+        else:
+            jobs = []
+            for t, a, b in spans:
+                local = slots[a:b] - self.set_offset[t] * WAYS
+                jobs.append((self.tables[t], ids[a:b] - self.first[t], self.weights[t][local],
+                             [cache[local] for cache in self.states[t]]))
+            self.drain()
+            self._pending = self._writer.submit(_store_rows, jobs)
+        self._mark_written(ids)
         self.stats.rows_written += int(ids.numel())
         self.dirty.view(-1)[slots] = False
-        self.drain()
-        self._pending = self._writer.submit(lambda: [job() for job in jobs])
-        if to_log and self.log.records >= self.slots:  # bounded: as many records as slots, then home
-            self._write_log_home()
 
-    def _write_log_home(self) -> None:
-        """The spill log's rows (each its newest record) written to their homes in the files, sorted; the log
-        emptied."""
-        self.drain()
-        for t, table in enumerate(self.tables):
-            rows, offsets = self.log.entries(t)
-            order = np.argsort(offsets, kind="stable")  # the log read in order, the rows written in file order
-            for a in range(0, len(rows), BLOCK_ROWS):
-                part = order[a:a + BLOCK_ROWS]
-                logged = self.log.read_sorted(offsets[part], self._record_floats(t))
-                by_row = torch.from_numpy(np.argsort(rows[part], kind="stable"))
-                weights, states = split_records(logged[by_row], table.weights.shape[1], table.states)
-                _store_rows([(table, torch.from_numpy(rows[part])[by_row], weights, states)])
-        self.log.clear()
+    def _store_home(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Records of rows ``keys`` (linear, ascending) into their places in the files."""
+        ids, values = torch.from_numpy(keys), torch.from_numpy(values)
+        for t, a, b in self._spans(ids):
+            table = self.tables[t]
+            weights, states = split_records(values[a:b], table.weights.shape[1], table.states)
+            _store_rows([(table, ids[a:b] - self.first[t], weights, states)])
 
     def drain(self) -> None:
         """Wait for the write-back under way (and raise its error, if any)."""
@@ -259,10 +256,11 @@ class RowCache:
 
     # -- the whole cache ----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Write the spill log's rows home, then every dirty row (they stay cached, clean): the files hold every
-        row written since the start."""
-        if self.log is not None:
-            self._write_log_home()
+        """Write the sorted runs' rows home, then every dirty row (they stay cached, clean): the files hold
+        every row written since the start."""
+        if self.runs is not None:
+            self.drain()
+            self.runs.write_home(self._store_home)
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
             self._write(self.keys.view(-1)[slots], slots, home=True)
@@ -276,23 +274,22 @@ class RowCache:
             if table.init.std != 0.0:
                 for a in range(0, table.rows, BLOCK_ROWS):
                     rows = torch.arange(a, min(table.rows, a + BLOCK_ROWS))
-                    fresh = rows[~self._is_written(t, rows)]
+                    fresh = rows[~self._is_written(rows + self.first[t])]
                     if fresh.numel():
                         table.weights[fresh] = table.draw(fresh)
-            self.written[t][:] = 0xFF
+        self.written[:] = 0xFF
 
     def invalidate(self) -> None:
         """Forget every slot without writing it back: the files were written from outside (a checkpoint
         or ``init_from`` loaded into them) and hold every row."""
         self.drain()
-        if self.log is not None:
-            self.log.clear()  # what it held is stale
+        if self.runs is not None:
+            self.runs.clear()  # what they held is stale
         self.keys.fill_(-1)
         self.dirty.fill_(False)
         self.used.zero_()
         self.uses.zero_()
-        for written in self.written:
-            written[:] = 0xFF
+        self.written[:] = 0xFF
 
 
 def _store_rows(jobs: list[tuple[BackingTable, torch.Tensor, torch.Tensor, list[torch.Tensor]]]) -> None:

@@ -1,0 +1,200 @@
+"""Evicted dirty rows kept as sorted runs on disk — a log-structured merge (LSM) store — until the table
+files are brought up to date.
+
+    evicted rows ─► memtable (in memory, ≤ M records)
+                    ─ full ─► a run: its keys sorted, then their records — one sequential write
+    runs of one tier, F of them ─► one run of the next tier (a merge: F runs read and one written, in key order)
+    a row missed again: the memtable, then the runs newest first (binary search of each run's keys)
+    flush: the memtable and every run merged in key order into the home files — one sweep in file order
+
+A key is a row's linear id (the first row of its table in the cache + the row); a record is its weights
+and optimizer state, float32, padded to the widest table of the cache. The newest record of a key wins.
+
+Why. Written to its home at once, an evicted row of a hashed or long-tailed table lands at a scattered
+place: each dirties (and in a sparse file allocates) a 4 KiB page of its own, and under a memory limit
+the kernel writes pages back before it can reclaim them — about 60× the bytes changed at 68-byte rows.
+A log bounded by an in-memory index and written home when full did the same write in bursts: 0.045×
+the in-memory speed with frequency-ordered tables 2× the memory, where every row of the table is met,
+updated and evicted once an epoch (docs/scale.md). Sorted, every byte moves in order: appended runs,
+sequential merges, and one sweep of the files when something reads them.
+
+Cost: a record is rewritten once per tier, about log_F(records since the flush / M) + 1 times; the runs
+hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged); a lookup
+searches each run (at most F − 1 per tier, plus F while a merge runs). Memory: the memtable and one
+merge block (F × :data:`BLOCK` records); the runs are memory-mapped (page cache, clean, reclaimable).
+
+Sources: O'Neil, Cheng, Gawlick, O'Neil, "The Log-Structured Merge-Tree (LSM-Tree)", Acta Informatica
+1996; size-tiered compaction as in Bigtable, Cassandra and RocksDB's universal compaction.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+FAN_IN = 4             # runs of one tier merged into one of the next
+BLOCK = 1 << 13        # keys of one run in one block of a merge
+MEMTABLE_CHUNKS = 16   # the memtable's batches of records compacted into one past this
+
+
+@dataclass
+class Run:
+    """A sorted run on disk: ``keys`` int64 [n] ascending and unique, ``records`` float32 [n, width]."""
+
+    keys: np.ndarray
+    records: np.ndarray
+    tier: int
+    paths: tuple[Path, Path]
+
+
+Source = tuple[np.ndarray, np.ndarray]  # (keys ascending and unique, records): a run or a memtable batch
+
+
+def newest_wins(sources: Sequence[Source]) -> Source:
+    """The union of ``sources`` (newest first) as one sorted source, each key's record from the newest."""
+    if len(sources) == 1:
+        return sources[0]
+    keys = np.concatenate([k for k, _ in sources])
+    keys, first = np.unique(keys, return_index=True)  # first occurrence: the newest source's
+    return keys, np.concatenate([r for _, r in sources])[first]
+
+
+def merged_blocks(sources: Sequence[Source]) -> Iterator[Source]:
+    """:func:`newest_wins` of ``sources`` (newest first), in blocks of ascending keys: each block takes at most
+    :data:`BLOCK` keys of any source, so a merge of runs larger than memory reads each one in order."""
+    sources = [s for s in sources if len(s[0])]
+    if not sources:
+        return
+    edges = np.unique(np.concatenate([k[::BLOCK] for k, _ in sources]))
+    edges = np.append(edges, np.iinfo(np.int64).max)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        parts = []
+        for keys, records in sources:
+            a, b = np.searchsorted(keys, [lo, hi])
+            if a < b:
+                parts.append((np.asarray(keys[a:b]), np.asarray(records[a:b])))
+        if parts:
+            yield newest_wins(parts)
+
+
+class SortedRuns:
+    """The evicted records of one row cache (module docstring): :meth:`put` them, :meth:`find` them again,
+    :meth:`write_home` them. Merges run in a background thread; runs are swapped in under a lock."""
+
+    def __init__(self, stem: Path, width: int, memtable_records: int) -> None:
+        self.stem, self.width, self.capacity = Path(stem), width, max(1, memtable_records)
+        self.memtable: list[Source] = []  # oldest first
+        self.memtable_records = 0
+        self.runs: list[Run] = []         # newest first; tiers never decrease from newest to oldest
+        self.bytes_written = 0            # to run files, merges included
+        self._lock = threading.Lock()
+        self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-merge")
+        self._merging: Future | None = None
+        self._names = itertools.count()
+
+    def put(self, keys: np.ndarray, records: np.ndarray) -> None:
+        """Evicted rows: ``keys`` ascending and unique, ``records`` [n, width] float32, newer than all before."""
+        self.memtable.append((keys, records))
+        self.memtable_records += len(keys)
+        if self.memtable_records >= self.capacity:
+            self._seal()
+        elif len(self.memtable) > MEMTABLE_CHUNKS:
+            self.memtable = [newest_wins(self.memtable[::-1])]
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found [n] bool, the found keys' newest records [found, width]) for ``keys`` ascending."""
+        found = np.zeros(len(keys), dtype=bool)
+        out = np.empty((len(keys), self.width), dtype=np.float32)
+        with self._lock:
+            runs = list(self.runs)
+        for src_keys, src_records in [*self.memtable[::-1], *((r.keys, r.records) for r in runs)]:
+            left = np.flatnonzero(~found)
+            if not len(left):
+                break
+            if not len(src_keys):
+                continue
+            at = np.minimum(np.searchsorted(src_keys, keys[left]), len(src_keys) - 1)
+            hit = np.asarray(src_keys[at]) == keys[left]
+            out[left[hit]] = src_records[at[hit]]
+            found[left[hit]] = True
+        return found, out[found]
+
+    def write_home(self, store: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        """Hand every key's newest record to ``store`` in blocks of ascending keys, then empty the store."""
+        self.wait()
+        for keys, records in merged_blocks([*self.memtable[::-1], *((r.keys, r.records) for r in self.runs)]):
+            store(keys, records)
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every record (the files hold them, or they are stale) and delete the run files."""
+        self.wait()
+        for run in self.runs:
+            _delete(run)
+        self.runs, self.memtable, self.memtable_records = [], [], 0
+
+    def wait(self) -> None:
+        """Wait for the merges under way (and raise their error, if any)."""
+        if self._merging is not None:
+            merging, self._merging = self._merging, None
+            merging.result()
+
+    # -- runs -------------------------------------------------------------------------------------
+    def _seal(self) -> None:
+        run = self._write_run(0, [newest_wins(self.memtable[::-1])])
+        with self._lock:
+            self.runs = [run, *self.runs]
+        self.memtable, self.memtable_records = [], 0
+        if self._merging is None or self._merging.done():
+            self.wait()
+            self._merging = self._merger.submit(self._compact)
+
+    def _compact(self) -> None:
+        """Merge the oldest :data:`FAN_IN` runs of a tier that has that many, until none has."""
+        while True:
+            with self._lock:
+                runs = list(self.runs)
+            tiers = [r.tier for r in runs]
+            full = [t for t in sorted(set(tiers)) if tiers.count(t) >= FAN_IN]
+            if not full:
+                return
+            last = max(i for i, r in enumerate(runs) if r.tier == full[0])  # the tier's oldest run
+            group = runs[last - FAN_IN + 1:last + 1]                         # contiguous: tiers are ordered
+            merged = self._write_run(full[0] + 1, merged_blocks([(r.keys, r.records) for r in group]))
+            with self._lock:
+                at = next(i for i, r in enumerate(self.runs) if r is group[0])
+                self.runs = [*self.runs[:at], merged, *self.runs[at + FAN_IN:]]
+            for run in group:
+                _delete(run)  # mapped views of it stay valid (unlinked, not unmapped)
+
+    def _write_run(self, tier: int, blocks: Iterable[Source]) -> Run:
+        """A run file pair written in order, block by block, under temporary names then renamed."""
+        name = next(self._names)
+        paths = (self.stem.with_name(f"{self.stem.name}.run{name}.keys"),
+                 self.stem.with_name(f"{self.stem.name}.run{name}.records"))
+        temps = [p.with_name(p.name + ".tmp") for p in paths]
+        with open(temps[0], "wb") as kf, open(temps[1], "wb") as rf:
+            for keys, records in blocks:
+                kf.write(np.ascontiguousarray(keys, dtype=np.int64).tobytes())
+                rf.write(np.ascontiguousarray(records, dtype=np.float32).tobytes())
+        for temp, path in zip(temps, paths):
+            os.replace(temp, path)
+        n = paths[0].stat().st_size // 8
+        self.bytes_written += n * (8 + 4 * self.width)
+        if not n:
+            empty = np.zeros(0, np.int64), np.zeros((0, self.width), np.float32)
+            return Run(*empty, tier, paths)
+        return Run(np.memmap(paths[0], dtype=np.int64, mode="r"),
+                   np.memmap(paths[1], dtype=np.float32, mode="r", shape=(n, self.width)), tier, paths)
+
+
+def _delete(run: Run) -> None:
+    for path in run.paths:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,54 @@
+"""The row cache's sorted runs (modules/embedding/ssd_tier/sorted_runs.py) against a dict: whatever the sequence of
+evictions, seals and background merges, a lookup finds each key's newest record, and the write home
+hands over exactly the newest record of every key, once, in ascending key order."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from modules.embedding.ssd_tier import sorted_runs
+from modules.embedding.ssd_tier.sorted_runs import SortedRuns
+
+WIDTH = 3
+
+batches = st.lists(st.sets(st.integers(0, 300), min_size=1, max_size=40), min_size=1, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=batches, capacity=st.integers(1, 60), block=st.integers(1, 50))
+def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factory, monkeypatch, batches, capacity,
+                                                                 block):
+    monkeypatch.setattr(sorted_runs, "BLOCK", block)  # merges and the write home in many blocks
+    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", WIDTH, capacity)
+    newest: dict[int, np.ndarray] = {}
+    for step, keys in enumerate(batches):
+        keys = np.array(sorted(keys), dtype=np.int64)
+        records = np.stack([np.array([k, step, k * 0.5 + step], dtype=np.float32) for k in keys])
+        runs.put(keys, records)
+        newest.update(zip(keys.tolist(), records))
+        probe = np.arange(0, 320, 7, dtype=np.int64)
+        found, got = runs.find(probe)
+        assert found.tolist() == [int(k) in newest for k in probe]
+        np.testing.assert_array_equal(got, np.stack([newest[int(k)] for k in probe[found]]) if found.any()
+                                      else np.zeros((0, WIDTH), np.float32))
+    home: list[tuple[np.ndarray, np.ndarray]] = []
+    runs.write_home(lambda k, r: home.append((k.copy(), r.copy())))
+    keys = np.concatenate([k for k, _ in home])
+    assert keys.tolist() == sorted(newest)  # each key once, ascending
+    np.testing.assert_array_equal(np.concatenate([r for _, r in home]), np.stack([newest[k] for k in sorted(newest)]))
+    assert not runs.runs and not runs.memtable and not list(runs.stem.parent.glob("t.run*"))  # emptied, files gone
+
+
+def test_runs_of_a_tier_are_merged_into_the_next(tmp_path):
+    runs = SortedRuns(tmp_path / "t", WIDTH, 10)
+    for step in range(4 * 4):  # 16 seals of 10 keys: four merges into tier 1, one into tier 2
+        keys = np.arange(step * 5, step * 5 + 10, dtype=np.int64)  # half of each overlaps the one before
+        runs.put(keys, np.full((10, WIDTH), step, np.float32))
+        runs.wait()
+    assert [r.tier for r in runs.runs] == [2]
+    assert len(runs.runs[0].keys) == 15 * 5 + 10  # duplicates dropped
+    found, got = runs.find(np.array([0, 7, 84], dtype=np.int64))
+    assert found.all() and got[:, 0].tolist() == [0, 1, 15]  # the newest wins
+    assert len(list(tmp_path.glob("t.run*"))) == 2  # the merged runs' files were deleted
