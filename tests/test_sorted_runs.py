@@ -4,6 +4,8 @@ hands over exactly the newest record of every key, once, in ascending key order.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,11 +19,12 @@ batches = st.lists(st.sets(st.integers(0, 300), min_size=1, max_size=40), min_si
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batches=batches, capacity=st.integers(1, 60), block=st.integers(1, 50))
+@given(batches=batches, capacity=st.integers(1, 60), block=st.integers(1, 50), fence=st.integers(1, 9))
 def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factory, monkeypatch, batches, capacity,
-                                                                 block):
+                                                                 block, fence):
     monkeypatch.setattr(sorted_runs, "BLOCK", block)  # merges and the write home in many blocks
-    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", WIDTH, capacity)
+    monkeypatch.setattr(sorted_runs, "FENCE", fence)  # lookups through many fences
+    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", WIDTH, capacity, 320)
     newest: dict[int, np.ndarray] = {}
     for step, keys in enumerate(batches):
         keys = np.array(sorted(keys), dtype=np.int64)
@@ -42,7 +45,7 @@ def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factor
 
 
 def test_runs_of_a_tier_are_merged_into_the_next(tmp_path):
-    runs = SortedRuns(tmp_path / "t", WIDTH, 10)
+    runs = SortedRuns(tmp_path / "t", WIDTH, 10, 100)
     for step in range(4 * 4):  # 16 seals of 10 keys: four merges into tier 1, one into tier 2
         keys = np.arange(step * 5, step * 5 + 10, dtype=np.int64)  # half of each overlaps the one before
         runs.put(keys, np.full((10, WIDTH), step, np.float32))
@@ -52,3 +55,27 @@ def test_runs_of_a_tier_are_merged_into_the_next(tmp_path):
     found, got = runs.find(np.array([0, 7, 84], dtype=np.int64))
     assert found.all() and got[:, 0].tolist() == [0, 1, 15]  # the newest wins
     assert len(list(tmp_path.glob("t.run*"))) == 2  # the merged runs' files were deleted
+
+
+def test_rows_evicted_again_while_a_merge_runs_keep_their_newest_record(tmp_path, monkeypatch):
+    """A merge in the background must not point ``where`` at its output for keys a newer run took meanwhile."""
+    held, release = threading.Event(), threading.Event()
+    blocks = sorted_runs.merged_blocks
+
+    def slow_merge(sources):
+        held.set()
+        release.wait(30)
+        yield from blocks(sources)
+
+    monkeypatch.setattr(sorted_runs, "merged_blocks", slow_merge)
+    runs = SortedRuns(tmp_path / "t", WIDTH, 4, 100)
+    keys = np.arange(4, dtype=np.int64)
+    for step in range(4):  # four seals of keys 0-3: a merge starts, and waits
+        runs.put(keys, np.full((4, WIDTH), step, np.float32))
+    assert held.wait(30)
+    runs.put(keys, np.full((4, WIDTH), 9, np.float32))  # sealed while the merge runs: newer than its output
+    release.set()
+    runs.wait()
+    assert [r.tier for r in runs.runs] == [0, 1]
+    found, got = runs.find(keys)
+    assert found.all() and got[:, 0].tolist() == [9, 9, 9, 9]

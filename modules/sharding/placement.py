@@ -61,6 +61,8 @@ CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
 SLOT_BOOKKEEPING_BYTES = 25  # per row-cache slot: int64 key, last use and uses, bool dirty (modules.embedding.ssd_tier.row_cache)
+ROW_INDEX_BYTES = 1 + 1 / 8  # per row of an ssd table: the sorted run holding its newest evicted record, and
+                             # whether it was ever written back (modules.embedding.ssd_tier.sorted_runs, .row_cache)
 MEMTABLE_SHARE = 2 / MEMTABLE_PER_SLOTS  # per slot, in records (row + int64 key): the sorted runs' memtable and its
                                          # sorted copy while it is sealed (modules.embedding.ssd_tier.sorted_runs)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
@@ -115,6 +117,11 @@ class Placement:
         """A row cache slot: the row with its state, the cache's own key, last use, uses and dirty flag, and its
         share of the memtable of evicted rows."""
         return self.row_bytes + SLOT_BOOKKEEPING_BYTES + MEMTABLE_SHARE * (self.row_bytes + 8)
+
+    @property
+    def cache_bytes(self) -> float:
+        """Host memory an ``ssd`` table takes: its row cache, and its index (:data:`ROW_INDEX_BYTES` a row)."""
+        return (self.cache_rows or 0) * self.slot_bytes + (self.rows * ROW_INDEX_BYTES if self.tier == "ssd" else 0)
 
     @property
     def hbm_bytes(self) -> float:
@@ -223,7 +230,8 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
     floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
               for t in tables}  # each ssd table's least row cache (rows one batch can bring)
-    cached = lambda: sum(floors[p.table] * p.slot_bytes for p in place.values() if p.tier == "ssd")  # noqa: E731
+    cached = lambda: sum(floors[p.table] * p.slot_bytes + p.rows * ROW_INDEX_BYTES  # noqa: E731
+                         for p in place.values() if p.tier == "ssd")
     outright = topology.ssd.cache_mb is not None  # a cache set outright is not taken from the budget
     while use("host") + (0 if outright else cached()) > budget["host"]:
         movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)
@@ -247,7 +255,8 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
                              f"{_gb(needs['host'])} of {_gb(budget['host'])} (tables forced there), ssd needs "
                              f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
                              f"topology.ssd.cap_gb, or use smaller tables")
-    return _row_caches(place, topology, budget["host"] - use("host"), process_bytes, floors)
+    index = sum(p.rows * ROW_INDEX_BYTES for p in place.values() if p.tier == "ssd")
+    return _row_caches(place, topology, budget["host"] - use("host") - index, process_bytes, floors)
 
 
 def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float, process_bytes: float,

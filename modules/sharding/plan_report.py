@@ -29,7 +29,7 @@ def memory_per_rank(result: PlanResult, world_size: int) -> dict[int, dict[str, 
                 tier = {"hbm": "hbm", "uvm_cache": "ddr", "ssd": "ssd", "host": "ddr"}[p.tier]
                 for r in ranks:
                     per_rank[r][tier] += p.bytes / len(ranks)
-                    per_rank[r]["ddr"] += (p.cache_rows or 0) * p.slot_bytes / len(ranks)
+                    per_rank[r]["ddr"] += p.cache_bytes / len(ranks)
     return dict(sorted(per_rank.items()))
 
 
@@ -44,7 +44,7 @@ def format_plan(result: PlanResult, optimizer: str, world_size: int, title: str 
         rank_text = f"{ranks[0]}–{ranks[-1]}" if len(ranks) > 4 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
             else ",".join(map(str, ranks)) or "all"
         lf = f"{p.cache_load_factor:.3f}" if p.cache_load_factor else ""
-        cache = f"{p.cache_rows:,} rows, {p.cache_rows * p.slot_bytes / 2**20:,.1f} MiB" if p.cache_rows else ""
+        cache = f"{p.cache_rows:,} rows, {p.cache_bytes / 2**20:,.1f} MiB" if p.cache_rows else ""
         lines.append(f"| {name} | {p.rows:,} | {p.dim} | {p.bytes / 2**20:,.1f} MiB | "
                      f"{ps.sharding_type if ps else '?'} | {p.tier} | {p.kernel} | {lf} | {cache} | {rank_text} |")
     total = sum(p.bytes for p in result.placements.values())

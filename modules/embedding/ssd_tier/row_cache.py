@@ -85,7 +85,8 @@ class RowCache:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
         self._pending: Future | None = None
         width = max(self._record_floats(t) for t in range(len(self.tables)))
-        self.runs = SortedRuns(runs, width, self.slots // MEMTABLE_PER_SLOTS) if runs is not None else None
+        self.runs = (SortedRuns(runs, width, self.slots // MEMTABLE_PER_SLOTS, int(self.first[-1]) + self.tables[-1].rows)
+                     if runs is not None else None)
 
     @property
     def slots(self) -> int:

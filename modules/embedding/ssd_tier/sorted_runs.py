@@ -4,7 +4,8 @@ files are brought up to date.
     evicted rows ─► memtable (in memory, ≤ M records)
                     ─ full ─► a run: its keys sorted, then their records — one sequential write
     runs of one tier, F of them ─► one run of the next tier (a merge: F runs read and one written, in key order)
-    a row missed again: the memtable, then the runs newest first (binary search of each run's keys)
+    a row missed again: the memtable, else the run a byte per key names (``where``): its page of keys
+                        found from the run's fences (every 512th key, in memory), then its record
     flush: the memtable and every run merged in key order into the home files — one sweep in file order
 
 A key is a row's linear id (the first row of its table in the cache + the row); a record is its weights
@@ -20,8 +21,12 @@ sequential merges, and one sweep of the files when something reads them.
 
 Cost: a record is rewritten once per tier, about log_F(records since the flush / M) + 1 times; the runs
 hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged); a lookup
-searches each run (at most F − 1 per tier, plus F while a merge runs). Memory: the memtable and one
-merge block (F × :data:`BLOCK` records); the runs are memory-mapped (page cache, clean, reclaimable).
+reads two pages at most (the key's page, the record's), whatever the number of runs: the pages all
+rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``) so the disk reads
+them in parallel, where page faults would read them one at a time. Memory: ``where`` (a byte per key
+of the tables: which run, if any, holds its newest record), the fences (8 bytes per 512 keys), the
+memtable and one merge block (F × :data:`BLOCK` records); the runs are memory-mapped (page cache,
+clean, reclaimable). At most 254 runs live at once (tiers keep them far fewer).
 
 Sources: O'Neil, Cheng, Gawlick, O'Neil, "The Log-Structured Merge-Tree (LSM-Tree)", Acta Informatica
 1996; size-tiered compaction as in Bigtable, Cassandra and RocksDB's universal compaction.
@@ -30,6 +35,7 @@ Sources: O'Neil, Cheng, Gawlick, O'Neil, "The Log-Structured Merge-Tree (LSM-Tre
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,18 +46,47 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 FAN_IN = 4             # runs of one tier merged into one of the next
+FENCE = 512            # keys of a run per fence: one 4 KiB page of keys
+PAGE = 4096
 BLOCK = 1 << 13        # keys of one run in one block of a merge
 MEMTABLE_CHUNKS = 16   # the memtable's batches of records compacted into one past this
 
 
 @dataclass
 class Run:
-    """A sorted run on disk: ``keys`` int64 [n] ascending and unique, ``records`` float32 [n, width]."""
+    """A sorted run on disk: ``keys`` int64 [n] ascending and unique, ``records`` float32 [n, width] (both
+    memory-mapped), every :data:`FENCE`-th key in memory (``fences``), its number in ``where`` (``id``)."""
 
     keys: np.ndarray
     records: np.ndarray
+    fences: np.ndarray
     tier: int
+    id: int
     paths: tuple[Path, Path]
+    maps: tuple[mmap.mmap, ...]  # of the key and record files (none when empty)
+
+    def locate(self, keys: np.ndarray) -> np.ndarray:
+        """Positions of ``keys`` (all in the run): the fence gives each key's page of keys, a binary search
+        within the page (all keys at once, :data:`FENCE` → 9 halvings) its place."""
+        n = len(self.keys)
+        lo = (np.searchsorted(self.fences, keys, side="right") - 1) * FENCE
+        hi = np.minimum(lo + FENCE, n)
+        _prefetch(self.maps[0], lo * 8, 8 * FENCE)
+        while True:
+            active = lo < hi
+            if not active.any():
+                break
+            mid = (lo + hi) >> 1
+            less = np.asarray(self.keys[np.minimum(mid, n - 1)]) < keys
+            lo = np.where(active & less, mid + 1, lo)
+            hi = np.where(active & ~less, mid, hi)
+        if not np.array_equal(np.asarray(self.keys[np.minimum(lo, n - 1)]), keys):
+            raise RuntimeError(f"sorted run {self.paths[0]}: keys its index places there are missing")
+        return lo
+
+    def read(self, positions: np.ndarray) -> np.ndarray:
+        _prefetch(self.maps[1], positions * self.records.shape[1] * 4, self.records.shape[1] * 4)
+        return self.records[positions]
 
 
 Source = tuple[np.ndarray, np.ndarray]  # (keys ascending and unique, records): a run or a memtable batch
@@ -86,14 +121,17 @@ def merged_blocks(sources: Sequence[Source]) -> Iterator[Source]:
 
 class SortedRuns:
     """The evicted records of one row cache (module docstring): :meth:`put` them, :meth:`find` them again,
-    :meth:`write_home` them. Merges run in a background thread; runs are swapped in under a lock."""
+    :meth:`write_home` them. Keys are below ``keys``. Merges run in a background thread; runs and ``where``
+    change under a lock."""
 
-    def __init__(self, stem: Path, width: int, memtable_records: int) -> None:
+    def __init__(self, stem: Path, width: int, memtable_records: int, keys: int) -> None:
         self.stem, self.width, self.capacity = Path(stem), width, max(1, memtable_records)
         self.memtable: list[Source] = []  # oldest first
         self.memtable_records = 0
         self.runs: list[Run] = []         # newest first; tiers never decrease from newest to oldest
+        self.where = np.zeros(keys, dtype=np.uint8)  # the run holding a key's newest record (0: none)
         self.bytes_written = 0            # to run files, merges included
+        self._ids = list(range(255, 0, -1))
         self._lock = threading.Lock()
         self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-merge")
         self._merging: Future | None = None
@@ -112,18 +150,20 @@ class SortedRuns:
         """(found [n] bool, the found keys' newest records [found, width]) for ``keys`` ascending."""
         found = np.zeros(len(keys), dtype=bool)
         out = np.empty((len(keys), self.width), dtype=np.float32)
-        with self._lock:
-            runs = list(self.runs)
-        for src_keys, src_records in [*self.memtable[::-1], *((r.keys, r.records) for r in runs)]:
+        for src_keys, src_records in self.memtable[::-1]:
             left = np.flatnonzero(~found)
-            if not len(left):
-                break
-            if not len(src_keys):
-                continue
             at = np.minimum(np.searchsorted(src_keys, keys[left]), len(src_keys) - 1)
-            hit = np.asarray(src_keys[at]) == keys[left]
+            hit = src_keys[at] == keys[left]
             out[left[hit]] = src_records[at[hit]]
             found[left[hit]] = True
+        left = np.flatnonzero(~found)
+        with self._lock:
+            held = self.where[keys[left]]
+            runs = {r.id: r for r in self.runs}
+        for run_id in np.unique(held[held > 0]).tolist():
+            at = left[held == run_id]
+            out[at] = runs[run_id].read(runs[run_id].locate(keys[at]))
+            found[at] = True
         return found, out[found]
 
     def write_home(self, store: Callable[[np.ndarray, np.ndarray], None]) -> None:
@@ -137,8 +177,9 @@ class SortedRuns:
         """Forget every record (the files hold them, or they are stale) and delete the run files."""
         self.wait()
         for run in self.runs:
-            _delete(run)
+            self._delete(run)
         self.runs, self.memtable, self.memtable_records = [], [], 0
+        self.where[:] = 0
 
     def wait(self) -> None:
         """Wait for the merges under way (and raise their error, if any)."""
@@ -148,9 +189,12 @@ class SortedRuns:
 
     # -- runs -------------------------------------------------------------------------------------
     def _seal(self) -> None:
+        if not self._ids:  # every run number taken (tiers keep far fewer runs): let the merges catch up
+            self.wait()
         run = self._write_run(0, [newest_wins(self.memtable[::-1])])
         with self._lock:
             self.runs = [run, *self.runs]
+            self.where[run.keys] = run.id  # newer than any run before
         self.memtable, self.memtable_records = [], 0
         if self._merging is None or self._merging.done():
             self.wait()
@@ -171,8 +215,12 @@ class SortedRuns:
             with self._lock:
                 at = next(i for i, r in enumerate(self.runs) if r is group[0])
                 self.runs = [*self.runs[:at], merged, *self.runs[at + FAN_IN:]]
+                for a in range(0, len(merged.keys), 1 << 20):  # keys whose newest record was in the group
+                    keys = np.asarray(merged.keys[a:a + (1 << 20)])
+                    keys = keys[np.isin(self.where[keys], [r.id for r in group])]
+                    self.where[keys] = merged.id
             for run in group:
-                _delete(run)  # mapped views of it stay valid (unlinked, not unmapped)
+                self._delete(run)
 
     def _write_run(self, tier: int, blocks: Iterable[Source]) -> Run:
         """A run file pair written in order, block by block, under temporary names then renamed."""
@@ -180,21 +228,45 @@ class SortedRuns:
         paths = (self.stem.with_name(f"{self.stem.name}.run{name}.keys"),
                  self.stem.with_name(f"{self.stem.name}.run{name}.records"))
         temps = [p.with_name(p.name + ".tmp") for p in paths]
+        fences, n = [], 0
         with open(temps[0], "wb") as kf, open(temps[1], "wb") as rf:
             for keys, records in blocks:
+                fences.append(keys[(-n) % FENCE::FENCE])
+                n += len(keys)
                 kf.write(np.ascontiguousarray(keys, dtype=np.int64).tobytes())
                 rf.write(np.ascontiguousarray(records, dtype=np.float32).tobytes())
         for temp, path in zip(temps, paths):
             os.replace(temp, path)
-        n = paths[0].stat().st_size // 8
         self.bytes_written += n * (8 + 4 * self.width)
+        with self._lock:
+            run_id = self._ids.pop()
         if not n:
-            empty = np.zeros(0, np.int64), np.zeros((0, self.width), np.float32)
-            return Run(*empty, tier, paths)
-        return Run(np.memmap(paths[0], dtype=np.int64, mode="r"),
-                   np.memmap(paths[1], dtype=np.float32, mode="r", shape=(n, self.width)), tier, paths)
+            return Run(np.zeros(0, np.int64), np.zeros((0, self.width), np.float32), np.zeros(0, np.int64),
+                       tier, run_id, paths, ())
+        maps = tuple(_mapped(p) for p in paths)
+        return Run(np.frombuffer(maps[0], dtype=np.int64), np.frombuffer(maps[1], dtype=np.float32).reshape(n, -1),
+                   np.concatenate(fences), tier, run_id, paths, maps)
+
+    def _delete(self, run: Run) -> None:
+        """The run's files unlinked; views of it a lookup still holds stay valid (its maps close with them)."""
+        for path in run.paths:
+            path.unlink(missing_ok=True)
+        with self._lock:
+            self._ids.append(run.id)
 
 
-def _delete(run: Run) -> None:
-    for path in run.paths:
-        path.unlink(missing_ok=True)
+def _mapped(path: Path) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+
+
+def _prefetch(mapped: mmap.mmap, offsets: np.ndarray, size: int) -> None:
+    """Ask the kernel to read the pages of ``[offset, offset + size)`` for every offset now, all at once: the
+    disk serves them in parallel, where the page faults that follow would read one page at a time."""
+    if not len(offsets):
+        return
+    pages = np.unique(np.concatenate([offsets // PAGE, (offsets + size - 1) // PAGE]))
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts, ends = pages[np.r_[0, breaks]], pages[np.r_[breaks - 1, len(pages) - 1]] + 1
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        mapped.madvise(mmap.MADV_WILLNEED, a * PAGE, (b - a) * PAGE)
