@@ -23,7 +23,8 @@ batches = st.lists(st.sets(st.integers(0, 300), min_size=1, max_size=40), min_si
 def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factory, monkeypatch, batches, capacity,
                                                                  block, fence):
     monkeypatch.setattr(sorted_runs, "BLOCK", block)  # merges and the write home in many blocks
-    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", WIDTH, capacity, 320, fence=fence)  # many fences
+    monkeypatch.setattr(sorted_runs, "FENCE", fence)  # lookups through many fences
+    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", WIDTH, capacity, 320)
     newest: dict[int, np.ndarray] = {}
     for step, keys in enumerate(batches):
         keys = np.array(sorted(keys), dtype=np.int64)

@@ -2,12 +2,10 @@
 files are brought up to date.
 
     evicted rows ─► memtable (in memory, ≤ M records)
-                    ─ full ─► a run: its keys sorted (one file), each record after its key (another) —
-                              sequential writes
+                    ─ full ─► a run: its keys sorted, then their records — one sequential write
     runs of one tier, F of them ─► one run of the next tier (a merge: F runs read and one written, in key order)
-    a row missed again: the memtable, else the run a byte per key names (``where``): the run's fences
-                        (one key per page of records, in memory) give its page, a binary search of the
-                        keys inline there its record
+    a row missed again: the memtable, else the run a byte per key names (``where``): its page of keys
+                        found from the run's fences (every 512th key, in memory), then its record
     flush: the memtable and every run merged in key order into the home files — one sweep in file order
 
 A key is a row's linear id (the first row of its table in the cache + the row); a record is its weights
@@ -23,11 +21,10 @@ sequential merges, and one sweep of the files when something reads them.
 
 Cost: a record is rewritten once per tier, about log_F(records since the flush / M) + 1 times; the runs
 hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged); a lookup
-reads one page of records (two where the page's records straddle a page boundary), whatever the number
-of runs: the pages all rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``),
-so the disk reads them in parallel where page faults would read them one at a time; the mappings
-take no read-around (``MADV_RANDOM``). Memory: ``where`` (a byte per key of the tables: which run,
-if any, holds its newest record), the fences (8 bytes per page of records), the
+reads two pages at most (the key's page, the record's), whatever the number of runs: the pages all
+rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``) so the disk reads
+them in parallel, where page faults would read them one at a time. Memory: ``where`` (a byte per key
+of the tables: which run, if any, holds its newest record), the fences (8 bytes per 512 keys), the
 memtable and one merge block (F × :data:`BLOCK` records); the runs are memory-mapped (page cache,
 clean, reclaimable). At most 254 runs live at once (tiers keep them far fewer).
 
@@ -49,6 +46,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 FAN_IN = 4             # runs of one tier merged into one of the next
+FENCE = 512            # keys of a run per fence: one 4 KiB page of keys
 PAGE = 4096
 BLOCK = 1 << 13        # keys of one run in one block of a merge
 MEMTABLE_CHUNKS = 16   # the memtable's batches of records compacted into one past this
@@ -56,46 +54,39 @@ MEMTABLE_CHUNKS = 16   # the memtable's batches of records compacted into one pa
 
 @dataclass
 class Run:
-    """A sorted run on disk: ``keys`` int64 [n] ascending and unique, and ``rows`` float32 [n, 2 + width] —
-    each record after its own key (two float32 words holding the int64's bits), so that a lookup reads
-    the records' file alone; both memory-mapped. Every ``fence``-th key is in memory (``fences``); ``id``
-    is the run's number in ``where``."""
+    """A sorted run on disk: ``keys`` int64 [n] ascending and unique, ``records`` float32 [n, width] (both
+    memory-mapped), every :data:`FENCE`-th key in memory (``fences``), its number in ``where`` (``id``)."""
 
     keys: np.ndarray
-    rows: np.ndarray
+    records: np.ndarray
     fences: np.ndarray
-    fence: int
     tier: int
     id: int
     paths: tuple[Path, Path]
     maps: tuple[mmap.mmap, ...]  # of the key and record files (none when empty)
 
-    @property
-    def records(self) -> np.ndarray:
-        return self.rows[:, 2:]
-
-    def key_at(self, positions: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(self.rows[positions, :2]).view(np.int64).reshape(-1)
-
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """The records of ``keys`` (all in the run): the fences give each key's ``fence`` records (about a
-        page), whose pages are asked for at once; a binary search of their inline keys (all keys at once)
-        gives its place."""
-        n, size = len(self.keys), self.rows.shape[1] * 4
-        lo = (np.searchsorted(self.fences, keys, side="right") - 1) * self.fence
-        hi = np.minimum(lo + self.fence, n)
-        _prefetch(self.maps[1], lo * size, self.fence * size)
+    def locate(self, keys: np.ndarray) -> np.ndarray:
+        """Positions of ``keys`` (all in the run): the fence gives each key's page of keys, a binary search
+        within the page (all keys at once, :data:`FENCE` → 9 halvings) its place."""
+        n = len(self.keys)
+        lo = (np.searchsorted(self.fences, keys, side="right") - 1) * FENCE
+        hi = np.minimum(lo + FENCE, n)
+        _prefetch(self.maps[0], lo * 8, 8 * FENCE)
         while True:
             active = lo < hi
             if not active.any():
                 break
             mid = (lo + hi) >> 1
-            less = self.key_at(np.minimum(mid, n - 1)) < keys
+            less = np.asarray(self.keys[np.minimum(mid, n - 1)]) < keys
             lo = np.where(active & less, mid + 1, lo)
             hi = np.where(active & ~less, mid, hi)
-        if not np.array_equal(self.key_at(np.minimum(lo, n - 1)), keys):
-            raise RuntimeError(f"sorted run {self.paths[1]}: keys its index places there are missing")
-        return self.records[lo]
+        if not np.array_equal(np.asarray(self.keys[np.minimum(lo, n - 1)]), keys):
+            raise RuntimeError(f"sorted run {self.paths[0]}: keys its index places there are missing")
+        return lo
+
+    def read(self, positions: np.ndarray) -> np.ndarray:
+        _prefetch(self.maps[1], positions * self.records.shape[1] * 4, self.records.shape[1] * 4)
+        return self.records[positions]
 
 
 Source = tuple[np.ndarray, np.ndarray]  # (keys ascending and unique, records): a run or a memtable batch
@@ -133,9 +124,8 @@ class SortedRuns:
     :meth:`write_home` them. Keys are below ``keys``. Merges run in a background thread; runs and ``where``
     change under a lock."""
 
-    def __init__(self, stem: Path, width: int, memtable_records: int, keys: int, fence: int | None = None) -> None:
+    def __init__(self, stem: Path, width: int, memtable_records: int, keys: int) -> None:
         self.stem, self.width, self.capacity = Path(stem), width, max(1, memtable_records)
-        self.fence = fence or max(1, PAGE // ((2 + width) * 4))  # records per fence: a page's worth
         self.memtable: list[Source] = []  # oldest first
         self.memtable_records = 0
         self.runs: list[Run] = []         # newest first; tiers never decrease from newest to oldest
@@ -172,7 +162,7 @@ class SortedRuns:
             runs = {r.id: r for r in self.runs}
         for run_id in np.unique(held[held > 0]).tolist():
             at = left[held == run_id]
-            out[at] = runs[run_id].find(keys[at])
+            out[at] = runs[run_id].read(runs[run_id].locate(keys[at]))
             found[at] = True
         return found, out[found]
 
@@ -241,22 +231,21 @@ class SortedRuns:
         fences, n = [], 0
         with open(temps[0], "wb") as kf, open(temps[1], "wb") as rf:
             for keys, records in blocks:
-                fences.append(keys[(-n) % self.fence::self.fence])
+                fences.append(keys[(-n) % FENCE::FENCE])
                 n += len(keys)
-                keys = np.ascontiguousarray(keys, dtype=np.int64)
-                kf.write(keys.tobytes())
-                rf.write(np.concatenate([keys.view(np.float32).reshape(-1, 2), records], axis=1).tobytes())
+                kf.write(np.ascontiguousarray(keys, dtype=np.int64).tobytes())
+                rf.write(np.ascontiguousarray(records, dtype=np.float32).tobytes())
         for temp, path in zip(temps, paths):
             os.replace(temp, path)
-        self.bytes_written += n * (16 + 4 * self.width)
+        self.bytes_written += n * (8 + 4 * self.width)
         with self._lock:
             run_id = self._ids.pop()
         if not n:
-            return Run(np.zeros(0, np.int64), np.zeros((0, 2 + self.width), np.float32), np.zeros(0, np.int64),
-                       self.fence, tier, run_id, paths, ())
+            return Run(np.zeros(0, np.int64), np.zeros((0, self.width), np.float32), np.zeros(0, np.int64),
+                       tier, run_id, paths, ())
         maps = tuple(_mapped(p) for p in paths)
         return Run(np.frombuffer(maps[0], dtype=np.int64), np.frombuffer(maps[1], dtype=np.float32).reshape(n, -1),
-                   np.concatenate(fences), self.fence, tier, run_id, paths, maps)
+                   np.concatenate(fences), tier, run_id, paths, maps)
 
     def _delete(self, run: Run) -> None:
         """The run's files unlinked; views of it a lookup still holds stay valid (its maps close with them)."""
@@ -267,12 +256,8 @@ class SortedRuns:
 
 
 def _mapped(path: Path) -> mmap.mmap:
-    """The file mapped read-only, without read-around: a page fault reads its page, not the 128 KiB around it
-    (rows are looked up at random; read-around filled the page cache with neighbours nobody asked for)."""
     with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    mapped.madvise(mmap.MADV_RANDOM)
-    return mapped
+        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 
 
 def _prefetch(mapped: mmap.mmap, offsets: np.ndarray, size: int) -> None:
