@@ -23,7 +23,8 @@ Cost: a record is rewritten once per tier, about log_F(records since the flush /
 hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged); a lookup
 reads two pages at most (the key's page, the record's), whatever the number of runs: the pages all
 rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``) so the disk reads
-them in parallel, where page faults would read them one at a time. Memory: ``where`` (a byte per key
+them in parallel, where page faults would read them one at a time; the mappings take no read-around
+(``MADV_RANDOM``). Memory: ``where`` (a byte per key
 of the tables: which run, if any, holds its newest record), the fences (8 bytes per 512 keys), the
 memtable and one merge block (F × :data:`BLOCK` records); the runs are memory-mapped (page cache,
 clean, reclaimable). At most 254 runs live at once (tiers keep them far fewer).
@@ -256,8 +257,12 @@ class SortedRuns:
 
 
 def _mapped(path: Path) -> mmap.mmap:
+    """The file mapped read-only, without read-around: a page fault reads its page, not the 128 KiB around it
+    (rows are looked up at random; read-around filled the page cache with neighbours nobody asked for)."""
     with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
 
 
 def _prefetch(mapped: mmap.mmap, offsets: np.ndarray, size: int) -> None:
