@@ -19,23 +19,23 @@ batches = st.lists(st.sets(st.integers(0, 300), min_size=1, max_size=40), min_si
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batches=batches, capacity=st.integers(1, 60), block=st.integers(1, 50), fence=st.integers(1, 9))
+@given(batches=batches, capacity=st.integers(1, 60), block=st.integers(1, 50), width=st.sampled_from([3, 200, 1022]))
 def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factory, monkeypatch, batches, capacity,
-                                                                 block, fence):
+                                                                 block, width):
     monkeypatch.setattr(sorted_runs, "BLOCK", block)  # merges and the write home in many blocks
-    monkeypatch.setattr(sorted_runs, "FENCE", fence)  # lookups through many fences
-    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", WIDTH, capacity, 320)
+    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", width, capacity, 320)  # 204, 5 or 1 records a page
     newest: dict[int, np.ndarray] = {}
     for step, keys in enumerate(batches):
         keys = np.array(sorted(keys), dtype=np.int64)
-        records = np.stack([np.array([k, step, k * 0.5 + step], dtype=np.float32) for k in keys])
+        records = np.zeros((len(keys), width), np.float32)
+        records[:, :3] = [[k, step, k * 0.5 + step] for k in keys]
         runs.put(keys, records)
         newest.update(zip(keys.tolist(), records))
         probe = np.arange(0, 320, 7, dtype=np.int64)
         found, got = runs.find(probe)
         assert found.tolist() == [int(k) in newest for k in probe]
         np.testing.assert_array_equal(got, np.stack([newest[int(k)] for k in probe[found]]) if found.any()
-                                      else np.zeros((0, WIDTH), np.float32))
+                                      else np.zeros((0, width), np.float32))
     home: list[tuple[np.ndarray, np.ndarray]] = []
     runs.write_home(lambda k, r: home.append((k.copy(), r.copy())))
     keys = np.concatenate([k for k, _ in home])

@@ -47,7 +47,8 @@ from typing import Mapping, Sequence
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ShardingType
 
-from modules.embedding.ssd_tier.row_cache import MEMTABLE_PER_SLOTS, MIN_SLOTS_PER_ID
+from modules.embedding.ssd_tier.backing import ROW_INDEX_BYTES, slot_bytes
+from modules.embedding.ssd_tier.row_cache import MIN_SLOTS_PER_ID
 from modules.sharding.topology import GB, TableOverride, TopologySpec
 
 KERNELS = {
@@ -60,11 +61,6 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
-SLOT_BOOKKEEPING_BYTES = 25  # per row-cache slot: int64 key, last use and uses, bool dirty (modules.embedding.ssd_tier.row_cache)
-ROW_INDEX_BYTES = 1 + 1 / 8  # per row of an ssd table: the sorted run holding its newest evicted record, and
-                             # whether it was ever written back (modules.embedding.ssd_tier.sorted_runs, .row_cache)
-MEMTABLE_SHARE = 2 / MEMTABLE_PER_SLOTS  # per slot, in records (row + int64 key): the sorted runs' memtable and its
-                                         # sorted copy while it is sealed (modules.embedding.ssd_tier.sorted_runs)
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }
@@ -114,9 +110,8 @@ class Placement:
 
     @property
     def slot_bytes(self) -> float:
-        """A row cache slot: the row with its state, the cache's own key, last use, uses and dirty flag, and its
-        share of the memtable of evicted rows."""
-        return self.row_bytes + SLOT_BOOKKEEPING_BYTES + MEMTABLE_SHARE * (self.row_bytes + 8)
+        """A row cache slot (:func:`modules.embedding.ssd_tier.backing.slot_bytes`)."""
+        return slot_bytes(self.row_bytes)
 
     @property
     def cache_bytes(self) -> float:

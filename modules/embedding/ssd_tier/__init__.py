@@ -8,7 +8,8 @@
 * :mod:`.row_cache` — the set-associative cache of one table batch's tables (each its own sets and slot
   table): lookup, LFU/LRU eviction, write-back, rows drawn when first met (their initial values:
   :mod:`modules.embedding.row_init`); what it works on and counts: :mod:`.backing`;
-* :mod:`.sorted_runs` — evicted dirty rows kept as sorted runs on disk (an LSM store), merged in key
+* :mod:`.sorted_runs` — evicted dirty rows kept as sorted runs on disk (an LSM store; a run's records:
+  :mod:`.paged_records`), merged in key
   order, and written to their scattered homes in one sweep when something reads the files.
 
 Placement (which tables, how many cache rows) is :mod:`modules.sharding.placement`; docs/scale.md has the

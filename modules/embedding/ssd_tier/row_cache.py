@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from modules.embedding.ssd_tier.backing import BackingTable, CacheStats, records, split_records
+from modules.embedding.ssd_tier.backing import MEMTABLE_PER_SLOTS, BackingTable, CacheStats, records, split_records
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
 POLICIES = ("lru", "lfu")
@@ -49,7 +49,6 @@ WAYS = 32
 MIN_SLOTS_PER_ID = 4   # cache rows per distinct row of one batch: a set overflows about never (placement's floor)
 BLOCK_ROWS = 1 << 16   # rows materialised at once
 USE_BITS = 40          # lfu score: uses << 40 | last use
-MEMTABLE_PER_SLOTS = 8  # the sorted runs' memtable holds one evicted record per 8 cache slots
 
 
 class CacheTooSmallError(RuntimeError):

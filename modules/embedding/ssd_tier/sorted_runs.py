@@ -2,10 +2,11 @@
 files are brought up to date.
 
     evicted rows ─► memtable (in memory, ≤ M records)
-                    ─ full ─► a run: its keys sorted, then their records — one sequential write
+                    ─ full ─► a run: its keys sorted (one file), and the records in pages, each after
+                              its key (another) — sequential writes
     runs of one tier, F of them ─► one run of the next tier (a merge: F runs read and one written, in key order)
-    a row missed again: the memtable, else the run a byte per key names (``where``): its page of keys
-                        found from the run's fences (every 512th key, in memory), then its record
+    a row missed again: the memtable, else the run a byte per key names (``where``): the run's fences
+                        (each page's first key, in memory) give its page, the keys inline there its record
     flush: the memtable and every run merged in key order into the home files — one sweep in file order
 
 A key is a row's linear id (the first row of its table in the cache + the row); a record is its weights
@@ -21,11 +22,11 @@ sequential merges, and one sweep of the files when something reads them.
 
 Cost: a record is rewritten once per tier, about log_F(records since the flush / M) + 1 times; the runs
 hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged); a lookup
-reads two pages at most (the key's page, the record's), whatever the number of runs: the pages all
-rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``) so the disk reads
-them in parallel, where page faults would read them one at a time; the mappings take no read-around
-(``MADV_RANDOM``). Memory: ``where`` (a byte per key
-of the tables: which run, if any, holds its newest record), the fences (8 bytes per 512 keys), the
+reads one page, whatever the number of runs (a record never straddles two pages: :class:`PagedRecords`);
+the pages all rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``), so the
+disk reads them in parallel where page faults would read them one at a time; the mappings take no
+read-around (``MADV_RANDOM``). Memory: ``where`` (a byte per key of the tables: which run, if any,
+holds its newest record), the fences (8 bytes per page of records), the
 memtable and one merge block (F × :data:`BLOCK` records); the runs are memory-mapped (page cache,
 clean, reclaimable). At most 254 runs live at once (tiers keep them far fewer).
 
@@ -36,7 +37,6 @@ Sources: O'Neil, Cheng, Gawlick, O'Neil, "The Log-Structured Merge-Tree (LSM-Tre
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,48 +46,28 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from modules.embedding.ssd_tier.paged_records import PAGE, PagedRecords, mapped, paged, per_page
+
 FAN_IN = 4             # runs of one tier merged into one of the next
-FENCE = 512            # keys of a run per fence: one 4 KiB page of keys
-PAGE = 4096
 BLOCK = 1 << 13        # keys of one run in one block of a merge
 MEMTABLE_CHUNKS = 16   # the memtable's batches of records compacted into one past this
 
 
 @dataclass
 class Run:
-    """A sorted run on disk: ``keys`` int64 [n] ascending and unique, ``records`` float32 [n, width] (both
-    memory-mapped), every :data:`FENCE`-th key in memory (``fences``), its number in ``where`` (``id``)."""
+    """A sorted run on disk: ``keys`` int64 [n] ascending and unique (read in order by merges), ``records`` in
+    pages with their keys inline (:class:`PagedRecords`, read by lookups), both memory-mapped; each page's
+    first key in memory (``fences``); its number in ``where`` (``id``)."""
 
     keys: np.ndarray
-    records: np.ndarray
+    records: PagedRecords
     fences: np.ndarray
     tier: int
     id: int
     paths: tuple[Path, Path]
-    maps: tuple[mmap.mmap, ...]  # of the key and record files (none when empty)
 
-    def locate(self, keys: np.ndarray) -> np.ndarray:
-        """Positions of ``keys`` (all in the run): the fence gives each key's page of keys, a binary search
-        within the page (all keys at once, :data:`FENCE` → 9 halvings) its place."""
-        n = len(self.keys)
-        lo = (np.searchsorted(self.fences, keys, side="right") - 1) * FENCE
-        hi = np.minimum(lo + FENCE, n)
-        _prefetch(self.maps[0], lo * 8, 8 * FENCE)
-        while True:
-            active = lo < hi
-            if not active.any():
-                break
-            mid = (lo + hi) >> 1
-            less = np.asarray(self.keys[np.minimum(mid, n - 1)]) < keys
-            lo = np.where(active & less, mid + 1, lo)
-            hi = np.where(active & ~less, mid, hi)
-        if not np.array_equal(np.asarray(self.keys[np.minimum(lo, n - 1)]), keys):
-            raise RuntimeError(f"sorted run {self.paths[0]}: keys its index places there are missing")
-        return lo
-
-    def read(self, positions: np.ndarray) -> np.ndarray:
-        _prefetch(self.maps[1], positions * self.records.shape[1] * 4, self.records.shape[1] * 4)
-        return self.records[positions]
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        return self.records.find(keys, self.fences)
 
 
 Source = tuple[np.ndarray, np.ndarray]  # (keys ascending and unique, records): a run or a memtable batch
@@ -163,7 +143,7 @@ class SortedRuns:
             runs = {r.id: r for r in self.runs}
         for run_id in np.unique(held[held > 0]).tolist():
             at = left[held == run_id]
-            out[at] = runs[run_id].read(runs[run_id].locate(keys[at]))
+            out[at] = runs[run_id].find(keys[at])
             found[at] = True
         return found, out[found]
 
@@ -224,29 +204,35 @@ class SortedRuns:
                 self._delete(run)
 
     def _write_run(self, tier: int, blocks: Iterable[Source]) -> Run:
-        """A run file pair written in order, block by block, under temporary names then renamed."""
+        """A run's two files written in order, block by block, under temporary names then renamed."""
         name = next(self._names)
         paths = (self.stem.with_name(f"{self.stem.name}.run{name}.keys"),
                  self.stem.with_name(f"{self.stem.name}.run{name}.records"))
         temps = [p.with_name(p.name + ".tmp") for p in paths]
-        fences, n = [], 0
+        k, n, fences = per_page(self.width), 0, []
+        short: Source = (np.zeros(0, np.int64), np.zeros((0, self.width), np.float32))  # less than a page
         with open(temps[0], "wb") as kf, open(temps[1], "wb") as rf:
             for keys, records in blocks:
-                fences.append(keys[(-n) % FENCE::FENCE])
+                keys = np.ascontiguousarray(keys, dtype=np.int64)
+                kf.write(keys.tobytes())
+                fences.append(keys[(-n) % k::k])  # the first key of each page
                 n += len(keys)
-                kf.write(np.ascontiguousarray(keys, dtype=np.int64).tobytes())
-                rf.write(np.ascontiguousarray(records, dtype=np.float32).tobytes())
+                keys, records = np.concatenate([short[0], keys]), np.concatenate([short[1], records])
+                whole = len(keys) // k * k
+                rf.write(paged(keys[:whole], records[:whole], self.width))
+                short = keys[whole:], records[whole:]
+            rf.write(paged(*short, self.width))
         for temp, path in zip(temps, paths):
             os.replace(temp, path)
-        self.bytes_written += n * (8 + 4 * self.width)
+        self.bytes_written += n * 8 + -(-n // k) * PAGE
         with self._lock:
             run_id = self._ids.pop()
         if not n:
-            return Run(np.zeros(0, np.int64), np.zeros((0, self.width), np.float32), np.zeros(0, np.int64),
-                       tier, run_id, paths, ())
-        maps = tuple(_mapped(p) for p in paths)
-        return Run(np.frombuffer(maps[0], dtype=np.int64), np.frombuffer(maps[1], dtype=np.float32).reshape(n, -1),
-                   np.concatenate(fences), tier, run_id, paths, maps)
+            return Run(np.zeros(0, np.int64), PagedRecords(None, 0, self.width), np.zeros(0, np.int64), tier, run_id,
+                       paths)
+        keys_map, records_map = (mapped(p) for p in paths)
+        return Run(np.frombuffer(keys_map, dtype=np.int64), PagedRecords(records_map, n, self.width),
+                   np.concatenate(fences), tier, run_id, paths)
 
     def _delete(self, run: Run) -> None:
         """The run's files unlinked; views of it a lookup still holds stay valid (its maps close with them)."""
@@ -254,24 +240,3 @@ class SortedRuns:
             path.unlink(missing_ok=True)
         with self._lock:
             self._ids.append(run.id)
-
-
-def _mapped(path: Path) -> mmap.mmap:
-    """The file mapped read-only, without read-around: a page fault reads its page, not the 128 KiB around it
-    (rows are looked up at random; read-around filled the page cache with neighbours nobody asked for)."""
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    mapped.madvise(mmap.MADV_RANDOM)
-    return mapped
-
-
-def _prefetch(mapped: mmap.mmap, offsets: np.ndarray, size: int) -> None:
-    """Ask the kernel to read the pages of ``[offset, offset + size)`` for every offset now, all at once: the
-    disk serves them in parallel, where the page faults that follow would read one page at a time."""
-    if not len(offsets):
-        return
-    pages = np.unique(np.concatenate([offsets // PAGE, (offsets + size - 1) // PAGE]))
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    starts, ends = pages[np.r_[0, breaks]], pages[np.r_[breaks - 1, len(pages) - 1]] + 1
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        mapped.madvise(mmap.MADV_WILLNEED, a * PAGE, (b - a) * PAGE)

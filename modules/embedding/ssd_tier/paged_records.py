@@ -1,0 +1,109 @@
+"""A sorted run's records file (:mod:`modules.embedding.ssd_tier.sorted_runs`), laid out so that a lookup reads one page.
+
+    page p (4 KiB): records p·K … p·K + K − 1, each its int64 key (two float32 words) then its floats;
+                    K = ⌊4096 / record bytes⌋ (53 for a 16-wide row with row-wise Adagrad), the rest zeros
+
+A record never straddles two pages, and a page says which keys it holds, so a key's page (from the
+run's fences, each page's first key) is the only read a lookup makes. Keys and records in two files
+(keys, then records) cost a page of keys and a page of records instead: measured on the 2× benchmark,
+two random reads per row read back are what the step waits for (docs/scale.md). Pages are asked of
+the kernel in parallel (``madvise(WILLNEED)``) and the file is mapped without read-around.
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+
+PAGE = 4096
+
+
+class PagedRecords:
+    """A run's records file: page p (:data:`PAGE` bytes) holds records p·K … p·K + K − 1, each its int64 key (as
+    two float32 words) then its ``width`` floats, K = ⌊PAGE / record⌋, the rest of the page zeros — so a
+    record never straddles two pages, and a page says which keys it holds. ``[a:b]``: the records (without
+    their keys) of positions a … b − 1, read in order."""
+
+    def __init__(self, mapped: mmap.mmap | None, n: int, width: int) -> None:
+        self.n, self.width, self.stride = n, width, 2 + width
+        self.per_page = per_page(width)
+        self.flat = np.frombuffer(mapped, dtype=np.float32) if mapped is not None else np.zeros(0, np.float32)
+        self.map = mapped
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        a, b, _ = rows.indices(self.n)
+        if a >= b:
+            return np.zeros((0, self.width), np.float32)
+        k, words = self.per_page, PAGE // 4
+        p0, p1 = a // k, (b - 1) // k + 1
+        pages = self.flat[p0 * words:p1 * words].reshape(p1 - p0, words)[:, :k * self.stride]
+        return pages.reshape(-1, self.stride)[a - p0 * k:b - p0 * k, 2:]
+
+    def find(self, keys: np.ndarray, fences: np.ndarray) -> np.ndarray:
+        """The records of ``keys`` (all in the run): the fences (each page's first key) give each key's page,
+        whose pages are asked of the kernel at once; a binary search of the page's inline keys (all keys at
+        once, ⌈log₂ K⌉ halvings) gives its place. One page read per key."""
+        k, words = self.per_page, PAGE // 4
+        page = np.searchsorted(fences, keys, side="right") - 1
+        prefetch(self.map, page * PAGE, PAGE)
+        base = page * words
+        lo, hi = np.zeros(len(keys), np.int64), np.minimum(k, self.n - page * k)
+        while True:
+            active = lo < hi
+            if not active.any():
+                break
+            mid = (lo + hi) >> 1
+            less = self._key(base + np.minimum(mid, hi - 1) * self.stride) < keys
+            lo = np.where(active & less, mid + 1, lo)
+            hi = np.where(active & ~less, mid, hi)
+        at = base + np.minimum(lo, k - 1) * self.stride
+        if not np.array_equal(self._key(at), keys):
+            raise RuntimeError("a sorted run lacks keys its index places there")
+        return self.flat[(at + 2)[:, None] + np.arange(self.width)]
+
+    def _key(self, at: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(self.flat[at[:, None] + np.arange(2)]).view(np.int64).reshape(-1)
+
+
+def per_page(width: int) -> int:
+    """Records of ``width`` floats (+ their key) in one page."""
+    return max(1, PAGE // ((2 + width) * 4))
+
+
+def paged(keys: np.ndarray, records: np.ndarray, width: int) -> bytes:
+    """Whole pages of ``keys`` and ``records`` (:class:`PagedRecords`), the last one padded."""
+    k, stride = per_page(width), 2 + width
+    n = len(keys)
+    pages = -(-n // k)
+    out = np.zeros((pages * k, stride), np.float32)
+    out[:n, :2] = np.ascontiguousarray(keys, dtype=np.int64).view(np.float32).reshape(n, 2)
+    out[:n, 2:] = records
+    buf = np.zeros((pages, PAGE // 4), np.float32)
+    buf[:, :k * stride] = out.reshape(pages, k * stride)
+    return buf.tobytes()
+
+
+def mapped(path: Path) -> mmap.mmap:
+    """The file mapped read-only, without read-around: a page fault reads its page, not the 128 KiB around it
+    (rows are looked up at random; read-around filled the page cache with neighbours nobody asked for)."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
+
+
+def prefetch(mapped: mmap.mmap, offsets: np.ndarray, size: int) -> None:
+    """Ask the kernel to read the pages of ``[offset, offset + size)`` for every offset now, all at once: the
+    disk serves them in parallel, where the page faults that follow would read one page at a time."""
+    if not len(offsets):
+        return
+    pages = np.unique(np.concatenate([offsets // PAGE, (offsets + size - 1) // PAGE]))
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts, ends = pages[np.r_[0, breaks]], pages[np.r_[breaks - 1, len(pages) - 1]] + 1
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        mapped.madvise(mmap.MADV_WILLNEED, a * PAGE, (b - a) * PAGE)
