@@ -45,15 +45,17 @@ def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factor
 
 
 def test_runs_of_a_tier_are_merged_into_the_next(tmp_path):
-    runs = SortedRuns(tmp_path / "t", WIDTH, 10, 100)
-    for step in range(4 * 4):  # 16 seals of 10 keys: four merges into tier 1, one into tier 2
+    fan_in = sorted_runs.FAN_IN
+    seals = fan_in * fan_in  # F seals of 10 keys: F merges into tier 1, then one into tier 2
+    runs = SortedRuns(tmp_path / "t", WIDTH, 10, seals * 5 + 10)
+    for step in range(seals):
         keys = np.arange(step * 5, step * 5 + 10, dtype=np.int64)  # half of each overlaps the one before
         runs.put(keys, np.full((10, WIDTH), step, np.float32))
         runs.wait()
     assert [r.tier for r in runs.runs] == [2]
-    assert len(runs.runs[0].keys) == 15 * 5 + 10  # duplicates dropped
-    found, got = runs.find(np.array([0, 7, 84], dtype=np.int64))
-    assert found.all() and got[:, 0].tolist() == [0, 1, 15]  # the newest wins
+    assert len(runs.runs[0].keys) == (seals - 1) * 5 + 10  # duplicates dropped
+    found, got = runs.find(np.array([0, 7, (seals - 1) * 5 + 9], dtype=np.int64))
+    assert found.all() and got[:, 0].tolist() == [0, 1, seals - 1]  # the newest wins
     assert len(list(tmp_path.glob("t.run*"))) == 2  # the merged runs' files were deleted
 
 
@@ -70,7 +72,7 @@ def test_rows_evicted_again_while_a_merge_runs_keep_their_newest_record(tmp_path
     monkeypatch.setattr(sorted_runs, "merged_blocks", slow_merge)
     runs = SortedRuns(tmp_path / "t", WIDTH, 4, 100)
     keys = np.arange(4, dtype=np.int64)
-    for step in range(4):  # four seals of keys 0-3: a merge starts, and waits
+    for step in range(sorted_runs.FAN_IN):  # a tier's worth of seals of keys 0-3: a merge starts, and waits
         runs.put(keys, np.full((4, WIDTH), step, np.float32))
     assert held.wait(30)
     runs.put(keys, np.full((4, WIDTH), 9, np.float32))  # sealed while the merge runs: newer than its output
