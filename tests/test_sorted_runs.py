@@ -4,13 +4,20 @@ hands over exactly the newest record of every key, once, in ascending key order.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from modules.embedding.row_init import RowInit
+from modules.embedding.ssd_tier import bloom as bloom_module
 from modules.embedding.ssd_tier import sorted_runs
+from modules.embedding.ssd_tier.backing import BackingTable
+from modules.embedding.ssd_tier.bloom import BloomFilter
+from modules.embedding.ssd_tier.row_cache import WAYS, RowCache
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
 WIDTH = 3
@@ -23,7 +30,7 @@ batches = st.lists(st.sets(st.integers(0, 300), min_size=1, max_size=40), min_si
 def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factory, monkeypatch, batches, capacity,
                                                                  block, width):
     monkeypatch.setattr(sorted_runs, "BLOCK", block)  # merges and the write home in many blocks
-    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", width, capacity, 320)  # 204, 5 or 1 records a page
+    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", width, capacity)  # 204, 5 or 1 records a page
     newest: dict[int, np.ndarray] = {}
     for step, keys in enumerate(batches):
         keys = np.array(sorted(keys), dtype=np.int64)
@@ -47,7 +54,7 @@ def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factor
 def test_runs_of_a_tier_are_merged_into_the_next(tmp_path):
     fan_in = sorted_runs.FAN_IN
     seals = fan_in * fan_in  # F seals of 10 keys: F merges into tier 1, then one into tier 2
-    runs = SortedRuns(tmp_path / "t", WIDTH, 10, seals * 5 + 10)
+    runs = SortedRuns(tmp_path / "t", WIDTH, 10)
     for step in range(seals):
         keys = np.arange(step * 5, step * 5 + 10, dtype=np.int64)  # half of each overlaps the one before
         runs.put(keys, np.full((10, WIDTH), step, np.float32))
@@ -60,7 +67,7 @@ def test_runs_of_a_tier_are_merged_into_the_next(tmp_path):
 
 
 def test_rows_evicted_again_while_a_merge_runs_keep_their_newest_record(tmp_path, monkeypatch):
-    """A merge in the background must not point ``where`` at its output for keys a newer run took meanwhile."""
+    """A merge in the background must not hide a newer run's records of the same keys."""
     held, release = threading.Event(), threading.Event()
     blocks = sorted_runs.merged_blocks
 
@@ -70,7 +77,7 @@ def test_rows_evicted_again_while_a_merge_runs_keep_their_newest_record(tmp_path
         yield from blocks(sources)
 
     monkeypatch.setattr(sorted_runs, "merged_blocks", slow_merge)
-    runs = SortedRuns(tmp_path / "t", WIDTH, 4, 100)
+    runs = SortedRuns(tmp_path / "t", WIDTH, 4)
     keys = np.arange(4, dtype=np.int64)
     for step in range(sorted_runs.FAN_IN):  # a tier's worth of seals of keys 0-3: a merge starts, and waits
         runs.put(keys, np.full((4, WIDTH), step, np.float32))
@@ -81,3 +88,35 @@ def test_rows_evicted_again_while_a_merge_runs_keep_their_newest_record(tmp_path
     assert [r.tier for r in runs.runs] == [0, 1]
     found, got = runs.find(keys)
     assert found.all() and got[:, 0].tolist() == [9, 9, 9, 9]
+
+
+def test_bloom_filter_has_no_false_negatives_and_about_its_stated_false_positives():
+    rng = np.random.default_rng(0)
+    keys = np.unique(rng.integers(0, 1 << 40, 20_000))
+    bloom = BloomFilter(keys)
+    assert bloom.may_hold(keys).all()
+    rate = bloom.may_hold(rng.integers(1 << 41, 1 << 42, 50_000)).mean()
+    k, b = bloom_module.HASHES, bloom_module.BITS_PER_KEY
+    assert 0.3 * (1 - math.exp(-k / b)) ** k < rate < 2 * (1 - math.exp(-k / b)) ** k  # 1.2 % at b = 10, k = 4
+
+
+def test_a_row_cache_whose_runs_outgrow_their_bound_writes_them_home_and_keeps_every_update(tmp_path):
+    """Many more distinct rows than slots, updated at random: evicted to the runs, read back, written home when
+    the runs pass RUN_RECORDS_PER_SLOT records a slot; after a flush the table holds each row's last value."""
+    rows, slots = 5_000, 2 * WAYS
+    table = BackingTable(torch.zeros(rows, 2), [], RowInit(0, 0.0, ((0, rows, 0),)))
+    cache = RowCache([table], [torch.zeros(slots, 2)], [[]], "lru", runs=tmp_path / "t")
+    last = np.zeros((rows, 2), np.float32)
+    rng = np.random.default_rng(1)
+    sweeps = 0
+    for step in range(1, 400):
+        ids = torch.from_numpy(np.unique(rng.integers(0, rows, 20)))
+        slot, tab = cache.assign(ids, dirty=True)
+        local = cache.local_slots(slot, tab)
+        np.testing.assert_array_equal(cache.weights[0][local].numpy(), last[ids.numpy()])  # read back exactly
+        cache.weights[0][local] += torch.tensor([1.0, float(step)])  # the kernel's update
+        last[ids.numpy()] += [1.0, step]
+        sweeps += cache.runs.records == 0 and step > 1
+    assert sweeps > 0  # the bound was reached and the runs went home
+    cache.flush()
+    np.testing.assert_array_equal(table.weights.numpy(), last)

@@ -29,9 +29,9 @@ def _cpu(ddr_gb: float, ssd_path: str | None, cache_mb: float | None = None, **o
 def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_hold_them(tmp_path):
     # bytes with row-wise Adagrad: rows · 4 · (16 + 1)
     tables = [TableInfo("a", 1_000, 16), TableInfo("b", 10_000, 16), TableInfo("c", 100, 16)]
-    budget = 236_050  # holds a (68,000 B) and c (6,800 B), not b (680,000 B); 150,000 B left for b's row cache
-    # once its index (a byte and a bit per row: 11,250 B) is taken
-    slot = 68 + 25 + (68 + 8) / 4  # a cache slot: the row with its state, the cache's bookkeeping, a quarter record (memtable)
+    budget = 226_050  # holds a (68,000 B) and c (6,800 B), not b (680,000 B); 150,000 B left for b's row cache
+    # once its written bits (1,250 B) are taken
+    slot = 68 + 25 + (68 + 8) / 4 + 20  # a slot: the row with its state, bookkeeping, memtable share, run filters
     ddr = budget / 0.75 / GB
     placed = place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad")
     assert {n: p.tier for n, p in placed.items()} == {"a": "host", "b": "ssd", "c": "host"}

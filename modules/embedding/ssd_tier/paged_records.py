@@ -44,15 +44,17 @@ class PagedRecords:
         pages = self.flat[p0 * words:p1 * words].reshape(p1 - p0, words)[:, :k * self.stride]
         return pages.reshape(-1, self.stride)[a - p0 * k:b - p0 * k, 2:]
 
-    def find(self, keys: np.ndarray, fences: np.ndarray) -> np.ndarray:
-        """The records of ``keys`` (all in the run): the fences (each page's first key) give each key's page,
-        whose pages are asked of the kernel at once; a binary search of the page's inline keys (all keys at
-        once, ⌈log₂ K⌉ halvings) gives its place. One page read per key."""
+    def find(self, keys: np.ndarray, fences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found [n] bool, their records) of ``keys`` ascending: the fences (each page's first key) give each
+        key's page, whose pages are asked of the kernel at once; a binary search of the page's inline keys
+        (all keys at once, ⌈log₂ K⌉ halvings) gives its place. One page read per key."""
         k, words = self.per_page, PAGE // 4
         page = np.searchsorted(fences, keys, side="right") - 1
-        prefetch(self.map, page * PAGE, PAGE)
+        inside = page >= 0
+        page = np.maximum(page, 0)
+        prefetch(self.map, np.unique(page[inside]) * PAGE, PAGE)
         base = page * words
-        lo, hi = np.zeros(len(keys), np.int64), np.minimum(k, self.n - page * k)
+        lo, hi = np.zeros(len(keys), np.int64), np.where(inside, np.minimum(k, self.n - page * k), 0)
         while True:
             active = lo < hi
             if not active.any():
@@ -61,10 +63,11 @@ class PagedRecords:
             less = self._key(base + np.minimum(mid, hi - 1) * self.stride) < keys
             lo = np.where(active & less, mid + 1, lo)
             hi = np.where(active & ~less, mid, hi)
-        at = base + np.minimum(lo, k - 1) * self.stride
-        if not np.array_equal(self._key(at), keys):
-            raise RuntimeError("a sorted run lacks keys its index places there")
-        return self.flat[(at + 2)[:, None] + np.arange(self.width)]
+        last = np.maximum(np.minimum(k, self.n - page * k) - 1, 0)
+        at = base + np.minimum(lo, last) * self.stride
+        found = inside & (self._key(at) == keys) if len(keys) else np.zeros(0, bool)
+        at = at[found]
+        return found, self.flat[(at + 2)[:, None] + np.arange(self.width)]
 
     def _key(self, at: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.flat[at[:, None] + np.arange(2)]).view(np.int64).reshape(-1)

@@ -41,7 +41,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from modules.embedding.ssd_tier.backing import MEMTABLE_PER_SLOTS, BackingTable, CacheStats, records, split_records
+from modules.embedding.ssd_tier.backing import (MEMTABLE_PER_SLOTS, RUN_RECORDS_PER_SLOT, BackingTable, CacheStats,
+                                                records, split_records)
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
 POLICIES = ("lru", "lfu")
@@ -84,8 +85,7 @@ class RowCache:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
         self._pending: Future | None = None
         width = max(self._record_floats(t) for t in range(len(self.tables)))
-        self.runs = (SortedRuns(runs, width, self.slots // MEMTABLE_PER_SLOTS, int(self.first[-1]) + self.tables[-1].rows)
-                     if runs is not None else None)
+        self.runs = SortedRuns(runs, width, self.slots // MEMTABLE_PER_SLOTS) if runs is not None else None
 
     @property
     def slots(self) -> int:
@@ -228,6 +228,9 @@ class RowCache:
                 data = records(self.weights[t][local], [cache[local] for cache in self.states[t]])
                 out[a:b, :data.shape[1]] = data
             self.runs.put(ids.numpy(), out)
+            if self.runs.records > RUN_RECORDS_PER_SLOT * self.slots:  # bounded: home, in one sweep
+                self.drain()
+                self.runs.write_home(self._store_home)
         else:
             jobs = []
             for t, a, b in spans:
@@ -242,7 +245,7 @@ class RowCache:
 
     def _store_home(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Records of rows ``keys`` (linear, ascending) into their places in the files."""
-        ids, values = torch.from_numpy(keys), torch.from_numpy(values)
+        ids, values = torch.from_numpy(np.array(keys)), torch.from_numpy(np.array(values))  # a run's mapped bytes: copied
         for t, a, b in self._spans(ids):
             table = self.tables[t]
             weights, states = split_records(values[a:b], table.weights.shape[1], table.states)

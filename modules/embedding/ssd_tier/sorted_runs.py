@@ -5,9 +5,11 @@ files are brought up to date.
                     ─ full ─► a run: its keys sorted (one file), and the records in pages, each after
                               its key (another) — sequential writes
     runs of one tier, F of them ─► one run of the next tier (a merge: F runs read and one written, in key order)
-    a row missed again: the memtable, else the run a byte per key names (``where``): the run's fences
-                        (each page's first key, in memory) give its page, the keys inline there its record
-    flush: the memtable and every run merged in key order into the home files — one sweep in file order
+    a row missed again: the memtable, else the runs newest first, each asked only if its Bloom filter
+                        may hold the key (:mod:`.bloom`): the run's fences (each page's first key, in
+                        memory) give its page, the keys inline there its record
+    flush, or the runs past RUN_RECORDS_PER_SLOT records a cache slot: the memtable and every run merged
+                        in key order into the home files — one sweep in file order
 
 A key is a row's linear id (the first row of its table in the cache + the row); a record is its weights
 and optimizer state, float32, padded to the widest table of the cache. The newest record of a key wins.
@@ -21,19 +23,21 @@ updated and evicted once an epoch (docs/scale.md). Sorted, every byte moves in o
 sequential merges, and one sweep of the files when something reads them.
 
 Cost: a record is rewritten once per tier, about log_F(records since the flush / M) + 1 times; the runs
-hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged); a lookup
-reads one page, whatever the number of runs (a record never straddles two pages: :class:`PagedRecords`);
+hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged), at most
+16 records a cache slot; a lookup reads one page in the run that holds the key (and in about 1 % of the
+others: the filters' false positives; a record never straddles two pages: :class:`PagedRecords`);
 the pages all rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``), so the
 disk reads them in parallel where page faults would read them one at a time; the mappings take no
-read-around (``MADV_RANDOM``). Memory: ``where`` (a byte per key of the tables: which run, if any,
-holds its newest record), the fences (8 bytes per page of records), the
-memtable and one merge block (F × :data:`BLOCK` records); the runs are memory-mapped (page cache,
-clean, reclaimable). At most 254 runs live at once (tiers keep them far fewer).
+read-around (``MADV_RANDOM``). Memory: the filters (10 bits a record), the fences (8 bytes per page of
+records), the memtable and one merge block (F × :data:`BLOCK` records) — per cache slot, counted by
+placement (:func:`modules.embedding.ssd_tier.backing.slot_bytes`); the runs are memory-mapped (page
+cache, clean, reclaimable).
 
-F = 16: since ``where`` sends a lookup to one run, the number of runs costs lookups nothing, and merges
-only drop duplicates and keep the run count bounded; they compete with lookups for the disk (a merge
-thread busy 44 % of a 2× run at F = 4). At F = 16 the 2× frequency-ordered benchmark ran 17 % faster
-than at F = 4 (15,067 against 12,849 samples/s, 400 steps, docs/scale.md).
+F = 16: with the filters, a lookup reads from one run whatever their number; merges drop duplicates and
+keep the runs few, and compete with lookups for the disk (a merge thread busy 44 % of a 2× run at
+F = 4). At F = 16 the 2× frequency-ordered benchmark ran 17 % faster than at F = 4 (15,067 against
+12,849 samples/s, 400 steps, docs/scale.md; then with a byte per table row naming each key's run
+instead of the filters, which at tables 8× the limit took more memory than the caches).
 
 Sources: O'Neil, Cheng, Gawlick, O'Neil, "The Log-Structured Merge-Tree (LSM-Tree)", Acta Informatica
 1996; size-tiered compaction as in Bigtable, Cassandra and RocksDB's universal compaction.
@@ -51,6 +55,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from modules.embedding.ssd_tier.bloom import BloomFilter
 from modules.embedding.ssd_tier.paged_records import PAGE, PagedRecords, mapped, paged, per_page
 
 FAN_IN = 16            # runs of one tier merged into one of the next
@@ -62,17 +67,21 @@ MEMTABLE_CHUNKS = 16   # the memtable's batches of records compacted into one pa
 class Run:
     """A sorted run on disk: ``keys`` int64 [n] ascending and unique (read in order by merges), ``records`` in
     pages with their keys inline (:class:`PagedRecords`, read by lookups), both memory-mapped; each page's
-    first key in memory (``fences``); its number in ``where`` (``id``)."""
+    first key (``fences``) and a Bloom filter of its keys in memory."""
 
     keys: np.ndarray
     records: PagedRecords
     fences: np.ndarray
+    bloom: BloomFilter
     tier: int
-    id: int
     paths: tuple[Path, Path]
 
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        return self.records.find(keys, self.fences)
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found [n] bool, their records) of ``keys`` ascending: the filter first, a page read for the rest."""
+        found = self.bloom.may_hold(keys)
+        hit, records = self.records.find(keys[found], self.fences)
+        found[found] = hit
+        return found, records
 
 
 Source = tuple[np.ndarray, np.ndarray]  # (keys ascending and unique, records): a run or a memtable batch
@@ -107,17 +116,14 @@ def merged_blocks(sources: Sequence[Source]) -> Iterator[Source]:
 
 class SortedRuns:
     """The evicted records of one row cache (module docstring): :meth:`put` them, :meth:`find` them again,
-    :meth:`write_home` them. Keys are below ``keys``. Merges run in a background thread; runs and ``where``
-    change under a lock."""
+    :meth:`write_home` them. Merges run in a background thread; the list of runs changes under a lock."""
 
-    def __init__(self, stem: Path, width: int, memtable_records: int, keys: int) -> None:
+    def __init__(self, stem: Path, width: int, memtable_records: int) -> None:
         self.stem, self.width, self.capacity = Path(stem), width, max(1, memtable_records)
         self.memtable: list[Source] = []  # oldest first
         self.memtable_records = 0
         self.runs: list[Run] = []         # newest first; tiers never decrease from newest to oldest
-        self.where = np.zeros(keys, dtype=np.uint8)  # the run holding a key's newest record (0: none)
         self.bytes_written = 0            # to run files, merges included
-        self._ids = list(range(255, 0, -1))
         self._lock = threading.Lock()
         self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-merge")
         self._merging: Future | None = None
@@ -142,15 +148,25 @@ class SortedRuns:
             hit = src_keys[at] == keys[left]
             out[left[hit]] = src_records[at[hit]]
             found[left[hit]] = True
-        left = np.flatnonzero(~found)
         with self._lock:
-            held = self.where[keys[left]]
-            runs = {r.id: r for r in self.runs}
-        for run_id in np.unique(held[held > 0]).tolist():
-            at = left[held == run_id]
-            out[at] = runs[run_id].find(keys[at])
-            found[at] = True
+            runs = list(self.runs)
+        for run in runs:
+            left = np.flatnonzero(~found)
+            if not len(left):
+                break
+            hit, records = run.find(keys[left])
+            out[left[hit]] = records
+            found[left[hit]] = True
         return found, out[found]
+
+    @property
+    def records(self) -> int:
+        """Records in the runs and the memtable (a key evicted twice counts twice until a merge)."""
+        return self.memtable_records + sum(len(r.keys) for r in self.runs)
+
+    @property
+    def filter_bytes(self) -> int:
+        return sum(r.bloom.nbytes for r in self.runs)
 
     def write_home(self, store: Callable[[np.ndarray, np.ndarray], None]) -> None:
         """Hand every key's newest record to ``store`` in blocks of ascending keys, then empty the store."""
@@ -165,7 +181,6 @@ class SortedRuns:
         for run in self.runs:
             self._delete(run)
         self.runs, self.memtable, self.memtable_records = [], [], 0
-        self.where[:] = 0
 
     def wait(self) -> None:
         """Wait for the merges under way (and raise their error, if any)."""
@@ -175,12 +190,9 @@ class SortedRuns:
 
     # -- runs -------------------------------------------------------------------------------------
     def _seal(self) -> None:
-        if not self._ids:  # every run number taken (tiers keep far fewer runs): let the merges catch up
-            self.wait()
         run = self._write_run(0, [newest_wins(self.memtable[::-1])])
         with self._lock:
             self.runs = [run, *self.runs]
-            self.where[run.keys] = run.id  # newer than any run before
         self.memtable, self.memtable_records = [], 0
         if self._merging is None or self._merging.done():
             self.wait()
@@ -201,10 +213,6 @@ class SortedRuns:
             with self._lock:
                 at = next(i for i, r in enumerate(self.runs) if r is group[0])
                 self.runs = [*self.runs[:at], merged, *self.runs[at + FAN_IN:]]
-                for a in range(0, len(merged.keys), 1 << 20):  # keys whose newest record was in the group
-                    keys = np.asarray(merged.keys[a:a + (1 << 20)])
-                    keys = keys[np.isin(self.where[keys], [r.id for r in group])]
-                    self.where[keys] = merged.id
             for run in group:
                 self._delete(run)
 
@@ -230,18 +238,15 @@ class SortedRuns:
         for temp, path in zip(temps, paths):
             os.replace(temp, path)
         self.bytes_written += n * 8 + -(-n // k) * PAGE
-        with self._lock:
-            run_id = self._ids.pop()
         if not n:
-            return Run(np.zeros(0, np.int64), PagedRecords(None, 0, self.width), np.zeros(0, np.int64), tier, run_id,
-                       paths)
+            empty = np.zeros(0, np.int64)
+            return Run(empty, PagedRecords(None, 0, self.width), empty, BloomFilter(empty), tier, paths)
         keys_map, records_map = (mapped(p) for p in paths)
-        return Run(np.frombuffer(keys_map, dtype=np.int64), PagedRecords(records_map, n, self.width),
-                   np.concatenate(fences), tier, run_id, paths)
+        keys = np.frombuffer(keys_map, dtype=np.int64)
+        bloom = BloomFilter(keys)  # the keys just written: still in the page cache
+        return Run(keys, PagedRecords(records_map, n, self.width), np.concatenate(fences), bloom, tier, paths)
 
     def _delete(self, run: Run) -> None:
         """The run's files unlinked; views of it a lookup still holds stay valid (its maps close with them)."""
         for path in run.paths:
             path.unlink(missing_ok=True)
-        with self._lock:
-            self._ids.append(run.id)
