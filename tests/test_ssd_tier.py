@@ -31,7 +31,7 @@ def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_h
     tables = [TableInfo("a", 1_000, 16), TableInfo("b", 10_000, 16), TableInfo("c", 100, 16)]
     budget = 226_050  # holds a (68,000 B) and c (6,800 B), not b (680,000 B); 150,000 B left for b's row cache
     # once its written bits (1,250 B) are taken
-    slot = 68 + 25 + (68 + 8) / 4 + 20  # a slot: the row with its state, bookkeeping, memtable share, run filters
+    slot = 68 + 17 + (68 + 8) / 8 + 16  # a slot: the row with its state, bookkeeping, memtable share, run filters
     ddr = budget / 0.75 / GB
     placed = place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad")
     assert {n: p.tier for n, p in placed.items()} == {"a": "host", "b": "ssd", "c": "host"}

@@ -10,18 +10,19 @@ import numpy as np
 import torch
 
 from modules.embedding.row_init import RowInit
+from modules.embedding.ssd_tier.bloom import BITS_PER_KEY
 
 
-MEMTABLE_PER_SLOTS = 8     # the sorted runs' memtable holds one evicted record per 8 cache slots
+MEMTABLE_PER_SLOTS = 16    # the sorted runs' memtable holds one evicted record per 16 cache slots
 RUN_RECORDS_PER_SLOT = 16  # the sorted runs hold at most 16 records per cache slot, then are written home
 ROW_INDEX_BYTES = 1 / 8    # per table row: whether it was ever written back
 
 
 def slot_bytes(row_bytes: float) -> float:
     """Host memory of one cache slot: its row (``row_bytes``, with the optimizer state), the cache's key, last
-    use, uses and dirty flag (25 bytes), its share of the memtable — records of row + 8-byte key, the
-    memtable and its sorted copy while it is sealed — and of the runs' Bloom filters (10 bits a record)."""
-    return row_bytes + 25 + 2 / MEMTABLE_PER_SLOTS * (row_bytes + 8) + RUN_RECORDS_PER_SLOT * 10 / 8
+    use, uses and dirty flag (8 + 4 + 4 + 1 bytes), its share of the memtable — records of row + 8-byte
+    key, the memtable and its sorted copy while it is sealed — and of the runs' Bloom filters."""
+    return row_bytes + 17 + 2 / MEMTABLE_PER_SLOTS * (row_bytes + 8) + RUN_RECORDS_PER_SLOT * BITS_PER_KEY / 8
 
 
 @dataclass

@@ -3,10 +3,10 @@
     m = BITS_PER_KEY · n bits, k = HASHES positions per key by double hashing:
         g_i(x) = (h1(x) + i · h2(x)) mod m,  i = 0 … k − 1
     h1, h2: the two halves of a 64-bit mix of the key (SplitMix64's finaliser)
-    false positives ≈ (1 − e^(−k/b))^k for b bits per key: 1.2 % at b = 10, k = 4; no false negatives
+    false positives ≈ (1 − e^(−k/b))^k for b bits per key: 2.4 % at b = 8, k = 4; no false negatives
 
 A lookup asks each run's filter before reading one of its pages, so a key costs a disk read only in the
-run that holds it (and in about one run in a hundred that does not). Memory: ``BITS_PER_KEY`` bits per
+run that holds it (and in about one run in forty that does not). Memory: ``BITS_PER_KEY`` bits per
 record in the runs — it grows with the evicted rows, not with the tables' rows, which is why it replaced
 a byte per table row naming each key's run (203 MB at tables 8× a 2 GiB limit: more than the caches).
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-BITS_PER_KEY = 10
+BITS_PER_KEY = 8
 HASHES = 4
 
 

@@ -76,8 +76,8 @@ class RowCache:
         self.first = torch.tensor([sum(t.rows for t in self.tables[:i]) for i in range(len(self.tables))])
         shape = (sum(sets), WAYS)
         self.keys = torch.full(shape, -1, dtype=torch.int64)
-        self.used = torch.zeros(shape, dtype=torch.int64)
-        self.uses = torch.zeros(shape, dtype=torch.int64)
+        self.used = torch.zeros(shape, dtype=torch.int32)  # the call that last used the slot (2^31 calls)
+        self.uses = torch.zeros(shape, dtype=torch.int32)
         self.dirty = torch.zeros(shape, dtype=torch.bool)
         self.written = np.zeros((sum(t.rows for t in self.tables) + 7) // 8, dtype=np.uint8)  # bit per linear id
         self.clock = 0
@@ -130,8 +130,8 @@ class RowCache:
         uniq, counts = torch.unique_consecutive(sets, return_counts=True)
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.arange(ids.numel()) - torch.repeat_interleave(starts, counts)
-        used, keys = self.used[uniq], self.keys[uniq]
-        score = used if self.policy == "lru" else (self.uses[uniq] << USE_BITS) | used
+        used, keys = self.used[uniq].long(), self.keys[uniq]
+        score = used if self.policy == "lru" else (self.uses[uniq].long() << USE_BITS) | used
         score = torch.where(keys < 0, -1, torch.where(used == self.clock, torch.iinfo(torch.int64).max, score))
         free = (used != self.clock).sum(dim=1)
         if bool((counts > free).any()):

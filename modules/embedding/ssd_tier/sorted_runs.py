@@ -24,11 +24,11 @@ sequential merges, and one sweep of the files when something reads them.
 
 Cost: a record is rewritten once per tier, about log_F(records since the flush / M) + 1 times; the runs
 hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged), at most
-16 records a cache slot; a lookup reads one page in the run that holds the key (and in about 1 % of the
+16 records a cache slot; a lookup reads one page in the run that holds the key (and in about 2 % of the
 others: the filters' false positives; a record never straddles two pages: :class:`PagedRecords`);
 the pages all rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``), so the
 disk reads them in parallel where page faults would read them one at a time; the mappings take no
-read-around (``MADV_RANDOM``). Memory: the filters (10 bits a record), the fences (8 bytes per page of
+read-around (``MADV_RANDOM``). Memory: the filters (8 bits a record), the fences (8 bytes per page of
 records), the memtable and one merge block (F × :data:`BLOCK` records) — per cache slot, counted by
 placement (:func:`modules.embedding.ssd_tier.backing.slot_bytes`); the runs are memory-mapped (page
 cache, clean, reclaimable).
