@@ -21,6 +21,7 @@ import numpy as np
 
 BITS_PER_KEY = 8
 HASHES = 4
+CHUNK = 1 << 16
 
 
 def _halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -37,8 +38,8 @@ class BloomFilter:
     def __init__(self, keys: np.ndarray) -> None:
         self.bits = np.uint64(max(64, BITS_PER_KEY * len(keys)))
         self.words = np.zeros(-(-int(self.bits) // 8), dtype=np.uint8)
-        if len(keys):
-            at = self._positions(keys).reshape(-1)
+        for a in range(0, len(keys), CHUNK):  # in chunks: a merged run's keys are millions (~100 B of temporaries each)
+            at = self._positions(np.asarray(keys[a:a + CHUNK])).reshape(-1)
             np.bitwise_or.at(self.words, at >> np.uint64(3), np.left_shift(1, at & np.uint64(7)).astype(np.uint8))
 
     @property
