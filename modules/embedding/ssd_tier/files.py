@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import hashlib
 import os
 from dataclasses import dataclass
@@ -37,21 +36,11 @@ from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, 
 from torchrec.distributed.types import CacheParams, DataType, ShardingPlan
 
 from modules.embedding.ssd_tier.cached_tbe import CachedRowsTBE
+from modules.embedding.ssd_tier.paged_records import MADV_RANDOM, MADVISE
 from modules.embedding.row_init import RowInit
 
 MARK = CacheParams(precision=DataType.FP32)
 FILE_NAME_MAX = 200
-MADV_RANDOM = 1  # <sys/mman.h>
-
-
-def _libc_madvise():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-
-
-_MADVISE = _libc_madvise()
 
 
 def mark_file_backed(plan: ShardingPlan, tables: set[str]) -> None:
@@ -85,8 +74,8 @@ def mapped_file(path: Path, elements: int) -> torch.Tensor:
     with open(path, "wb") as f:  # a fresh, sparse file of the right size
         f.truncate(elements * 4)
     table = torch.from_file(str(path), shared=True, size=elements, dtype=torch.float32)
-    if elements and _MADVISE is not None:
-        _MADVISE(ctypes.c_void_p(table.data_ptr()), ctypes.c_size_t(elements * 4), MADV_RANDOM)
+    if elements and MADVISE is not None:
+        MADVISE(ctypes.c_void_p(table.data_ptr()), ctypes.c_size_t(elements * 4), MADV_RANDOM)
     return table
 
 

@@ -4,18 +4,22 @@
                     K = ⌊4096 / record bytes⌋ (53 for a 16-wide row with row-wise Adagrad), the rest zeros
 
 A record never straddles two pages, and a page says which keys it holds, so a key's page (from the
-run's fences, each page's first key) is the only read a lookup makes. Keys and records in two files
-(keys, then records) cost a page of keys and a page of records instead: measured on the 2× benchmark,
-two random reads per row read back are what the step waits for (docs/scale.md). Pages are asked of
-the kernel in parallel (``madvise(WILLNEED)``) and the file is mapped without read-around.
+run's fences, each page's first key) is the only read a lookup makes; keys and records in two files
+cost a page of keys and a page of records instead. (Measured on the 2× benchmark: the same step time
+either way — the disk's queue, not the bytes, set the pace — so this halves the bytes read, not the
+time.) Pages are asked of the kernel in parallel (``madvise(WILLNEED)``: :func:`prefetch`, and
+:func:`prefetch_rows` for rows of the table files) and the file is mapped without read-around.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 from pathlib import Path
 
 import numpy as np
+import torch
 
 PAGE = 4096
 
@@ -100,13 +104,39 @@ def mapped(path: Path) -> mmap.mmap:
     return mapped
 
 
-def prefetch(mapped: mmap.mmap, offsets: np.ndarray, size: int) -> None:
-    """Ask the kernel to read the pages of ``[offset, offset + size)`` for every offset now, all at once: the
-    disk serves them in parallel, where the page faults that follow would read one page at a time."""
+def page_ranges(offsets: np.ndarray, size: int) -> list[tuple[int, int]]:
+    """The pages (first, past last) covering ``[offset, offset + size)`` for every offset, runs of adjacent pages
+    as one range."""
     if not len(offsets):
-        return
+        return []
     pages = np.unique(np.concatenate([offsets // PAGE, (offsets + size - 1) // PAGE]))
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
     starts, ends = pages[np.r_[0, breaks]], pages[np.r_[breaks - 1, len(pages) - 1]] + 1
-    for a, b in zip(starts.tolist(), ends.tolist()):
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def prefetch(mapped: mmap.mmap, offsets: np.ndarray, size: int) -> None:
+    """Ask the kernel to read the pages of ``[offset, offset + size)`` for every offset now, all at once: the
+    disk serves them in parallel, where the page faults that follow would read one page at a time."""
+    for a, b in page_ranges(offsets, size):
         mapped.madvise(mmap.MADV_WILLNEED, a * PAGE, (b - a) * PAGE)
+
+
+def _libc_madvise():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+
+
+MADVISE = _libc_madvise()  # for mappings Python's mmap did not make (torch.from_file); None off glibc/musl
+MADV_RANDOM, MADV_WILLNEED = 1, 3  # <sys/mman.h>
+
+
+def prefetch_rows(table: torch.Tensor, rows: np.ndarray) -> None:
+    """:func:`prefetch` for ``rows`` of a memory-mapped tensor (its first dimension), by address."""
+    if MADVISE is None or not len(rows) or not table.numel():
+        return
+    row_bytes = table.stride(0) * table.element_size()
+    for a, b in page_ranges(table.data_ptr() + rows.astype(np.int64) * row_bytes, table[0].numel() * table.element_size()):
+        MADVISE(ctypes.c_void_p(a * PAGE), ctypes.c_size_t((b - a) * PAGE), MADV_WILLNEED)

@@ -43,6 +43,7 @@ import torch
 
 from modules.embedding.ssd_tier.backing import (MEMTABLE_PER_SLOTS, RUN_RECORDS_PER_SLOT, BackingTable, CacheStats,
                                                 records, split_records)
+from modules.embedding.ssd_tier.paged_records import prefetch_rows
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
 POLICIES = ("lru", "lfu")
@@ -190,6 +191,8 @@ class RowCache:
             rows, on_file, drawn = ids[a:b] - self.first[t], from_file[a:b], ~written[a:b]
             if bool(on_file.any()):
                 r, s = rows[on_file], local[on_file]
+                for file in (table.weights, *table.states):  # every page at once, then gathered
+                    prefetch_rows(file, r.numpy())
                 self.weights[t][s] = table.weights[r]
                 for cache, file in zip(self.states[t], table.states):
                     cache[s] = file[r]
