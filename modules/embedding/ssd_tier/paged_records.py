@@ -45,6 +45,7 @@ class PagedRecords:
             return np.zeros((0, self.width), np.float32)
         k, words = self.per_page, PAGE // 4
         p0, p1 = a // k, (b - 1) // k + 1
+        self.map.madvise(mmap.MADV_WILLNEED, p0 * PAGE, (p1 - p0) * PAGE)  # read in order: one request, not page faults
         pages = self.flat[p0 * words:p1 * words].reshape(p1 - p0, words)[:, :k * self.stride]
         return pages.reshape(-1, self.stride)[a - p0 * k:b - p0 * k, 2:]
 
@@ -95,12 +96,14 @@ def paged(keys: np.ndarray, records: np.ndarray, width: int) -> bytes:
     return buf.tobytes()
 
 
-def mapped(path: Path) -> mmap.mmap:
-    """The file mapped read-only, without read-around: a page fault reads its page, not the 128 KiB around it
-    (rows are looked up at random; read-around filled the page cache with neighbours nobody asked for)."""
+def mapped(path: Path, at_random: bool) -> mmap.mmap:
+    """The file mapped read-only; ``at_random``: without read-around, so a page fault reads its page, not the
+    128 KiB around it (records are looked up at random; read-around filled the page cache with neighbours
+    nobody asked for). Files read in order (a run's keys) keep the kernel's read-ahead."""
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-    mapped.madvise(mmap.MADV_RANDOM)
+    if at_random:
+        mapped.madvise(mmap.MADV_RANDOM)
     return mapped
 
 

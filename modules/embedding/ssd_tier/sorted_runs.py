@@ -241,7 +241,7 @@ class SortedRuns:
         if not n:
             empty = np.zeros(0, np.int64)
             return Run(empty, PagedRecords(None, 0, self.width), empty, BloomFilter(empty), tier, paths)
-        keys_map, records_map = (mapped(p) for p in paths)
+        keys_map, records_map = mapped(paths[0], at_random=False), mapped(paths[1], at_random=True)
         keys = np.frombuffer(keys_map, dtype=np.int64)
         bloom = BloomFilter(keys)  # the keys just written: still in the page cache
         return Run(keys, PagedRecords(records_map, n, self.width), np.concatenate(fences), bloom, tier, paths)
