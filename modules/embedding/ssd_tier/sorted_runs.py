@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from modules.embedding.ssd_tier.bloom import BloomFilter
-from modules.embedding.ssd_tier.paged_records import PAGE, PagedRecords, mapped, paged, per_page
+from modules.embedding.ssd_tier.paged_records import PagedRecords, mapped, paged, per_page
 
 FAN_IN = 16            # runs of one tier merged into one of the next
 BLOCK = 1 << 13        # keys of one run in one block of a merge
@@ -123,7 +123,6 @@ class SortedRuns:
         self.memtable: list[Source] = []  # oldest first
         self.memtable_records = 0
         self.runs: list[Run] = []         # newest first; tiers never decrease from newest to oldest
-        self.bytes_written = 0            # to run files, merges included
         self._lock = threading.Lock()
         self._merger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-merge")
         self._merging: Future | None = None
@@ -237,7 +236,6 @@ class SortedRuns:
             rf.write(paged(*short, self.width))
         for temp, path in zip(temps, paths):
             os.replace(temp, path)
-        self.bytes_written += n * 8 + -(-n // k) * PAGE
         if not n:
             empty = np.zeros(0, np.int64)
             return Run(empty, PagedRecords(None, 0, self.width), empty, BloomFilter(empty), tier, paths)
