@@ -58,8 +58,8 @@ class PagedRecords:
         inside = page >= 0
         page = np.maximum(page, 0)
         prefetch(self.map, np.unique(page[inside]) * PAGE, PAGE)
-        base = page * words
-        lo, hi = np.zeros(len(keys), np.int64), np.where(inside, np.minimum(k, self.n - page * k), 0)
+        base, count = page * words, np.minimum(k, self.n - page * k)  # records in each key's page
+        lo, hi = np.zeros(len(keys), np.int64), np.where(inside, count, 0)
         while True:
             active = lo < hi
             if not active.any():
@@ -68,8 +68,7 @@ class PagedRecords:
             less = self._key(base + np.minimum(mid, hi - 1) * self.stride) < keys
             lo = np.where(active & less, mid + 1, lo)
             hi = np.where(active & ~less, mid, hi)
-        last = np.maximum(np.minimum(k, self.n - page * k) - 1, 0)
-        at = base + np.minimum(lo, last) * self.stride
+        at = base + np.minimum(lo, np.maximum(count - 1, 0)) * self.stride
         found = inside & (self._key(at) == keys) if len(keys) else np.zeros(0, bool)
         at = at[found]
         return found, self.flat[(at + 2)[:, None] + np.arange(self.width)]

@@ -232,8 +232,7 @@ class RowCache:
                 out[a:b, :data.shape[1]] = data
             self.runs.put(ids.numpy(), out)
             if self.runs.records > RUN_RECORDS_PER_SLOT * self.slots:  # bounded: home, in one sweep
-                self.drain()
-                self.runs.write_home(self._store_home)
+                self._runs_home()
         else:
             jobs = []
             for t, a, b in spans:
@@ -245,6 +244,11 @@ class RowCache:
         self._mark_written(ids)
         self.stats.rows_written += int(ids.numel())
         self.dirty.view(-1)[slots] = False
+
+    def _runs_home(self) -> None:
+        """The sorted runs' rows written to their places in the files, in one sweep in file order; the runs emptied."""
+        self.drain()
+        self.runs.write_home(self._store_home)
 
     def _store_home(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Records of rows ``keys`` (linear, ascending) into their places in the files."""
@@ -265,8 +269,7 @@ class RowCache:
         """Write the sorted runs' rows home, then every dirty row (they stay cached, clean): the files hold
         every row written since the start."""
         if self.runs is not None:
-            self.drain()
-            self.runs.write_home(self._store_home)
+            self._runs_home()
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
             self._write(self.keys.view(-1)[slots], slots, home=True)

@@ -163,10 +163,6 @@ class SortedRuns:
         """Records in the runs and the memtable (a key evicted twice counts twice until a merge)."""
         return self.memtable_records + sum(len(r.keys) for r in self.runs)
 
-    @property
-    def filter_bytes(self) -> int:
-        return sum(r.bloom.nbytes for r in self.runs)
-
     def write_home(self, store: Callable[[np.ndarray, np.ndarray], None]) -> None:
         """Hand every key's newest record to ``store`` in blocks of ascending keys, then empty the store."""
         self.wait()
