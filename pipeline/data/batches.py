@@ -146,8 +146,12 @@ class BatchLoader:
     def _global_order(self) -> np.ndarray | None:
         if not self.train:
             return None
-        rng = np.random.default_rng([self.seed, self.sampler.epoch])
-        return rng.permutation(len(self.arrays)).astype(np.int64)
+        # the permutation Generator.permutation(n) draws, in int32 where the rows fit (half the memory:
+        # 4 bytes a training row for the whole epoch; shuffling draws the same swaps for either type)
+        n = len(self.arrays)
+        order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+        np.random.default_rng([self.seed, self.sampler.epoch]).shuffle(order)
+        return order
 
     def local_rows(self, i: int, order: np.ndarray | None) -> tuple[np.ndarray, int]:
         """Row numbers of this rank's slice of global batch ``i`` and how many are real."""
@@ -155,7 +159,7 @@ class BatchLoader:
         stop = start + self.local_batch_size
         n = len(self.arrays)
         if order is not None:
-            return np.sort(order[start:stop]), self.local_batch_size
+            return np.sort(order[start:stop]).astype(np.int64), self.local_batch_size
         valid = max(0, min(stop, n) - start)
         rows = np.zeros(self.local_batch_size, dtype=np.int64)
         rows[:valid] = np.arange(start, start + valid)
