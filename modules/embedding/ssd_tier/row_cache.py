@@ -5,12 +5,13 @@ slots with each id remapped to its slot (:mod:`modules.embedding.ssd_tier.cached
 kernel's own. The cache is set-associative, as FBGEMM's ``lxu_cache`` is on GPU: each table has S_t
 sets of ``W`` ways, and its row ℓ may sit in set ``ℓ mod S_t`` (hashed ids are spread already;
 frequency-ordered ids put consecutive hot rows in different sets).
-For each batch (unique ids, sorted):
+For each batch (unique ids, sorted; looked up :data:`LOOKUP_CHUNK` ids at a time, so the temporaries
+stay bounded):
 
     hit     keys[set, way] = ℓ                       → that slot
     miss    the unpinned way of its set that the policy ranks first (empty ways before all):
               lfu (default): fewest uses since admission, ties by lru;  lru: least recently used
-              (LFU hit more on hashed and on frequency-ordered ids: benchmarks/row_cache_policy.py)
+              (LFU hit more on hashed and on frequency-ordered ids: :mod:`.set_victims`)
             a dirty victim is written back to the file first; the row is then read from the file —
             or, if it was never written there, drawn from its initialiser (:mod:`modules.embedding.row_init`):
             a file-backed table is never written whole, its file stays sparse until a checkpoint.
@@ -44,17 +45,14 @@ import torch
 from modules.embedding.ssd_tier.backing import (MEMTABLE_PER_SLOTS, RUN_RECORDS_PER_SLOT, BackingTable, CacheStats,
                                                 records, split_records)
 from modules.embedding.ssd_tier.paged_records import prefetch_rows
+from modules.embedding.ssd_tier.set_victims import POLICIES, CacheTooSmallError, choose_ways
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
-POLICIES = ("lru", "lfu")
+__all__ = ["CacheTooSmallError", "RowCache"]
 WAYS = 32
 MIN_SLOTS_PER_ID = 4   # cache rows per distinct row of one batch: a set overflows about never (placement's floor)
 BLOCK_ROWS = 1 << 16   # rows materialised at once
-USE_BITS = 40          # lfu score: uses << 40 | last use
-
-
-class CacheTooSmallError(RuntimeError):
-    """More distinct rows of one batch fall into one cache set than it has ways."""
+LOOKUP_CHUNK = 1 << 16  # ids looked up in their sets at once: [65,536, W] temporaries (~20 MB), not [all ids, W]
 
 
 class RowCache:
@@ -103,9 +101,11 @@ class RowCache:
         self.clock += 1
         table = torch.searchsorted(self.first, ids, right=True) - 1
         sets = self.set_offset[table] + (ids - self.first[table]) % self.nsets[table]
-        match = self.keys[sets] == ids[:, None]
-        hit = match.any(dim=1)
-        slot = sets * WAYS + match.to(torch.uint8).argmax(dim=1)
+        hit, slot = torch.empty(ids.numel(), dtype=torch.bool), torch.empty_like(ids)
+        for a in range(0, ids.numel(), LOOKUP_CHUNK):
+            match = self.keys[sets[a:a + LOOKUP_CHUNK]] == ids[a:a + LOOKUP_CHUNK, None]
+            hit[a:a + LOOKUP_CHUNK] = match.any(dim=1)
+            slot[a:a + LOOKUP_CHUNK] = sets[a:a + LOOKUP_CHUNK] * WAYS + match.to(torch.uint8).argmax(dim=1)
         hit_slots = slot[hit]
         self._touch(hit_slots, dirty, admitted=False)
         self.stats.lookups += int(ids.numel())
@@ -128,23 +128,9 @@ class RowCache:
     def _admit(self, ids: torch.Tensor, sets: torch.Tensor, dirty: bool) -> torch.Tensor:
         order = torch.argsort(sets, stable=True)
         ids, sets = ids[order], sets[order]
-        uniq, counts = torch.unique_consecutive(sets, return_counts=True)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(ids.numel()) - torch.repeat_interleave(starts, counts)
-        used, keys = self.used[uniq].long(), self.keys[uniq]
-        score = used if self.policy == "lru" else (self.uses[uniq].long() << USE_BITS) | used
-        score = torch.where(keys < 0, -1, torch.where(used == self.clock, torch.iinfo(torch.int64).max, score))
-        free = (used != self.clock).sum(dim=1)
-        if bool((counts > free).any()):
-            worst = int((counts - free).argmax())
-            raise CacheTooSmallError(
-                f"row cache: {int(counts[worst])} rows of one batch fall into one set of {WAYS} ways "
-                f"({int(free[worst])} free): the cache is too small for this batch (about {MIN_SLOTS_PER_ID}× "
-                f"its distinct rows per table are needed); raise topology.ssd.cache_mb or topology.ddr_cap_gb, "
-                f"or lower trainer.batch_size")
-        ways = torch.argsort(score, dim=1, stable=True)
-        owner = torch.repeat_interleave(torch.arange(uniq.numel()), counts)  # each miss's set, as a row of `ways`
-        victim = uniq[owner] * WAYS + ways[owner, rank]
+        victim = choose_ways(sets, self.keys, self.used, self.uses, self.clock, self.policy,
+                             f"about {MIN_SLOTS_PER_ID}× its distinct rows per table are needed; raise "
+                             f"topology.ssd.cache_mb or topology.ddr_cap_gb, or lower trainer.batch_size")
         old = self.keys.view(-1)[victim]
         back = self.dirty.view(-1)[victim] & (old >= 0)
         if bool(back.any()):

@@ -1,0 +1,65 @@
+"""Which way of its cache set each missed row takes: the row cache's eviction policy
+(:mod:`modules.embedding.ssd_tier.row_cache`), over a set-associative slot array of ``W`` ways a set.
+
+For the sets that missed rows in this call, each way is scored
+
+    score[set, way] = −1                  the way is empty
+                      +∞                  pinned: the batch under way uses it (its last use is this call)
+                      used                lru: the call that last used it
+                      uses·2^40 + used    lfu (default): uses since admission, ties by last use
+
+and the k-th missed row of a set (k = 0, 1, …) takes the way of rank k in ascending score. More missed
+rows in a set than it has unpinned ways cannot all be resident: :class:`CacheTooSmallError`.
+
+The scores are [sets, W] int64 temporaries: the sets are scored :data:`SETS_PER_CHUNK` at a time, so a
+call's temporaries stay at tens of MB whatever its misses (scored all at once, a step of ~400,000
+distinct rows held ~400 MB of them — more than the cache it was choosing slots in). Sets are
+independent: chunking changes no choice.
+
+Sources: FBGEMM ``lxu_cache`` (LRU / LFU over cache sets, the GPU TBE's cache), HierarchicalKV (scored
+eviction); LFU hit more than LRU on both id orders measured (``benchmarks/row_cache_policy.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+POLICIES = ("lru", "lfu")
+USE_BITS = 40              # lfu score: uses << 40 | last use
+SETS_PER_CHUNK = 1 << 14   # sets scored at once: [16,384, W] int64 temporaries (4 MB at W = 32)
+
+
+class CacheTooSmallError(RuntimeError):
+    """More distinct rows of one batch fall into one cache set than it has ways."""
+
+
+def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, clock: int,
+                policy: str, floor_hint: str) -> torch.Tensor:
+    """The slot (set·W + way) each missed row takes. ``sets`` [M] the missed rows' sets, ascending;
+    ``keys`` / ``used`` / ``uses`` [S, W] the cache's key, last use and use count of every slot; ``clock``
+    this call; ``floor_hint`` ends the error message (what to raise). Returns [M] int64."""
+    ways = keys.shape[1]
+    uniq, counts = torch.unique_consecutive(sets, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(sets.numel()) - torch.repeat_interleave(starts, counts)
+    victim = torch.empty_like(sets)
+    for a in range(0, uniq.numel(), SETS_PER_CHUNK):
+        chunk = uniq[a:a + SETS_PER_CHUNK]
+        first, last = int(starts[a]), int(starts[a + chunk.numel() - 1] + counts[a + chunk.numel() - 1])
+        last_use = used[chunk]
+        pinned = last_use == clock
+        free = ways - pinned.sum(dim=1)
+        over = counts[a:a + chunk.numel()] - free
+        if bool((over > 0).any()):
+            worst = int(over.argmax())
+            raise CacheTooSmallError(
+                f"row cache: {int(counts[a + worst])} rows of one batch fall into one set of {ways} ways "
+                f"({int(free[worst])} free): the cache is too small for this batch: {floor_hint}")
+        score = last_use.long()
+        if policy == "lfu":
+            score |= uses[chunk].long() << USE_BITS
+        score.masked_fill_(pinned, torch.iinfo(torch.int64).max).masked_fill_(keys[chunk] < 0, -1)
+        order = torch.argsort(score, dim=1, stable=True)
+        owner = torch.repeat_interleave(torch.arange(chunk.numel()), counts[a:a + chunk.numel()])
+        victim[first:last] = chunk[owner] * ways + order[owner, rank[first:last]]
+    return victim
