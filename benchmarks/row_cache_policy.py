@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 from modules.sharding.placement import MIN_SLOTS_PER_ID  # noqa: E402
 from modules.embedding.row_init import RowInit  # noqa: E402
 from modules.embedding.ssd_tier.backing import BackingTable  # noqa: E402
-from modules.embedding.ssd_tier.row_cache import WAYS, CacheTooSmallError, RowCache  # noqa: E402
+from modules.embedding.ssd_tier.row_cache import WAYS, RowCache  # noqa: E402
+from modules.embedding.ssd_tier.set_victims import CacheTooSmallError  # noqa: E402
 from pipeline.config import compose_run_config  # noqa: E402
 from pipeline.data.sources import prepare_store  # noqa: E402
 

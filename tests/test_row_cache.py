@@ -14,7 +14,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 from modules.embedding.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
 from modules.optim.optimizers import OptimizerSpec
-from modules.embedding.ssd_tier.row_cache import CacheTooSmallError
+from modules.embedding.ssd_tier.set_victims import CacheTooSmallError
 from modules.embedding.row_init import RowInit, normal_rows
 from modules.sharding.planner import shard_model
 from modules.sharding.topology import SsdSpec, TopologySpec

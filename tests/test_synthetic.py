@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 from sklearn.metrics import roc_auc_score
 
 from pipeline.data.synthetic import CHUNK_ROWS, SyntheticConfig, SyntheticCriteo, _bounded_zipf, generate
@@ -69,3 +70,16 @@ def test_oracle_auc_matches_independent_computation(tmp_path):
     y = table.column("label").to_numpy()
     assert abs(roc_auc_score(y, prob) - summary["oracle_auc"]) < 1e-5
     assert 0.75 < summary["oracle_auc"] < 0.97
+
+
+def test_effect_rank_decay_moves_the_signal_to_frequent_ids_and_leaves_the_ids_alone():
+    """γ > 0 shrinks rare ids' effects: the same ids and dense values written, the logits closer to the bias
+    (the effects of every id but the most frequent one of a field shrink), and γ < 0 refused."""
+    base, decayed = SyntheticConfig(rows=30_000, seed=11), SyntheticConfig(rows=30_000, seed=11, effect_rank_decay=0.5)
+    (t0, p0), (t1, p1) = SyntheticCriteo(base).chunk(0, base.rows), SyntheticCriteo(decayed).chunk(0, decayed.rows)
+    for name in ("C1", "C10", "C26", "I1"):
+        assert t0.column(name).equals(t1.column(name))
+    logit = lambda p: np.log(p / (1 - p))  # noqa: E731
+    assert np.abs(logit(p1) - base.bias).mean() < 0.8 * np.abs(logit(p0) - base.bias).mean()
+    with pytest.raises(ValueError, match="effect_rank_decay"):
+        SyntheticConfig(effect_rank_decay=-1.0)

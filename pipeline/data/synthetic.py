@@ -16,10 +16,14 @@ Generative model (all per-id quantities come from a counter-based hash, so memor
   missing with probability q_j;
 * hidden logistic label model::
 
-      logit = b + Σ_f s_f·z_f(r_f) + c·Σ_{(f,g)∈P} <v_f(r_f), v_g(r_g)> + Σ_j d_j·u_j + e·u_1·u_5
+      logit = b + Σ_f s_f·w(r_f)·z_f(r_f) + c·Σ_{(f,g)∈P} w(r_f)·w(r_g)·<v_f(r_f), v_g(r_g)> + Σ_j d_j·u_j + e·u_1·u_5
       y ~ Bernoulli(sigmoid(logit))
 
-  with z, v, d standard-normal draws from the hash of (seed, field, rank) and u_j the standardised
+  with w(r) = max(r, 1)^(−γ) (``effect_rank_decay`` γ; default 0: every id's effect drawn alike): γ > 0 puts
+  the signal in the frequent ids and leaves the rare ones near noise — how id frequency relates to signal,
+  the axis on which batch-size recipes that move rare rows further may differ (docs/batch_scaling.md);
+
+  z, v, d are standard-normal draws from the hash of (seed, field, rank) and u_j the standardised
   log1p of the dense value (0 when missing). The AUC of sigmoid(logit) against the drawn labels is
   the oracle AUC: no model can do better on this data in expectation.
 
@@ -87,6 +91,7 @@ class SyntheticConfig:
     interaction_pairs: List[List[int]] = field(default_factory=lambda: [list(p) for p in INTERACTION_PAIRS])
     day: int = 0                 # the day of a drifting log (module docstring); its rows are drawn anew
     drift: float = 0.0           # share of each field's cardinality its ids climb per day
+    effect_rank_decay: float = 0.0  # γ: an id's effects × max(rank, 1)^(−γ) (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("cardinalities", "cat_missing", "dense_missing"):
@@ -101,6 +106,8 @@ class SyntheticConfig:
             raise ValueError(f"dense_missing needs {n_dense} entries (I1..I13)")
         if min(self.cardinalities) < 1:
             raise ValueError("every cardinality must be >= 1")
+        if self.effect_rank_decay < 0:
+            raise ValueError(f"effect_rank_decay={self.effect_rank_decay}: expected γ >= 0")
 
 
 def _bounded_zipf(u: np.ndarray, n: int, a: float) -> np.ndarray:
@@ -152,7 +159,7 @@ class SyntheticCriteo:
             columns[name] = pa.array(raw, mask=miss)
         logit += cfg.dense_effect * interacting_dense[0] * interacting_dense[1]
 
-        cat_ranks = []
+        cat_ranks, weights = [], []
         for f, name in enumerate(CATEGORICAL):
             card = cfg.cardinalities[f]
             r = _bounded_zipf(rng.random(n), card, cfg.zipf_exponent)
@@ -161,7 +168,8 @@ class SyntheticCriteo:
             r[~miss] += cfg.day * int(cfg.drift * card)  # the identity of rank r today (module docstring)
             cat_ranks.append(r)
             scale = cfg.field_effect if card <= 100_000 else cfg.high_cardinality_effect
-            logit += scale * to_normal(self._id_hash(f, r, 1))
+            weights.append(np.maximum(r, 1) ** -cfg.effect_rank_decay if cfg.effect_rank_decay else 1.0)
+            logit += scale * weights[f] * to_normal(self._id_hash(f, r, 1))
             ids = (self._id_hash(f, r, 2) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
             columns[name] = _hex_string_array(ids, miss)
 
@@ -170,7 +178,7 @@ class SyntheticCriteo:
             dot = np.zeros(n)
             for k in range(d):
                 dot += to_normal(self._id_hash(f, cat_ranks[f], 10 + k)) * to_normal(self._id_hash(g, cat_ranks[g], 10 + k))
-            logit += cfg.interaction_effect * dot / np.sqrt(d)
+            logit += cfg.interaction_effect * weights[f] * weights[g] * dot / np.sqrt(d)
 
         prob = 1.0 / (1.0 + np.exp(-logit))
         label = (rng.random(n) < prob).astype(np.int8)

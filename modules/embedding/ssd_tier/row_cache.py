@@ -45,10 +45,9 @@ import torch
 from modules.embedding.ssd_tier.backing import (MEMTABLE_PER_SLOTS, RUN_RECORDS_PER_SLOT, BackingTable, CacheStats,
                                                 records, split_records)
 from modules.embedding.ssd_tier.paged_records import prefetch_rows
-from modules.embedding.ssd_tier.set_victims import POLICIES, CacheTooSmallError, choose_ways
+from modules.embedding.ssd_tier.set_victims import POLICIES, choose_ways
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
-__all__ = ["CacheTooSmallError", "RowCache"]
 WAYS = 32
 MIN_SLOTS_PER_ID = 4   # cache rows per distinct row of one batch: a set overflows about never (placement's floor)
 BLOCK_ROWS = 1 << 16   # rows materialised at once
