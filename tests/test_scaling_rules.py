@@ -94,12 +94,15 @@ def test_the_embedding_warmup_reaches_fbgemms_fused_update():
     run_workers(_fused_sgd_steps, 1)
 
 
-def test_auto_is_none_up_to_the_base_batch_and_sqrt_above():
+def test_auto_is_none_up_to_the_base_batch_and_above_sqrt_with_a_linear_embedding_lr():
     from modules.optim.scaling_rules import resolve_rule
 
-    assert [resolve_rule("auto", s) for s in (0.5, 1, 2, 64)] == ["none", "none", "sqrt", "sqrt"]
-    assert resolve_rule("cowclip", 16) == "cowclip"
+    assert [resolve_rule("auto", s) for s in (0.5, 1, 2, 64)] == [("none", "rule"), ("none", "rule"),
+                                                                  ("sqrt", "linear"), ("sqrt", "linear")]
+    assert resolve_rule("auto", 16, "fixed") == ("sqrt", "fixed")  # an embedding LR rule set outright is kept
+    assert resolve_rule("cowclip", 16) == ("cowclip", "rule")
     for batch in (512, 1024, 16384, 65536):
+        s = batch / 1024
         auto = scale_hyperparameters("auto", batch, 1024, 8e-4, 1e-4, 1e-5)
-        same = scale_hyperparameters("none" if batch <= 1024 else "sqrt", batch, 1024, 8e-4, 1e-4, 1e-5)
-        assert auto == same
+        assert auto.dense_lr == pytest.approx(8e-4 * max(1.0, s) ** 0.5)
+        assert auto.embedding_lr == pytest.approx(1e-4 * max(1.0, s)) and auto.l2 == 1e-5

@@ -14,11 +14,13 @@ cowclip    lr · √s         lr (fixed)       λ · s
 CowClip's ζ stays fixed. Reference (Criteo, DeepFM, b0 = 1024, dense lr 8e-4, λ 1e-5): 8K → 22.63e-4
 and 8e-5; 32K → 45.25e-4 and 32e-5; 128K → 90.51e-4 and 128e-5.
 
-``auto`` picks a rule for the batch (:func:`resolve_rule`): ``none`` at s ≤ 1, ``sqrt`` above. Provisional,
-from measurements with a few epochs' budget (docs/batch_scaling.md): on 5M-row Criteo-format logs of another
-generator, 2 epochs, `sqrt` lost 0.0025 AUC at 16K where CowClip lost 0.0227, and 0.0238 against 0.0272 at
-64K; CowClip's wins here came with budgets of up to 10 epochs. It is to be chosen again by
-``benchmarks/time_to_auc.py`` over several generators.
+``auto`` picks the recipe for the batch (:func:`resolve_rule`): ``none`` at s ≤ 1; above, the dense LR × √s and
+the embedding LR × s (``sqrt`` with ``embedding_lr=linear``). Chosen by wall time to the 1K run's validation
+AUC (``benchmarks/time_to_auc.py``, docs/batch_scaling.md: 5M rows, Adam for both parts as the reference,
+the 1K run 2 epochs, the large batches up to 4, one seed): it reached the 1K run's best − 0.001 at 16K and 64K
+on both logs measured (3.1–10.3× sooner), where ``sqrt`` (the embedding LR × √s) and CowClip as published (the
+embedding LR fixed) did not reach it. With few epochs the tables are what falls behind: a row met in every batch gets s×
+fewer updates, and Adam's step does not grow with the summed gradient, so only the rate can make it up.
 
 ``embedding_lr`` overrides the rule's embedding column: ``fixed`` (lr), ``sqrt`` (lr · √s) or ``linear``
 (lr · s); ``rule`` keeps the rule's. CowClip with a scaled embedding rate is the recipe where the clip is what
@@ -52,7 +54,7 @@ def scale_hyperparameters(rule: str, batch_size: int, base_batch_size: int, dens
     if batch_size <= 0 or base_batch_size <= 0:
         raise ValueError("batch sizes must be positive")
     s = batch_size / base_batch_size
-    rule = resolve_rule(rule, s)
+    rule, embedding_lr_rule = resolve_rule(rule, s, embedding_lr_rule)
     if rule == "none":
         out = ScaledHyperparameters(s, dense_lr, embedding_lr, l2)
     elif rule == "sqrt":
@@ -67,11 +69,14 @@ def scale_hyperparameters(rule: str, batch_size: int, base_batch_size: int, dens
     return ScaledHyperparameters(s, out.dense_lr, embedding_lr * times, out.l2)
 
 
-def resolve_rule(rule: str, s: float) -> str:
-    """The rule ``auto`` stands for at scale ``s`` (module docstring); any other rule as it is."""
+def resolve_rule(rule: str, s: float, embedding_lr_rule: str = "rule") -> tuple[str, str]:
+    """(rule, embedding LR rule) that ``auto`` stands for at scale ``s`` (module docstring; an embedding LR rule
+    set outright is kept); any other rule as it is."""
     if rule != "auto":
-        return rule
-    return "none" if s <= 1 else "sqrt"
+        return rule, embedding_lr_rule
+    if s <= 1:
+        return "none", embedding_lr_rule
+    return "sqrt", "linear" if embedding_lr_rule == "rule" else embedding_lr_rule
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
