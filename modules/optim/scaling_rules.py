@@ -17,10 +17,11 @@ and 8e-5; 32K → 45.25e-4 and 32e-5; 128K → 90.51e-4 and 128e-5.
 ``auto`` picks the recipe for the batch (:func:`resolve_rule`): ``none`` at s ≤ 1; above, the dense LR × √s and
 the embedding LR × s (``sqrt`` with ``embedding_lr=linear``). Chosen by wall time to the 1K run's validation
 AUC (``benchmarks/time_to_auc.py``, docs/batch_scaling.md: 5M rows, Adam for both parts as the reference,
-the 1K run 2 epochs, the large batches up to 4): it reached the 1K run's best − 0.001 at 16K and 64K
-on both logs measured (3.0–10.3× sooner; two seeds on one log, one on the other), where ``sqrt`` (the embedding LR × √s) and CowClip as published (the
-embedding LR fixed) did not reach it. With few epochs the tables are what falls behind: a row met in every batch gets s×
-fewer updates, and Adam's step does not grow with the summed gradient, so only the rate can make it up.
+the 1K run 2 epochs, the large batches up to 4): it reached the 1K run's best − 0.001 at 16K and 64K on
+both logs measured (3.0–10.3× sooner; two seeds on one log, one on the other), where ``sqrt`` (the
+embedding LR × √s) and CowClip as published (the embedding LR fixed) did not reach it. With few epochs
+the tables are what falls behind: a row met in every batch gets s× fewer updates, and Adam's step does
+not grow with the summed gradient, so only the rate can make it up.
 
 ``embedding_lr`` overrides the rule's embedding column: ``fixed`` (lr), ``sqrt`` (lr · √s) or ``linear``
 (lr · s); ``rule`` keeps the rule's. CowClip with a scaled embedding rate is the recipe where the clip is what

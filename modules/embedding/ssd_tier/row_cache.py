@@ -51,6 +51,8 @@ from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 WAYS = 32
 MIN_SLOTS_PER_ID = 4   # cache rows per distinct row of one batch: a set overflows about never (placement's floor)
 BLOCK_ROWS = 1 << 16   # rows materialised at once
+TOO_SMALL_HINT = (f"about {MIN_SLOTS_PER_ID}× its distinct rows per table are needed; raise topology.ssd.cache_mb "
+                  f"or topology.ddr_cap_gb, or lower trainer.batch_size")  # ends CacheTooSmallError's message
 LOOKUP_CHUNK = 1 << 16  # ids looked up in their sets at once: [65,536, W] temporaries (~20 MB), not [all ids, W]
 
 
@@ -127,9 +129,7 @@ class RowCache:
     def _admit(self, ids: torch.Tensor, sets: torch.Tensor, dirty: bool) -> torch.Tensor:
         order = torch.argsort(sets, stable=True)
         ids, sets = ids[order], sets[order]
-        victim = choose_ways(sets, self.keys, self.used, self.uses, self.clock, self.policy,
-                             f"about {MIN_SLOTS_PER_ID}× its distinct rows per table are needed; raise "
-                             f"topology.ssd.cache_mb or topology.ddr_cap_gb, or lower trainer.batch_size")
+        victim = choose_ways(sets, self.keys, self.used, self.uses, self.clock, self.policy, TOO_SMALL_HINT)
         old = self.keys.view(-1)[victim]
         back = self.dirty.view(-1)[victim] & (old >= 0)
         if bool(back.any()):
