@@ -88,6 +88,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     project_cmd = [sys.executable, "-m", "pipeline.commands.train", *data_overrides, f"trainer.batch_size={args.batch}",
+                   "scaling=none",  # the plain baselines' rates, unscaled
                    f"trainer.max_epochs={args.epochs}", f"trainer.precision={args.precision}",
                    f"trainer.num_threads={args.threads}", "model.embedding_dim=16", "trainer.enable_progress_bar=false",
                    f"topology={'1gpu' if args.device == 'cuda' else 'cpu'}", f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db",

@@ -49,7 +49,7 @@ INIT_OPTIMIZER_PARTS = ("none", "embedding", "dense", "all")  # trainer.init_fro
 
 @dataclass
 class OptimConfig:
-    """``optim``: base hyperparameters, tuned for ``scaling.base_batch_size``."""
+    """``optim``: base hyperparameters, tuned for ``scaling.base_batch_size`` (each ``conf/optim`` file sets it)."""
 
     dense: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("adam", 1e-3))
     embedding: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("rowwise_adagrad", 0.01))
@@ -69,7 +69,7 @@ class ScalingConfig:
 
     rule: str = "none"
     base_batch_size: int = 1024
-    warmup_epochs: float = 0.0         # linear warmup of the dense LR (fractions allowed)
+    warmup_epochs: Optional[float] = 0.0  # linear warmup of the dense LR (epochs); None: 1 above the base batch
     embedding_lr: str = "rule"         # rule (the rule's) | fixed | sqrt | linear: the embedding LR's own scaling
     embedding_warmup_epochs: float = 0.0  # linear warmup of the embedding LR (fused tables too)
     cowclip: CowClipConfig = field(default_factory=CowClipConfig)
@@ -79,7 +79,7 @@ class ScalingConfig:
             raise ValueError(f"rule={self.rule!r}: expected one of {RULES}")
         if self.embedding_lr not in EMBEDDING_LR_RULES:
             raise ValueError(f"embedding_lr={self.embedding_lr!r}: expected one of {EMBEDDING_LR_RULES}")
-        if self.base_batch_size <= 0 or self.warmup_epochs < 0 or self.embedding_warmup_epochs < 0:
+        if self.base_batch_size <= 0 or (self.warmup_epochs or 0) < 0 or self.embedding_warmup_epochs < 0:
             raise ValueError(f"base_batch_size={self.base_batch_size}, warmup_epochs={self.warmup_epochs}, "
                              f"embedding_warmup_epochs={self.embedding_warmup_epochs}: expected a positive batch "
                              f"size and warmups >= 0")

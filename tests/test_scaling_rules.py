@@ -106,3 +106,25 @@ def test_auto_is_none_up_to_the_base_batch_and_above_sqrt_with_a_linear_embeddin
         auto = scale_hyperparameters("auto", batch, 1024, 8e-4, 1e-4, 1e-5)
         assert auto.dense_lr == pytest.approx(8e-4 * max(1.0, s) ** 0.5)
         assert auto.embedding_lr == pytest.approx(1e-4 * max(1.0, s)) and auto.l2 == 1e-5
+
+
+@pytest.mark.parametrize("batch, warmup, expected", [(1024, None, 0.0), (512, None, 0.0), (2048, None, 1.0),
+                                                     (65536, None, 1.0), (1024, 0.5, 0.5), (65536, 0.0, 0.0)])
+def test_warmup_none_means_one_epoch_above_the_base_batch_only(batch, warmup, expected):
+    for rule in ("auto", "sqrt", "none"):
+        assert scale_hyperparameters(rule, batch, 1024, 1e-3, 1e-2, 0.0, warmup_epochs=warmup).warmup_epochs == expected
+
+
+def test_the_default_leaves_a_run_at_its_optimizers_base_batch_as_tuned_and_scales_above_it():
+    from pipeline.config import compose_run_config
+    from pipeline.training.task import CTRTask
+
+    for overrides, base in (([], 4096), (["optim=reference"], 1024)):
+        for batch in (base // 2, base, 4 * base):
+            cfg = compose_run_config([*overrides, f"trainer.batch_size={batch}"])
+            assert (cfg.scaling.rule, cfg.scaling.base_batch_size) == ("auto", base)  # conf/config.yaml, conf/optim
+            task = CTRTask(cfg, cfg.topology.for_world(1, 1))
+            s = max(1.0, batch / base)  # auto: as tuned at or below the base batch; above, dense × √s, tables × s
+            assert (task.rates.dense, task.rates.embedding) == pytest.approx((cfg.optim.dense.lr * s ** 0.5,
+                                                                              cfg.optim.embedding.lr * s))
+            assert task.rates.dense_warmup_epochs == (1.0 if batch > base else 0.0)

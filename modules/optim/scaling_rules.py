@@ -38,16 +38,23 @@ RULES = ("none", "sqrt", "linear", "cowclip", "auto")
 EMBEDDING_LR_RULES = ("rule", "fixed", "sqrt", "linear")
 
 
+WARMUP_EPOCHS_ABOVE_BASE = 1.0  # ``warmup_epochs=None``: the dense LR's warmup when s > 1 (none at s ≤ 1)
+
+
 @dataclass(frozen=True)
 class ScaledHyperparameters:
     scale: float
     dense_lr: float
     embedding_lr: float
     l2: float
+    warmup_epochs: float  # of the dense LR
 
 
-def scale_hyperparameters(rule: str, batch_size: int, base_batch_size: int, dense_lr: float,
-                          embedding_lr: float, l2: float, embedding_lr_rule: str = "rule") -> ScaledHyperparameters:
+def scale_hyperparameters(rule: str, batch_size: int, base_batch_size: int, dense_lr: float, embedding_lr: float,
+                          l2: float, embedding_lr_rule: str = "rule",
+                          warmup_epochs: float | None = 0.0) -> ScaledHyperparameters:
+    """The rates and L2 for ``batch_size`` (table above); ``warmup_epochs=None``: one epoch of dense-LR warmup when
+    the batch is above the base batch, none at or below it (``auto``'s: a run at the base batch is left as tuned)."""
     if rule not in RULES:
         raise ValueError(f"scaling.rule={rule!r}: expected one of {RULES}")
     if embedding_lr_rule not in EMBEDDING_LR_RULES:
@@ -56,18 +63,14 @@ def scale_hyperparameters(rule: str, batch_size: int, base_batch_size: int, dens
         raise ValueError("batch sizes must be positive")
     s = batch_size / base_batch_size
     rule, embedding_lr_rule = resolve_rule(rule, s, embedding_lr_rule)
-    if rule == "none":
-        out = ScaledHyperparameters(s, dense_lr, embedding_lr, l2)
-    elif rule == "sqrt":
-        out = ScaledHyperparameters(s, dense_lr * math.sqrt(s), embedding_lr * math.sqrt(s), l2)
-    elif rule == "linear":
-        out = ScaledHyperparameters(s, dense_lr * s, embedding_lr * s, l2)
-    else:
-        out = ScaledHyperparameters(s, dense_lr * math.sqrt(s), embedding_lr, l2 * s)
-    if embedding_lr_rule == "rule":
-        return out
-    times = {"fixed": 1.0, "sqrt": math.sqrt(s), "linear": s}[embedding_lr_rule]
-    return ScaledHyperparameters(s, out.dense_lr, embedding_lr * times, out.l2)
+    if warmup_epochs is None:
+        warmup_epochs = WARMUP_EPOCHS_ABOVE_BASE if s > 1 else 0.0
+    dense_times, embedding_times, l2_times = {"none": (1.0, 1.0, 1.0), "sqrt": (math.sqrt(s), math.sqrt(s), 1.0),
+                                              "linear": (s, s, 1.0), "cowclip": (math.sqrt(s), 1.0, s)}[rule]
+    if embedding_lr_rule != "rule":
+        embedding_times = {"fixed": 1.0, "sqrt": math.sqrt(s), "linear": s}[embedding_lr_rule]
+    return ScaledHyperparameters(s, dense_lr * dense_times, embedding_lr * embedding_times, l2 * l2_times,
+                                 warmup_epochs)
 
 
 def resolve_rule(rule: str, s: float, embedding_lr_rule: str = "rule") -> tuple[str, str]:

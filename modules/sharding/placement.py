@@ -15,7 +15,7 @@ tier           kernel                where the table lives
 
 On CPU, the host budget is what the stated memory leaves for tables once the process itself is
 counted: ``nodes × (ddr_cap_gb × (1 − ddr_reserve) − ranks per node × process)``, where *process* is
-the memory the planning process holds (measured, :func:`own_resident_bytes`: Python,
+the memory the planning process holds (measured, :mod:`modules.sharding.resident_memory`: Python,
 torch and their libraries' code, the data's index, …) plus a step's working set (estimated from the model,
 :func:`modules.sharding.planner.step_bytes`); ``ddr_reserve`` is left to the page cache.
 Every table stays in host memory while the tables fit that budget (weights + optimizer state);
@@ -127,17 +127,6 @@ class Placement:
 
 def _gb(x: float) -> str:
     return f"{x / GB:,.1f} GB"
-
-
-def own_resident_bytes() -> int:
-    """What this process holds in memory: anonymous and file-backed resident pages (``RssAnon`` + ``RssFile``:
-    the heap, and the libraries' code and the data it has mapped, which a memory limit counts too as page
-    cache); 0 where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            return sum(int(line.split()[1]) * 1024 for line in f if line.startswith(("RssAnon:", "RssFile:")))
-    except OSError:
-        return 0
 
 
 def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,

@@ -43,7 +43,8 @@ from modules.embedding.sparse_arch import field_of
 from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
 from modules.embedding.row_init import DrawnLater, RowInit
 from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.sharding.placement import KERNELS, Placement, TableInfo, own_resident_bytes, place_tables
+from modules.sharding.placement import KERNELS, Placement, TableInfo, place_tables
+from modules.sharding.resident_memory import own_resident_bytes
 from modules.sharding.topology import GB, TopologySpec
 
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3

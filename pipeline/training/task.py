@@ -58,12 +58,12 @@ class CTRTask(L.LightningModule):
         self.data_parallel = not cfg.trainer.merging.enabled  # k-step merging averages the replicas itself
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
                                             cfg.optim.dense.lr, cfg.optim.embedding.lr, cfg.optim.embedding_l2,
-                                            cfg.scaling.embedding_lr)
+                                            cfg.scaling.embedding_lr, cfg.scaling.warmup_epochs)
         self.dense_optim = replace(cfg.optim.dense, lr=self.scaled.dense_lr)
         self.embedding_optim = replace(cfg.optim.embedding, lr=self.scaled.embedding_lr)
         self.cowclip_cfg = cfg.scaling.cowclip
         self.l2_scope = cfg.optim.embedding_l2_scope
-        self.rates = LearningRates(self.scaled.dense_lr, self.scaled.embedding_lr, cfg.scaling.warmup_epochs,
+        self.rates = LearningRates(self.scaled.dense_lr, self.scaled.embedding_lr, self.scaled.warmup_epochs,
                                    cfg.scaling.embedding_warmup_epochs)
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
         self.batch_rows = (cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank: training, evaluation
