@@ -41,6 +41,7 @@ import mmap
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -224,6 +225,7 @@ def table_scale(args: argparse.Namespace) -> None:
             if host is None or not args.vocab_rows:  # the vocab model is the same at every fraction
                 host = train([*common, "topology.ddr_cap_gb=0"], work / f"tables-{fraction}-host")  # all in memory
             ssd_dir = work / f"tables-{fraction}-ssd"
+            shutil.rmtree(ssd_dir / "files", ignore_errors=True)  # an earlier run's tables: not this run's, and disk
             # told the truth: the run's memory is the cgroup's limit; placement moves what does not fit to files
             ssd = train([*common, f"topology.ssd.path={ssd_dir / 'files'}", f"topology.ddr_cap_gb={limit:.4f}",
                          f"topology.ssd.cache_policy={args.policy}"], ssd_dir / "run", group)
@@ -231,6 +233,7 @@ def table_scale(args: argparse.Namespace) -> None:
             ssd["peak_mb"] = int((group / "memory.max_usage_in_bytes").read_text()) / 2**20
             (group / "memory.max_usage_in_bytes").write_text("0")
             files = sum(f.stat().st_blocks * 512 for f in (ssd_dir / "files").rglob("*") if f.is_file()) / 2**30  # tables and spill logs
+            shutil.rmtree(ssd_dir / "files", ignore_errors=True)  # measured; 8x of a limit would otherwise stay on disk
             lines.append((fraction, gib, limit, host, ssd, files))
             print(f"fraction {fraction}: tables {gib:.2f} GiB, limit {limit:.2f} GiB: host "
                   f"{host['result']['samples_per_s']:,.0f}/s, ssd {ssd['result']['samples_per_s']:,.0f}/s "

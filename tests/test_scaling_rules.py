@@ -128,3 +128,13 @@ def test_the_default_leaves_a_run_at_its_optimizers_base_batch_as_tuned_and_scal
             assert (task.rates.dense, task.rates.embedding) == pytest.approx((cfg.optim.dense.lr * s ** 0.5,
                                                                               cfg.optim.embedding.lr * s))
             assert task.rates.dense_warmup_epochs == (1.0 if batch > base else 0.0)
+
+
+def test_auto_warns_where_it_was_not_measured_to_pay_off():
+    from modules.optim.scaling_rules import auto_caveat
+
+    assert "rowwise_adagrad tables' LR x16" in auto_caveat("auto", 16, "rowwise_adagrad")
+    # Adam tables (what auto was chosen with), at or below the base batch, another rule, an embedding LR set outright
+    for args in (("auto", 16, "adam"), ("auto", 1, "rowwise_adagrad"), ("sqrt", 16, "rowwise_adagrad"),
+                 ("auto", 16, "rowwise_adagrad", "sqrt")):
+        assert auto_caveat(*args) is None

@@ -18,10 +18,11 @@ and 8e-5; 32K → 45.25e-4 and 32e-5; 128K → 90.51e-4 and 128e-5.
 the embedding LR × s (``sqrt`` with ``embedding_lr=linear``). Chosen by wall time to the 1K run's validation
 AUC (``benchmarks/time_to_auc.py``, docs/batch_scaling.md: 5M rows, Adam for both parts as the reference,
 the 1K run 2 epochs, the large batches up to 4): it reached the 1K run's best − 0.001 at 16K and 64K on
-both logs measured (3.0–10.3× sooner; two seeds on one log, one on the other), where ``sqrt`` (the
-embedding LR × √s) and CowClip as published (the embedding LR fixed) did not reach it. With few epochs
-the tables are what falls behind: a row met in every batch gets s× fewer updates, and Adam's step does
-not grow with the summed gradient, so only the rate can make it up.
+both logs measured (1.6–10.3× sooner, two seeds each), where ``sqrt`` (the embedding LR × √s) and CowClip as
+published (the embedding LR fixed) did not reach it. With few epochs the tables are what falls behind: a row met
+in every batch gets s× fewer updates, and Adam's step does not grow with the summed gradient, so only the rate can
+make it up. ``auto`` is the default; each optimizer config sets the base batch its rates are for, so a run at it is
+left as tuned. (With row-wise Adagrad tables on CPU no recipe saved time above the base batch: docs/batch_scaling.md.)
 
 ``embedding_lr`` overrides the rule's embedding column: ``fixed`` (lr), ``sqrt`` (lr · √s) or ``linear``
 (lr · s); ``rule`` keeps the rule's. CowClip with a scaled embedding rate is the recipe where the clip is what
@@ -81,6 +82,16 @@ def resolve_rule(rule: str, s: float, embedding_lr_rule: str = "rule") -> tuple[
     if s <= 1:
         return "none", embedding_lr_rule
     return "sqrt", "linear" if embedding_lr_rule == "rule" else embedding_lr_rule
+
+
+def auto_caveat(rule: str, s: float, embedding_optimizer: str, embedding_lr_rule: str = "rule") -> str | None:
+    """Why ``auto``'s recipe may not pay off for this run, or None: it was chosen with Adam tables, and with the
+    default row-wise Adagrad on CPU no recipe saved time above the base batch (docs/batch_scaling.md)."""
+    if rule != "auto" or s <= 1 or embedding_optimizer == "adam" or embedding_lr_rule != "rule":
+        return None
+    return (f"scaling=auto at {s:g}x the base batch scales the {embedding_optimizer} tables' LR x{s:g}: chosen with "
+            f"Adam tables; with rowwise_adagrad on CPU no recipe saved time above the base batch and x16 lost 0.03 "
+            f"AUC (docs/batch_scaling.md). Set scaling.embedding_lr or scaling=none to choose otherwise")
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:

@@ -26,7 +26,7 @@ from modules.embedding.sparse_arch import is_table_parameter
 from modules.optim.embedding_l2 import DecayRule
 from modules.models import ModelConfig, build_model, onednn_linear
 from modules.optim.optimizers import OptimizerChain, build_optimizer, replicated_parameters
-from modules.optim.scaling_rules import scale_hyperparameters
+from modules.optim.scaling_rules import auto_caveat, scale_hyperparameters
 from modules.sharding.planner import PlanResult, shard_model
 from modules.sharding.table_stacking import decide_stacking
 from modules.sharding.topology import TopologySpec
@@ -59,6 +59,9 @@ class CTRTask(L.LightningModule):
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
                                             cfg.optim.dense.lr, cfg.optim.embedding.lr, cfg.optim.embedding_l2,
                                             cfg.scaling.embedding_lr, cfg.scaling.warmup_epochs)
+        caveat = auto_caveat(cfg.scaling.rule, self.scaled.scale, cfg.optim.embedding.name, cfg.scaling.embedding_lr)
+        if caveat:
+            log.warning(caveat)
         self.dense_optim = replace(cfg.optim.dense, lr=self.scaled.dense_lr)
         self.embedding_optim = replace(cfg.optim.embedding, lr=self.scaled.embedding_lr)
         self.cowclip_cfg = cfg.scaling.cowclip
