@@ -118,6 +118,9 @@ def main() -> None:
     parser.add_argument("--rows", default="vocab",
                         help="table rows: a number (zch rows and hash buckets), or 'vocab': each zch table as many rows "
                              "as the vocabulary's table on the last day, hash buckets their mean (vocab runs first)")
+    parser.add_argument("--rows-scale", type=float, default=1.0,
+                        help="with --rows vocab: ZCH tables at this multiple of the vocabulary's rows (1: equal rows; "
+                             "larger: room to spare, to tell what eviction costs from what admission costs)")
     parser.add_argument("--drift", type=float, default=0.05)
     parser.add_argument("--zipf-exponent", type=float, default=1.1,
                         help="of the ids' frequencies (the generator's default 1.1; lower: a longer tail, more ids)")
@@ -155,8 +158,9 @@ def main() -> None:
             if name == "hash":
                 methods[name][-1] = f"data.preprocess.hash_buckets={round(sum(sizes.values()) / len(sizes))}"
             else:
-                methods[name] += [f"+model.zch.tables.{t}={max(2, n - 2)}" for t, n in sizes.items()]
+                methods[name] += [f"+model.zch.tables.{t}={max(2, round(args.rows_scale * n) - 2)}" for t, n in sizes.items()]
         label = f"{name}-min{zch_min}" if name.startswith("zch") and args.zch_min_count is not None else name
+        label += f"-x{args.rows_scale:g}" if name.startswith("zch") and args.rows_scale != 1 else ""
         r = run_method(label, methods[name], files, work, common)
         print(json.dumps(r), flush=True)
         table.append(r)

@@ -20,7 +20,8 @@ ROW_INDEX_BYTES = 1 / 8    # per table row: whether it was ever written back
 
 def slot_bytes(row_bytes: float) -> float:
     """Host memory of one cache slot: its row (``row_bytes``, with the optimizer state), the cache's key, last
-    use, uses and dirty flag (8 + 4 + 4 + 1 bytes), its share of the memtable — records of row + 8-byte
+    use, uses and dirty flag (8 + 4 + 4 + 1 bytes: the key is 4 bytes where the tier's rows number < 2^31,
+    counted at 8 — placement stays on the safe side), its share of the memtable — records of row + 8-byte
     key, the memtable and its sorted copy while it is sealed — and of the runs' Bloom filters."""
     return row_bytes + 17 + 2 / MEMTABLE_PER_SLOTS * (row_bytes + 8) + RUN_RECORDS_PER_SLOT * BITS_PER_KEY / 8
 

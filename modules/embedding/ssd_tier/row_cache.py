@@ -54,6 +54,7 @@ BLOCK_ROWS = 1 << 16   # rows materialised at once
 TOO_SMALL_HINT = (f"about {MIN_SLOTS_PER_ID}× its distinct rows per table are needed; raise topology.ssd.cache_mb "
                   f"or topology.ddr_cap_gb, or lower trainer.batch_size")  # ends CacheTooSmallError's message
 LOOKUP_CHUNK = 1 << 16  # ids looked up in their sets at once: [65,536, W] temporaries (~20 MB), not [all ids, W]
+INT32_KEY_ROWS = 2**31  # a cache whose tables hold fewer rows keys its slots with int32 (the lookup reads half the bytes)
 
 
 class RowCache:
@@ -75,7 +76,8 @@ class RowCache:
         self.set_offset = torch.tensor([sum(sets[:t]) for t in range(len(sets))])
         self.first = torch.tensor([sum(t.rows for t in self.tables[:i]) for i in range(len(self.tables))])
         shape = (sum(sets), WAYS)
-        self.keys = torch.full(shape, -1, dtype=torch.int64)
+        rows = sum(t.rows for t in self.tables)
+        self.keys = torch.full(shape, -1, dtype=torch.int32 if rows < INT32_KEY_ROWS else torch.int64)
         self.used = torch.zeros(shape, dtype=torch.int32)  # the call that last used the slot (2^31 calls)
         self.uses = torch.zeros(shape, dtype=torch.int32)
         self.dirty = torch.zeros(shape, dtype=torch.bool)
@@ -102,11 +104,11 @@ class RowCache:
         self.clock += 1
         table = torch.searchsorted(self.first, ids, right=True) - 1
         sets = self.set_offset[table] + (ids - self.first[table]) % self.nsets[table]
-        hit, slot = torch.empty(ids.numel(), dtype=torch.bool), torch.empty_like(ids)
+        hit, slot, keyed = torch.empty(ids.numel(), dtype=torch.bool), torch.empty_like(ids), ids.to(self.keys.dtype)
         for a in range(0, ids.numel(), LOOKUP_CHUNK):
-            match = self.keys[sets[a:a + LOOKUP_CHUNK]] == ids[a:a + LOOKUP_CHUNK, None]
-            hit[a:a + LOOKUP_CHUNK] = match.any(dim=1)
-            slot[a:a + LOOKUP_CHUNK] = sets[a:a + LOOKUP_CHUNK] * WAYS + match.to(torch.uint8).argmax(dim=1)
+            found, way = (self.keys[sets[a:a + LOOKUP_CHUNK]] == keyed[a:a + LOOKUP_CHUNK, None]).max(dim=1)
+            hit[a:a + LOOKUP_CHUNK] = found  # a key sits in one way of its set at most
+            slot[a:a + LOOKUP_CHUNK] = sets[a:a + LOOKUP_CHUNK] * WAYS + way
         hit_slots = slot[hit]
         self._touch(hit_slots, dirty, admitted=False)
         self.stats.lookups += int(ids.numel())
@@ -130,12 +132,12 @@ class RowCache:
         order = torch.argsort(sets, stable=True)
         ids, sets = ids[order], sets[order]
         victim = choose_ways(sets, self.keys, self.used, self.uses, self.clock, self.policy, TOO_SMALL_HINT)
-        old = self.keys.view(-1)[victim]
+        old = self.keys.view(-1)[victim].long()
         back = self.dirty.view(-1)[victim] & (old >= 0)
         if bool(back.any()):
             self._write(old[back], victim[back])
         self._read(ids, victim)
-        self.keys.view(-1)[victim] = ids
+        self.keys.view(-1)[victim] = ids.to(self.keys.dtype)
         self._touch(victim, dirty, admitted=True)
         out = torch.empty_like(victim)
         out[order] = victim
@@ -257,7 +259,7 @@ class RowCache:
             self._runs_home()
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
-            self._write(self.keys.view(-1)[slots], slots, home=True)
+            self._write(self.keys.view(-1)[slots].long(), slots, home=True)
         self.drain()
 
     def materialise(self) -> None:

@@ -8,8 +8,8 @@ For the sets that missed rows in this call, each way is scored
                       used                lru: the call that last used it
                       uses·2^40 + used    lfu (default): uses since admission, ties by last use
 
-and the k-th missed row of a set (k = 0, 1, …) takes the way of rank k in ascending score. More missed
-rows in a set than it has unpinned ways cannot all be resident: :class:`CacheTooSmallError`.
+and the k-th missed row of a set (k = 0, 1, …) takes the way of rank k in ascending score (ties: the lower
+way). More missed rows in a set than it has unpinned ways cannot all be resident: :class:`CacheTooSmallError`.
 
 The scores are [sets, W] int64 temporaries: the sets are scored :data:`SETS_PER_CHUNK` at a time, so a
 call's temporaries stay at tens of MB whatever its misses (scored all at once, a step of ~400,000
@@ -59,7 +59,24 @@ def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses
         if policy == "lfu":
             score |= uses[chunk].long() << USE_BITS
         score.masked_fill_(pinned, torch.iinfo(torch.int64).max).masked_fill_(keys[chunk] < 0, -1)
-        order = torch.argsort(score, dim=1, stable=True)
-        owner = torch.repeat_interleave(torch.arange(chunk.numel()), counts[a:a + chunk.numel()])
-        victim[first:last] = chunk[owner] * ways + order[owner, rank[first:last]]
+        need = counts[a:a + chunk.numel()]
+        owner = torch.repeat_interleave(torch.arange(chunk.numel()), need)
+        victim[first:last] = chunk[owner] * ways + _lowest(score, need)[owner, rank[first:last]]
     return victim
+
+
+def _lowest(score: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """[S, max need] the ways of each set in ascending score, ties by way — the order a stable sort gives —
+    as far as its ``need``: by repeated ``argmin`` (the first minimum), the way taken masked with +∞. Sets
+    rarely miss more than a few rows a call, so a few passes over [S, W] replace sorting every set.
+    ``score`` is overwritten."""
+    taken = torch.iinfo(torch.int64).max
+    rank = torch.empty((score.shape[0], int(need.max())), dtype=torch.int64)
+    sets = torch.arange(score.shape[0])
+    for k in range(rank.shape[1]):
+        if k:
+            sets = sets[need[sets] > k]
+        way = (score if k == 0 else score[sets]).argmin(dim=1)
+        rank[sets, k] = way
+        score[sets, way] = taken
+    return rank
