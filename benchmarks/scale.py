@@ -21,7 +21,9 @@ model in host memory with no limit, in the same script. Two ways to size it:
   Hashing scatters the hot ids over the whole table (the worst case for pages; a row cache does not care).
 * ``--vocab-rows N``: the log of N rows with its frequency-sorted vocabulary (ids by descending count,
   ``data.preprocess.categorical=vocab``, the default): hot rows are packed at the start of each
-  table; the limit is the tables' size / fraction. ``--max-steps`` bounds each run.
+  table; the limit is the tables' size / fraction. ``--max-steps`` bounds each run. With ``--set
+  data.preprocess.base_vocabulary=<a larger log's store> data.synthetic.day=1`` the table is that log's
+  vocabulary (grown by the day's new values) trained on a new day: most rows not met, the hot ones packed.
 
 Reported: samples/s and the ratio to the in-memory run; the row caches' size, hit rate (unique rows
 of a step found in the cache), rows drawn (met for the first time: no disk read), MB read from and
