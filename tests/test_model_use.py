@@ -89,6 +89,10 @@ def test_pyfunc_model_and_mlflow_models_serve_match_predict(trained):
     assert mlflow.MlflowClient(uri).get_model_version("mylog_ctr", "1").run_id == result.mlflow_run_id
     registered = mlflow.pyfunc.load_model("models:/mylog_ctr/1")
     np.testing.assert_allclose(registered.predict(rows)["probability"].to_numpy(), want, atol=1e-6)
+    # the MLflow model's folder shares the model folder's files (hard links): the tables are on disk once there
+    staged = sorted((folder / "run" / "mlflow_model" / "artifacts" / "model" / "tables").iterdir())
+    assert staged and all(f.stat().st_ino == (folder / "run" / "model" / "tables" / f.name).stat().st_ino
+                          for f in staged), staged
 
     port = free_port()
     server = subprocess.Popen([str(Path(PYTHON).parent / "mlflow"), "models", "serve", "-m",

@@ -103,7 +103,23 @@ def save_pyfunc(bundle: Path, example: pd.DataFrame, out: Path, signature: bool 
                                  pip_requirements=pinned_requirements(), metadata={"ctr_columns": column_types(data)})
     finally:
         torch.set_num_threads(threads)
+    _link_to(out / "artifacts" / bundle.name, bundle)
     return out
+
+
+def _link_to(copy: Path, source: Path) -> None:
+    """MLflow copied the model folder ``source`` to ``copy``: each copied file becomes a hard link to its source,
+    so the tables (most of a model's bytes) are on disk once, not twice; where the file system cannot link, the
+    copy stays."""
+    for file in copy.rglob("*"):
+        original = source / file.relative_to(copy)
+        if file.is_file() and original.is_file() and file.stat().st_size == original.stat().st_size:
+            staged = file.with_name(f".{file.name}.link")
+            try:
+                os.link(original, staged)
+                os.replace(staged, file)
+            except OSError:
+                staged.unlink(missing_ok=True)
 
 
 def log_pyfunc(client: Any, run_id: str, bundle: Path, example: pd.DataFrame, folder: Path,
