@@ -110,8 +110,9 @@ def save_pyfunc(bundle: Path, example: pd.DataFrame, out: Path, signature: bool 
 def _link_to(copy: Path, source: Path) -> None:
     """MLflow copied the model folder ``source`` to ``copy``: each copied file becomes a hard link to its source,
     so the tables (most of a model's bytes) are on disk once, not twice; where the file system cannot link, the
-    copy stays."""
-    for file in copy.rglob("*"):
+    copy stays. (The model folder is written whole into a new folder and renamed, never in place, so a link
+    cannot see a later run's bytes.)"""
+    for file in list(copy.rglob("*")):  # listed first: the loop adds and renames entries
         original = source / file.relative_to(copy)
         if file.is_file() and original.is_file() and file.stat().st_size == original.stat().st_size:
             staged = file.with_name(f".{file.name}.link")
