@@ -81,7 +81,7 @@ class RowCache:
         self.used = torch.zeros(shape, dtype=torch.int32)  # the call that last used the slot (2^31 calls)
         self.uses = torch.zeros(shape, dtype=torch.int32)
         self.dirty = torch.zeros(shape, dtype=torch.bool)
-        self.written = np.zeros((sum(t.rows for t in self.tables) + 7) // 8, dtype=np.uint8)  # bit per linear id
+        self.written = np.zeros((rows + 7) // 8, dtype=np.uint8)  # bit per linear id
         self.clock = 0
         self.stats = CacheStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
