@@ -64,6 +64,12 @@ def test_the_wheel_trains_predicts_and_exports_from_any_folder(installed, tmp_pa
     imported = subprocess.run([str(bin_dir / "python"), "-c", "import pipeline, ctr_conf; print(pipeline.__file__, "
                                "ctr_conf.__file__)"], cwd=tmp_path, env=installed[1], capture_output=True, text=True)
     assert str(ROOT) not in imported.stdout and str(bin_dir.parent) in imported.stdout, imported.stdout
+    native = subprocess.run([str(bin_dir / "python"), "-c", "from modules.embedding.ssd_tier import native_slots as n; "
+                             "print(n.SOURCE, n.available(), n._library_path())"],
+                            cwd=tmp_path, env={**installed[1], "XDG_CACHE_HOME": str(tmp_path / "xdg")},
+                            capture_output=True, text=True)
+    source, built, library = native.stdout.split()  # the row cache's C source ships in the wheel and builds
+    assert source.startswith(str(bin_dir.parent)) and built == "True" and Path(library).is_relative_to(tmp_path), native
     # a user's own config folder composes on top of the packaged configs
     (tmp_path / "myconf" / "experiment").mkdir(parents=True)
     (tmp_path / "myconf" / "experiment" / "tiny.yaml").write_text(

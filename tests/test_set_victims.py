@@ -60,16 +60,16 @@ def test_each_miss_takes_the_way_its_set_ranks_next_whatever_the_chunks(data, ns
 
 
 def test_a_cache_looked_up_in_small_chunks_or_with_64_bit_keys_assigns_and_trains_as_in_one():
-    """The same id stream through three caches: one looked up and admitted in chunks of 7 ids and 2 sets, one
-    in a single chunk, one with 64-bit keys (as a tier of 2^31 rows or more has); every step's slots and the
-    rows at the end are the same."""
+    """The same id stream through caches on the torch path — looked up and admitted in chunks of 7 ids and 2
+    sets, or in a single chunk — and on the C loop (native_slots), with int32 keys and with 64-bit keys (as a
+    tier of 2^31 rows or more has); every step's slots and the rows at the end are the same."""
     rows, slots = 3_000, 8 * WAYS
     rng = np.random.default_rng(3)
     stream = [torch.from_numpy(np.unique(rng.integers(0, rows, 60))) for _ in range(80)]
 
-    def run() -> tuple[list[torch.Tensor], torch.Tensor, torch.dtype]:
+    def run(native: bool = False) -> tuple[list[torch.Tensor], torch.Tensor, torch.dtype]:
         table = BackingTable(torch.zeros(rows, 2), [], RowInit(0, 0.1, ((0, rows, 0),)))
-        cache = RowCache([table], [torch.zeros(slots, 2)], [[]], "lfu")
+        cache = RowCache([table], [torch.zeros(slots, 2)], [[]], "lfu", native=native)
         seen = []
         for step, ids in enumerate(stream):
             slot, tab = cache.assign(ids, dirty=True)
@@ -79,11 +79,12 @@ def test_a_cache_looked_up_in_small_chunks_or_with_64_bit_keys_assigns_and_train
         return seen, table.weights.clone(), cache.keys.dtype
 
     whole = run()
-    with mock.patch.object(row_cache, "LOOKUP_CHUNK", 7), mock.patch.object(set_victims, "SETS_PER_CHUNK", 2):
+    with mock.patch.object(set_victims, "LOOKUP_CHUNK", 7), mock.patch.object(set_victims, "SETS_PER_CHUNK", 2):
         chunked = run()
+    native = run(native=True)
     with mock.patch.object(row_cache, "INT32_KEY_ROWS", rows):
-        wide_keys = run()
-    assert (whole[2], wide_keys[2]) == (torch.int32, torch.int64)
-    for other in (chunked, wide_keys):
+        wide_keys, native_wide_keys = run(), run(native=True)
+    assert (whole[2], wide_keys[2], native_wide_keys[2]) == (torch.int32, torch.int64, torch.int64)
+    for other in (chunked, native, wide_keys, native_wide_keys):
         assert all(torch.equal(a, b) for a, b in zip(whole[0], other[0]))
         assert torch.equal(whole[1], other[1]) and whole[1].abs().sum() > 0

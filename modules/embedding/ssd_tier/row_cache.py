@@ -5,8 +5,8 @@ slots with each id remapped to its slot (:mod:`modules.embedding.ssd_tier.cached
 kernel's own. The cache is set-associative, as FBGEMM's ``lxu_cache`` is on GPU: each table has S_t
 sets of ``W`` ways, and its row ℓ may sit in set ``ℓ mod S_t`` (hashed ids are spread already;
 frequency-ordered ids put consecutive hot rows in different sets).
-For each batch (unique ids, sorted; looked up :data:`LOOKUP_CHUNK` ids at a time, so the temporaries
-stay bounded):
+For each batch (unique ids, sorted), in one pass of C (:mod:`.native_slots`; where no C compiler is found,
+the same in torch ops, :func:`.set_victims.place`):
 
     hit     keys[set, way] = ℓ                       → that slot
     miss    the unpinned way of its set that the policy ranks first (empty ways before all):
@@ -45,7 +45,8 @@ import torch
 from modules.embedding.ssd_tier.backing import (MEMTABLE_PER_SLOTS, RUN_RECORDS_PER_SLOT, BackingTable, CacheStats,
                                                 records, split_records)
 from modules.embedding.ssd_tier.paged_records import prefetch_rows
-from modules.embedding.ssd_tier.set_victims import POLICIES, choose_ways
+from modules.embedding.ssd_tier import native_slots
+from modules.embedding.ssd_tier.set_victims import POLICIES, place, too_small
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
 WAYS = 32
@@ -53,7 +54,6 @@ MIN_SLOTS_PER_ID = 4   # cache rows per distinct row of one batch: a set overflo
 BLOCK_ROWS = 1 << 16   # rows materialised at once
 TOO_SMALL_HINT = (f"about {MIN_SLOTS_PER_ID}× its distinct rows per table are needed; raise topology.ssd.cache_mb "
                   f"or topology.ddr_cap_gb, or lower trainer.batch_size")  # ends CacheTooSmallError's message
-LOOKUP_CHUNK = 1 << 16  # ids looked up in their sets at once: [65,536, W] temporaries (~20 MB), not [all ids, W]
 INT32_KEY_ROWS = 2**31  # a cache whose tables hold fewer rows keys its slots with int32 (the lookup reads half the bytes)
 
 
@@ -65,7 +65,8 @@ class RowCache:
     and admitted with one set of vectorised operations (module docstring)."""
 
     def __init__(self, tables: Sequence[BackingTable], weights: Sequence[torch.Tensor],
-                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu", runs: Path | None = None) -> None:
+                 states: Sequence[Sequence[torch.Tensor]], policy: str = "lfu", runs: Path | None = None,
+                 native: bool | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"topology.ssd.cache_policy={policy!r}: expected one of {POLICIES}")
         if any(w.shape[0] % WAYS for w in weights):
@@ -83,6 +84,7 @@ class RowCache:
         self.dirty = torch.zeros(shape, dtype=torch.bool)
         self.written = np.zeros((rows + 7) // 8, dtype=np.uint8)  # bit per linear id
         self.clock = 0
+        self.native = native_slots.available() if native is None else native  # the C loop, else the torch path
         self.stats = CacheStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
         self._pending: Future | None = None
@@ -99,49 +101,28 @@ class RowCache:
 
     # -- the batch path ----------------------------------------------------------------------------
     def assign(self, ids: torch.Tensor, dirty: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(global slots, tables) of the unique linear ``ids`` (int64), loading the missing rows; ``dirty``:
-        the kernel will update them (a training forward)."""
+        """(global slots, tables) of the unique linear ``ids`` (int64, ascending), loading the missing rows;
+        ``dirty``: the kernel will update them (a training forward)."""
         self.clock += 1
-        table = torch.searchsorted(self.first, ids, right=True) - 1
-        sets = self.set_offset[table] + (ids - self.first[table]) % self.nsets[table]
-        hit, slot, keyed = torch.empty(ids.numel(), dtype=torch.bool), torch.empty_like(ids), ids.to(self.keys.dtype)
-        for a in range(0, ids.numel(), LOOKUP_CHUNK):
-            found, way = (self.keys[sets[a:a + LOOKUP_CHUNK]] == keyed[a:a + LOOKUP_CHUNK, None]).max(dim=1)
-            hit[a:a + LOOKUP_CHUNK] = found  # a key sits in one way of its set at most
-            slot[a:a + LOOKUP_CHUNK] = sets[a:a + LOOKUP_CHUNK] * WAYS + way
-        hit_slots = slot[hit]
-        self._touch(hit_slots, dirty, admitted=False)
-        self.stats.lookups += int(ids.numel())
-        self.stats.hits += int(hit_slots.numel())
-        if hit_slots.numel() < ids.numel():
-            miss = ~hit
-            slot[miss] = self._admit(ids[miss], sets[miss], dirty)
-        return slot, table
-
-    def _touch(self, slots: torch.Tensor, dirty: bool, admitted: bool) -> None:
-        self.used.view(-1)[slots] = self.clock
-        if admitted:
-            self.uses.view(-1)[slots] = 1
-            self.dirty.view(-1)[slots] = dirty
+        if self.native:
+            failed, slot, table, miss, old, old_dirty = native_slots.assign(
+                ids, self.first, self.nsets, self.set_offset, self.keys, self.used, self.uses, self.dirty,
+                self.clock, dirty, self.policy == "lfu")
+            if failed >= 0:
+                in_set = int((slot[miss] // WAYS == failed).sum())
+                raise too_small(in_set, WAYS, WAYS - int((self.used[failed] == self.clock).sum()), TOO_SMALL_HINT)
         else:
-            self.uses.view(-1)[slots] += 1
-            if dirty:
-                self.dirty.view(-1)[slots] = True
-
-    def _admit(self, ids: torch.Tensor, sets: torch.Tensor, dirty: bool) -> torch.Tensor:
-        order = torch.argsort(sets, stable=True)
-        ids, sets = ids[order], sets[order]
-        victim = choose_ways(sets, self.keys, self.used, self.uses, self.clock, self.policy, TOO_SMALL_HINT)
-        old = self.keys.view(-1)[victim].long()
-        back = self.dirty.view(-1)[victim] & (old >= 0)
-        if bool(back.any()):
-            self._write(old[back], victim[back])
-        self._read(ids, victim)
-        self.keys.view(-1)[victim] = ids.to(self.keys.dtype)
-        self._touch(victim, dirty, admitted=True)
-        out = torch.empty_like(victim)
-        out[order] = victim
-        return out
+            slot, table, miss, old, old_dirty = place(ids, self.first, self.nsets, self.set_offset, self.keys, self.used,
+                                                      self.uses, self.dirty, self.clock, dirty, self.policy, TOO_SMALL_HINT)
+        self.stats.lookups += int(ids.numel())
+        self.stats.hits += int(ids.numel() - miss.numel())
+        if miss.numel():
+            victim = slot[miss]
+            back = old_dirty & (old >= 0)
+            if bool(back.any()):
+                self._write(old[back], victim[back])
+            self._read(ids[miss], victim)
+        return slot, table
 
     # -- rows to and from the files -----------------------------------------------------------------
     def _spans(self, ids: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -154,8 +135,13 @@ class RowCache:
         return torch.from_numpy(((self.written[i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool))
 
     def _mark_written(self, ids: torch.Tensor) -> None:
+        """Set the bits of ``ids`` (ascending): each byte's bits or-ed together, then into it once."""
         i = ids.numpy()
-        np.bitwise_or.at(self.written, i >> 3, (1 << (i & 7)).astype(np.uint8))
+        if not len(i):
+            return
+        byte, bits = i >> 3, (1 << (i & 7)).astype(np.uint8)
+        starts = np.flatnonzero(np.r_[True, byte[1:] != byte[:-1]])
+        self.written[byte[starts]] |= np.bitwise_or.reduceat(bits, starts)
 
     def _read(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Fill ``slots`` with rows ``ids`` (linear): the newest evicted record from the sorted runs, else the
@@ -230,7 +216,6 @@ class RowCache:
             self._pending = self._writer.submit(_store_rows, jobs)
         self._mark_written(ids)
         self.stats.rows_written += int(ids.numel())
-        self.dirty.view(-1)[slots] = False
 
     def _runs_home(self) -> None:
         """The sorted runs' rows written to their places in the files, in one sweep in file order; the runs emptied."""
@@ -260,6 +245,7 @@ class RowCache:
         slots = torch.nonzero(self.dirty.view(-1)).view(-1)
         if slots.numel():
             self._write(self.keys.view(-1)[slots].long(), slots, home=True)
+            self.dirty.view(-1)[slots] = False
         self.drain()
 
     def materialise(self) -> None:

@@ -16,6 +16,9 @@ call's temporaries stay at tens of MB whatever its misses (scored all at once, a
 distinct rows held ~400 MB of them — more than the cache it was choosing slots in). Sets are
 independent: chunking changes no choice.
 
+:func:`place` is the whole per-row step in torch — lookup, hits touched, victims, the slots' bookkeeping — the
+reference for (and the fallback of) its C loop, :mod:`modules.embedding.ssd_tier.native_slots`.
+
 Sources: FBGEMM ``lxu_cache`` (LRU / LFU over cache sets, the GPU TBE's cache), HierarchicalKV (scored
 eviction); LFU hit more than LRU on both id orders measured (``benchmarks/row_cache_policy.py``).
 """
@@ -27,10 +30,17 @@ import torch
 POLICIES = ("lru", "lfu")
 USE_BITS = 40              # lfu score: uses << 40 | last use
 SETS_PER_CHUNK = 1 << 14   # sets scored at once: [16,384, W] int64 temporaries (4 MB at W = 32)
+LOOKUP_CHUNK = 1 << 16     # ids looked up in their sets at once: [65,536, W] temporaries (~20 MB), not [all ids, W]
 
 
 class CacheTooSmallError(RuntimeError):
     """More distinct rows of one batch fall into one cache set than it has ways."""
+
+
+def too_small(rows: int, ways: int, free: int, floor_hint: str) -> CacheTooSmallError:
+    """The error for ``rows`` missed rows of one batch in a set of ``ways`` ways of which ``free`` are unpinned."""
+    return CacheTooSmallError(f"row cache: {rows} rows of one batch fall into one set of {ways} ways ({free} free): "
+                              f"the cache is too small for this batch: {floor_hint}")
 
 
 def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, clock: int,
@@ -52,9 +62,7 @@ def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses
         over = counts[a:a + chunk.numel()] - free
         if bool((over > 0).any()):
             worst = int(over.argmax())
-            raise CacheTooSmallError(
-                f"row cache: {int(counts[a + worst])} rows of one batch fall into one set of {ways} ways "
-                f"({int(free[worst])} free): the cache is too small for this batch: {floor_hint}")
+            raise too_small(int(counts[a + worst]), ways, int(free[worst]), floor_hint)
         score = last_use.long()
         if policy == "lfu":
             score |= uses[chunk].long() << USE_BITS
@@ -80,3 +88,35 @@ def _lowest(score: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
         rank[sets, k] = way
         score[sets, way] = taken
     return rank
+
+
+def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor, keys: torch.Tensor,
+          used: torch.Tensor, uses: torch.Tensor, dirty: torch.Tensor, clock: int, mark_dirty: bool, policy: str,
+          floor_hint: str) -> tuple[torch.Tensor, ...]:
+    """The torch path of the row cache's per-row loop — :func:`modules.embedding.ssd_tier.native_slots.assign`'s
+    contract (``slot_assign.c``'s header), and the reference it is tested against: unique ``ids`` (ascending)
+    looked up :data:`LOOKUP_CHUNK` at a time, hits touched, then a victim for each miss (:func:`choose_ways`).
+    Returns (slot, table, the misses' positions in ``ids``, their victims' old keys and dirty flags); the
+    cache's ``keys`` / ``used`` / ``uses`` / ``dirty`` are updated in place."""
+    table = torch.searchsorted(first, ids, right=True) - 1
+    sets = set_offset[table] + (ids - first[table]) % nsets[table]
+    ways = keys.shape[1]
+    hit, slot, keyed = torch.empty(ids.numel(), dtype=torch.bool), torch.empty_like(ids), ids.to(keys.dtype)
+    for a in range(0, ids.numel(), LOOKUP_CHUNK):
+        found, way = (keys[sets[a:a + LOOKUP_CHUNK]] == keyed[a:a + LOOKUP_CHUNK, None]).max(dim=1)
+        hit[a:a + LOOKUP_CHUNK] = found  # a key sits in one way of its set at most
+        slot[a:a + LOOKUP_CHUNK] = sets[a:a + LOOKUP_CHUNK] * ways + way
+    hits = slot[hit]
+    used.view(-1)[hits] = clock
+    uses.view(-1)[hits] += 1
+    if mark_dirty:
+        dirty.view(-1)[hits] = True
+    miss = torch.nonzero(~hit).view(-1)
+    order = torch.argsort(sets[miss], stable=True)
+    victim = torch.empty_like(miss)
+    victim[order] = choose_ways(sets[miss][order], keys, used, uses, clock, policy, floor_hint)
+    old, old_dirty = keys.view(-1)[victim].long(), dirty.view(-1)[victim].clone()
+    keys.view(-1)[victim] = ids[miss].to(keys.dtype)
+    used.view(-1)[victim], uses.view(-1)[victim], dirty.view(-1)[victim] = clock, 1, mark_dirty
+    slot[miss] = victim
+    return slot, table, miss, old, old_dirty

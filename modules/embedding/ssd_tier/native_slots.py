@@ -1,0 +1,101 @@
+"""The row cache's per-row loop in C (``slot_assign.c``): a batch's unique ids to slots — lookup, victims,
+the slots' bookkeeping — in one pass, instead of some twenty torch operations over [ids, W] temporaries.
+
+What it computes is :meth:`modules.embedding.ssd_tier.row_cache.RowCache.assign`'s contract (the C file's
+header): the same slots, victims and counts as the torch path (:func:`modules.embedding.ssd_tier.set_victims.place`),
+which stays as the reference the tests compare it with and as the path where no C compiler
+is found. Why: on a frequency-ordered table larger than the day, about half a step's rows are met for the
+first time, and the torch path's lookup and victim choice were a quarter of the cache's time (docs/scale.md).
+
+The source is compiled once per machine with the system's C compiler (``$CC``, else ``cc``; plain C11, no
+Python or torch headers: well under a second) into ``$XDG_CACHE_HOME/ctr-pipeline`` (else
+``~/.cache/ctr-pipeline``), named by the source's hash, under a temporary name then renamed (ranks
+compiling at once each get a whole library), and loaded with :mod:`ctypes`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("slot_assign.c")
+FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
+MAX_WAYS = 64  # slot_assign.c's MAX_WAYS
+log = logging.getLogger(__name__)
+
+
+class NativeError(RuntimeError):
+    """The C loop could not be built or loaded."""
+
+
+def _library_path() -> Path:
+    code = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode()
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctr-pipeline"
+    return root / f"slot_assign-{hashlib.sha256(code).hexdigest()[:16]}.so"
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled loop (built on first use); :class:`NativeError` if no compiler can build it."""
+    path = _library_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        cmd = [os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(temp)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            temp.unlink(missing_ok=True)
+            raise NativeError(f"{' '.join(cmd)}: {getattr(e, 'stderr', '') or e}".strip()) from e
+        os.replace(temp, path)
+    lib = ctypes.CDLL(str(path))
+    for name in ("assign_slots_i32", "assign_slots_i64"):
+        getattr(lib, name).restype = ctypes.c_int64
+    return lib
+
+
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether the C loop can be used here (else, once, a warning: the row cache takes its torch path)."""
+    try:
+        library()
+        return True
+    except (NativeError, OSError) as e:
+        log.warning("the row cache's C loop could not be built (%s): it runs its slower torch path", e)
+        return False
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    assert t.is_contiguous()
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor,
+           keys: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, dirty: torch.Tensor, clock: int,
+           mark_dirty: bool, lfu: bool) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C file's loop over unique ``ids`` (int64, ascending) on the cache's ``keys`` / ``used`` / ``uses`` /
+    ``dirty`` [S, W] (updated in place). Returns (overflowing set or −1, slot [n], table [n], the misses'
+    positions in ``ids`` [m], their victims' old keys [m] and old dirty flags [m]). On overflow the misses
+    are rolled back and the rest is to be ignored."""
+    n, ways = ids.numel(), keys.shape[1]
+    if ways > MAX_WAYS:
+        raise ValueError(f"the C loop scores at most {MAX_WAYS} ways a set (got {ways})")
+    slot, table, miss, old_key = (torch.empty(n, dtype=torch.int64) for _ in range(4))
+    old_dirty = torch.empty(n, dtype=torch.bool)
+    old_used, old_uses = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
+    count = ctypes.c_int64(0)
+    fn = library().assign_slots_i32 if keys.dtype == torch.int32 else library().assign_slots_i64
+    failed = fn(_ptr(ids), ctypes.c_int64(n), _ptr(first), _ptr(nsets), _ptr(set_offset), ctypes.c_int64(first.numel()),
+                _ptr(keys), _ptr(used), _ptr(uses), _ptr(dirty), ctypes.c_int64(ways), ctypes.c_int32(clock),
+                ctypes.c_int32(int(mark_dirty)), ctypes.c_int32(int(lfu)), _ptr(slot), _ptr(table), _ptr(miss),
+                _ptr(old_key), _ptr(old_dirty), _ptr(old_used), _ptr(old_uses), ctypes.byref(count))
+    m = count.value
+    return int(failed), slot, table, miss[:m], old_key[:m], old_dirty[:m]

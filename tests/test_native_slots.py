@@ -1,0 +1,94 @@
+"""The row cache's C loop (modules/embedding/ssd_tier/slot_assign.c via native_slots.py) against its torch path
+(set_victims.place with set_victims.choose_ways, itself tested against a per-set reference in
+test_set_victims.py): on random caches — keys, last uses, use counts, dirty flags, several tables of
+different set counts — the same slots, tables, misses, victims' old keys and dirty flags, the same cache
+state after, and the same refusal (and state) where a set has too few unpinned ways."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from modules.embedding.row_init import RowInit
+from modules.embedding.ssd_tier import native_slots
+from modules.embedding.ssd_tier.backing import BackingTable
+from modules.embedding.ssd_tier.row_cache import WAYS, RowCache
+from modules.embedding.ssd_tier.set_victims import CacheTooSmallError, place
+
+
+def test_the_c_loop_builds_here():
+    assert native_slots.available(), "gcc is on every machine of this project (README); the C loop must build"
+
+
+def _cache(rows: list[int], sets: list[int], key_dtype: torch.dtype) -> RowCache:
+    tables = [BackingTable(torch.zeros(n, 1), [], RowInit(0, 0.0, ((0, n, t),))) for t, n in enumerate(rows)]
+    cache = RowCache(tables, [torch.zeros(s * WAYS, 1) for s in sets], [[] for _ in sets], "lfu", native=False)
+    cache.keys = cache.keys.to(key_dtype)
+    return cache
+
+
+STATE = ("keys", "used", "uses", "dirty")
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), tables=st.integers(1, 3), policy=st.sampled_from(["lru", "lfu"]),
+       key_dtype=st.sampled_from([torch.int32, torch.int64]), mark_dirty=st.booleans())
+def test_the_c_loop_places_every_id_as_the_torch_path_does(data, tables, policy, key_dtype, mark_dirty):
+    rows = [data.draw(st.integers(40, 400)) for _ in range(tables)]
+    sets = [data.draw(st.integers(1, 3)) for _ in range(tables)]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    clock = int(rng.integers(2, 6))
+    caches = [_cache(rows, sets, key_dtype) for _ in range(2)]
+    first = np.cumsum([0, *rows[:-1]])
+    shape = caches[0].keys.shape
+    # a cache in mid-run: each set holds distinct rows of its own table (or nothing); counts and flags at random
+    keys = np.full(shape, -1, dtype=np.int64)
+    for t in range(tables):
+        for s in range(sets[t]):
+            mine = np.arange(s, rows[t], sets[t])  # the rows whose set is s
+            held = rng.choice(mine, size=min(WAYS, len(mine)), replace=False)
+            held[rng.random(len(held)) < 0.2] = -1  # some ways empty
+            keys[int(caches[0].set_offset[t]) + s, :len(held)] = np.where(held >= 0, held + first[t], -1)
+    used = rng.integers(0, clock, shape)  # the clock ticks to `clock` in assign: nothing pinned yet
+    uses, dirty = rng.integers(0, 4, shape), rng.random(shape) < 0.5
+    for cache in caches:
+        cache.policy, cache.clock = policy, clock - 1
+        cache.keys[:] = torch.from_numpy(keys)
+        cache.used[:], cache.uses[:], cache.dirty[:] = torch.from_numpy(used), torch.from_numpy(uses), torch.from_numpy(dirty)
+    ids = torch.from_numpy(np.unique(rng.integers(0, sum(rows), int(rng.integers(1, 4 * WAYS * sum(sets))))))
+
+    def run(cache: RowCache, native: bool):
+        cache.clock += 1
+        if not native:
+            return place(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used, cache.uses,
+                         cache.dirty, cache.clock, mark_dirty, policy, "raise")
+        failed, *out = native_slots.assign(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used,
+                                           cache.uses, cache.dirty, cache.clock, mark_dirty, policy == "lfu")
+        if failed >= 0:
+            raise CacheTooSmallError(str(failed))
+        return tuple(out)
+
+    results = []
+    for cache, native in zip(caches, (False, True)):
+        try:
+            results.append(run(cache, native))
+        except CacheTooSmallError:
+            results.append(None)
+    assert (results[0] is None) == (results[1] is None)
+    if results[0] is not None:
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+    for name in STATE:  # after a refusal too: the hits counted, no miss admitted
+        assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), name
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_set_with_too_few_free_ways_is_refused_with_the_same_message(native):
+    table = BackingTable(torch.zeros(10 * WAYS, 1), [], RowInit(0, 0.0, ((0, 10 * WAYS, 0),)))
+    cache = RowCache([table], [torch.zeros(WAYS, 1)], [[]], "lfu", native=native)  # one set
+    with pytest.raises(CacheTooSmallError, match=rf"{WAYS + 1} rows of one batch fall into one set of {WAYS} ways "
+                                                 rf"\({WAYS} free\).*raise topology.ssd.cache_mb"):
+        cache.assign(torch.arange(WAYS + 1), dirty=True)
