@@ -64,7 +64,7 @@ def test_the_wheel_trains_predicts_and_exports_from_any_folder(installed, tmp_pa
     imported = subprocess.run([str(bin_dir / "python"), "-c", "import pipeline, ctr_conf; print(pipeline.__file__, "
                                "ctr_conf.__file__)"], cwd=tmp_path, env=installed[1], capture_output=True, text=True)
     assert str(ROOT) not in imported.stdout and str(bin_dir.parent) in imported.stdout, imported.stdout
-    native = subprocess.run([str(bin_dir / "python"), "-c", "from modules.embedding.ssd_tier import native_slots as n; "
+    native = subprocess.run([str(bin_dir / "python"), "-c", "from modules.embedding.ssd_tier import native_loops as n; "
                              "print(n.SOURCE, n.available(), n._library_path())"],
                             cwd=tmp_path, env={**installed[1], "XDG_CACHE_HOME": str(tmp_path / "xdg")},
                             capture_output=True, text=True)

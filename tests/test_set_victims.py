@@ -61,7 +61,7 @@ def test_each_miss_takes_the_way_its_set_ranks_next_whatever_the_chunks(data, ns
 
 def test_a_cache_looked_up_in_small_chunks_or_with_64_bit_keys_assigns_and_trains_as_in_one():
     """The same id stream through caches on the torch path — looked up and admitted in chunks of 7 ids and 2
-    sets, or in a single chunk — and on the C loop (native_slots), with int32 keys and with 64-bit keys (as a
+    sets, or in a single chunk — and on the C loop (native_loops), with int32 keys and with 64-bit keys (as a
     tier of 2^31 rows or more has); every step's slots and the rows at the end are the same."""
     rows, slots = 3_000, 8 * WAYS
     rng = np.random.default_rng(3)

@@ -26,11 +26,13 @@ batches = st.lists(st.sets(st.integers(0, 300), min_size=1, max_size=40), min_si
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batches=batches, capacity=st.integers(1, 60), block=st.integers(1, 50), width=st.sampled_from([3, 200, 1022]))
+@given(batches=batches, capacity=st.integers(1, 60), block=st.integers(1, 50), width=st.sampled_from([3, 200, 1022]),
+       native=st.booleans())
 def test_lookups_and_the_write_home_give_each_keys_newest_record(tmp_path_factory, monkeypatch, batches, capacity,
-                                                                 block, width):
+                                                                 block, width, native):
+    """Filters and lookups in C (native_loops) or in numpy."""
     monkeypatch.setattr(sorted_runs, "BLOCK", block)  # merges and the write home in many blocks
-    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", width, capacity)  # 204, 5 or 1 records a page
+    runs = SortedRuns(tmp_path_factory.mktemp("runs") / "t", width, capacity, native)  # 204, 5 or 1 records a page
     newest: dict[int, np.ndarray] = {}
     for step, keys in enumerate(batches):
         keys = np.array(sorted(keys), dtype=np.int64)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from modules.embedding.ssd_tier import native_loops
+
 BITS_PER_KEY = 8
 HASHES = 4
 CHUNK = 1 << 16
@@ -33,11 +35,16 @@ def _halves(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BloomFilter:
-    """:data:`BITS_PER_KEY` bits per key of ``keys`` (module docstring)."""
+    """:data:`BITS_PER_KEY` bits per key of ``keys`` (module docstring); ``native``: set and asked in C
+    (:mod:`.native_loops`), else in numpy (the reference)."""
 
-    def __init__(self, keys: np.ndarray) -> None:
+    def __init__(self, keys: np.ndarray, native: bool = False) -> None:
         self.bits = np.uint64(max(64, BITS_PER_KEY * len(keys)))
         self.words = np.zeros(-(-int(self.bits) // 8), dtype=np.uint8)
+        self.native = native
+        if native:
+            native_loops.bloom_add(self.words, int(self.bits), HASHES, np.asarray(keys))
+            return
         for a in range(0, len(keys), CHUNK):  # in chunks: a merged run's keys are millions (~100 B of temporaries each)
             at = self._positions(np.asarray(keys[a:a + CHUNK])).reshape(-1)
             np.bitwise_or.at(self.words, at >> np.uint64(3), np.left_shift(1, at & np.uint64(7)).astype(np.uint8))
@@ -48,6 +55,8 @@ class BloomFilter:
 
     def may_hold(self, keys: np.ndarray) -> np.ndarray:
         """[n] bool: False where the key is surely absent."""
+        if self.native:
+            return native_loops.bloom_may_hold(self.words, int(self.bits), HASHES, keys)
         at = self._positions(keys)
         return ((self.words[at >> np.uint64(3)] >> (at & np.uint64(7)).astype(np.uint8)) & 1).all(axis=1).astype(bool)
 

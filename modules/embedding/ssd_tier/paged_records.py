@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from modules.embedding.ssd_tier import native_loops
+
 PAGE = 4096
 
 
@@ -28,10 +30,11 @@ class PagedRecords:
     """A run's records file: page p (:data:`PAGE` bytes) holds records p·K … p·K + K − 1, each its int64 key (as
     two float32 words) then its ``width`` floats, K = ⌊PAGE / record⌋, the rest of the page zeros — so a
     record never straddles two pages, and a page says which keys it holds. ``[a:b]``: the records (without
-    their keys) of positions a … b − 1, read in order."""
+    their keys) of positions a … b − 1, read in order. ``native``: :meth:`find` in C (:mod:`.native_loops`),
+    else in numpy (the reference)."""
 
-    def __init__(self, mapped: mmap.mmap | None, n: int, width: int) -> None:
-        self.n, self.width, self.stride = n, width, 2 + width
+    def __init__(self, mapped: mmap.mmap | None, n: int, width: int, native: bool = False) -> None:
+        self.n, self.width, self.stride, self.native = n, width, 2 + width, native
         self.per_page = per_page(width)
         self.flat = np.frombuffer(mapped, dtype=np.float32) if mapped is not None else np.zeros(0, np.float32)
         self.map = mapped
@@ -54,6 +57,8 @@ class PagedRecords:
         key's page, whose pages are asked of the kernel at once; a binary search of the page's inline keys
         (all keys at once, ⌈log₂ K⌉ halvings) gives its place. One page read per key."""
         k, words = self.per_page, PAGE // 4
+        if self.native and self.n:
+            return native_loops.paged_find(self.flat, self.n, self.width, k, words, fences, keys)
         page = np.searchsorted(fences, keys, side="right") - 1
         inside = page >= 0
         page = np.maximum(page, 0)

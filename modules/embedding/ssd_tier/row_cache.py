@@ -5,7 +5,7 @@ slots with each id remapped to its slot (:mod:`modules.embedding.ssd_tier.cached
 kernel's own. The cache is set-associative, as FBGEMM's ``lxu_cache`` is on GPU: each table has S_t
 sets of ``W`` ways, and its row ℓ may sit in set ``ℓ mod S_t`` (hashed ids are spread already;
 frequency-ordered ids put consecutive hot rows in different sets).
-For each batch (unique ids, sorted), in one pass of C (:mod:`.native_slots`; where no C compiler is found,
+For each batch (unique ids, sorted), in one pass of C (:mod:`.native_loops`; where no C compiler is found,
 the same in torch ops, :func:`.set_victims.place`):
 
     hit     keys[set, way] = ℓ                       → that slot
@@ -45,7 +45,7 @@ import torch
 from modules.embedding.ssd_tier.backing import (MEMTABLE_PER_SLOTS, RUN_RECORDS_PER_SLOT, BackingTable, CacheStats,
                                                 records, split_records)
 from modules.embedding.ssd_tier.paged_records import prefetch_rows
-from modules.embedding.ssd_tier import native_slots
+from modules.embedding.ssd_tier import native_loops
 from modules.embedding.ssd_tier.set_victims import POLICIES, place, too_small
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
@@ -84,12 +84,12 @@ class RowCache:
         self.dirty = torch.zeros(shape, dtype=torch.bool)
         self.written = np.zeros((rows + 7) // 8, dtype=np.uint8)  # bit per linear id
         self.clock = 0
-        self.native = native_slots.available() if native is None else native  # the C loop, else the torch path
+        self.native = native_loops.available() if native is None else native  # the C loops (native_loops), else torch / numpy
         self.stats = CacheStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-writer")
         self._pending: Future | None = None
         width = max(self._record_floats(t) for t in range(len(self.tables)))
-        self.runs = SortedRuns(runs, width, self.slots // MEMTABLE_PER_SLOTS) if runs is not None else None
+        self.runs = SortedRuns(runs, width, self.slots // MEMTABLE_PER_SLOTS, self.native) if runs is not None else None
 
     @property
     def slots(self) -> int:
@@ -105,7 +105,7 @@ class RowCache:
         ``dirty``: the kernel will update them (a training forward)."""
         self.clock += 1
         if self.native:
-            failed, slot, table, miss, old, old_dirty = native_slots.assign(
+            failed, slot, table, miss, old, old_dirty = native_loops.assign(
                 ids, self.first, self.nsets, self.set_offset, self.keys, self.used, self.uses, self.dirty,
                 self.clock, dirty, self.policy == "lfu")
             if failed >= 0:

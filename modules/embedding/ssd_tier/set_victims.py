@@ -17,7 +17,7 @@ distinct rows held ~400 MB of them — more than the cache it was choosing slots
 independent: chunking changes no choice.
 
 :func:`place` is the whole per-row step in torch — lookup, hits touched, victims, the slots' bookkeeping — the
-reference for (and the fallback of) its C loop, :mod:`modules.embedding.ssd_tier.native_slots`.
+reference for (and the fallback of) its C loop, :mod:`modules.embedding.ssd_tier.native_loops`.
 
 Sources: FBGEMM ``lxu_cache`` (LRU / LFU over cache sets, the GPU TBE's cache), HierarchicalKV (scored
 eviction); LFU hit more than LRU on both id orders measured (``benchmarks/row_cache_policy.py``).
@@ -93,8 +93,8 @@ def _lowest(score: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
 def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor, keys: torch.Tensor,
           used: torch.Tensor, uses: torch.Tensor, dirty: torch.Tensor, clock: int, mark_dirty: bool, policy: str,
           floor_hint: str) -> tuple[torch.Tensor, ...]:
-    """The torch path of the row cache's per-row loop — :func:`modules.embedding.ssd_tier.native_slots.assign`'s
-    contract (``slot_assign.c``'s header), and the reference it is tested against: unique ``ids`` (ascending)
+    """The torch path of the row cache's per-row loop — :func:`modules.embedding.ssd_tier.native_loops.assign`'s
+    contract (``cache_loops.c``'s header), and the reference it is tested against: unique ``ids`` (ascending)
     looked up :data:`LOOKUP_CHUNK` at a time, hits touched, then a victim for each miss (:func:`choose_ways`).
     Returns (slot, table, the misses' positions in ``ids``, their victims' old keys and dirty flags); the
     cache's ``keys`` / ``used`` / ``uses`` / ``dirty`` are updated in place."""

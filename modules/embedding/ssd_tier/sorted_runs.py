@@ -118,8 +118,9 @@ class SortedRuns:
     """The evicted records of one row cache (module docstring): :meth:`put` them, :meth:`find` them again,
     :meth:`write_home` them. Merges run in a background thread; the list of runs changes under a lock."""
 
-    def __init__(self, stem: Path, width: int, memtable_records: int) -> None:
+    def __init__(self, stem: Path, width: int, memtable_records: int, native: bool = False) -> None:
         self.stem, self.width, self.capacity = Path(stem), width, max(1, memtable_records)
+        self.native = native  # filters and lookups in C (:mod:`.native_loops`)
         self.memtable: list[Source] = []  # oldest first
         self.memtable_records = 0
         self.runs: list[Run] = []         # newest first; tiers never decrease from newest to oldest
@@ -234,11 +235,12 @@ class SortedRuns:
             os.replace(temp, path)
         if not n:
             empty = np.zeros(0, np.int64)
-            return Run(empty, PagedRecords(None, 0, self.width), empty, BloomFilter(empty), tier, paths)
+            return Run(empty, PagedRecords(None, 0, self.width), empty, BloomFilter(empty, self.native), tier, paths)
         keys_map, records_map = mapped(paths[0], at_random=False), mapped(paths[1], at_random=True)
         keys = np.frombuffer(keys_map, dtype=np.int64)
-        bloom = BloomFilter(keys)  # the keys just written: still in the page cache
-        return Run(keys, PagedRecords(records_map, n, self.width), np.concatenate(fences), bloom, tier, paths)
+        bloom = BloomFilter(keys, self.native)  # the keys just written: still in the page cache
+        return Run(keys, PagedRecords(records_map, n, self.width, self.native), np.concatenate(fences), bloom, tier,
+                   paths)
 
     def _delete(self, run: Run) -> None:
         """The run's files unlinked; views of it a lookup still holds stay valid (its maps close with them)."""

@@ -1,16 +1,20 @@
-"""The row cache's per-row loop in C (``slot_assign.c``): a batch's unique ids to slots — lookup, victims,
-the slots' bookkeeping — in one pass, instead of some twenty torch operations over [ids, W] temporaries.
+"""The row cache's per-row loops in C (``cache_loops.c``), called with :mod:`ctypes`:
 
-What it computes is :meth:`modules.embedding.ssd_tier.row_cache.RowCache.assign`'s contract (the C file's
-header): the same slots, victims and counts as the torch path (:func:`modules.embedding.ssd_tier.set_victims.place`),
-which stays as the reference the tests compare it with and as the path where no C compiler
-is found. Why: on a frequency-ordered table larger than the day, about half a step's rows are met for the
-first time, and the torch path's lookup and victim choice were a quarter of the cache's time (docs/scale.md).
+* :func:`assign` — a batch's unique ids to slots: lookup, victims, the slots' bookkeeping, in one pass
+  instead of some twenty torch operations over [ids, W] temporaries (twin: :func:`.set_victims.place`);
+* :func:`bloom_add`, :func:`bloom_may_hold` — a sorted run's Bloom filter (twin: :mod:`.bloom`);
+* :func:`paged_find` — keys in a sorted run's records file (twin: :meth:`.paged_records.PagedRecords.find`).
+
+Each twin computes the same thing in torch or numpy: it is the reference the tests compare the C with
+(tests/test_native_loops.py) and what runs where no C compiler is found. Why: on a frequency-ordered table
+larger than the day, about half a step's rows are met for the first time, and this per-row work in torch
+and numpy — a few operations per row, each a pass over the batch — was most of the cache's time
+(docs/scale.md).
 
 The source is compiled once per machine with the system's C compiler (``$CC``, else ``cc``; plain C11, no
 Python or torch headers: well under a second) into ``$XDG_CACHE_HOME/ctr-pipeline`` (else
 ``~/.cache/ctr-pipeline``), named by the source's hash, under a temporary name then renamed (ranks
-compiling at once each get a whole library), and loaded with :mod:`ctypes`.
+compiling at once each get a whole library).
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
-SOURCE = Path(__file__).with_name("slot_assign.c")
+SOURCE = Path(__file__).with_name("cache_loops.c")
 FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
-MAX_WAYS = 64  # slot_assign.c's MAX_WAYS
+MAX_WAYS = 64  # cache_loops.c's MAX_WAYS
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +44,7 @@ class NativeError(RuntimeError):
 def _library_path() -> Path:
     code = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode()
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctr-pipeline"
-    return root / f"slot_assign-{hashlib.sha256(code).hexdigest()[:16]}.so"
+    return root / f"cache_loops-{hashlib.sha256(code).hexdigest()[:16]}.so"
 
 
 @lru_cache(maxsize=1)
@@ -57,23 +62,26 @@ def library() -> ctypes.CDLL:
             raise NativeError(f"{' '.join(cmd)}: {getattr(e, 'stderr', '') or e}".strip()) from e
         os.replace(temp, path)
     lib = ctypes.CDLL(str(path))
-    for name in ("assign_slots_i32", "assign_slots_i64"):
+    for name in ("assign_slots_i32", "assign_slots_i64", "paged_find"):
         getattr(lib, name).restype = ctypes.c_int64
     return lib
 
 
 @lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether the C loop can be used here (else, once, a warning: the row cache takes its torch path)."""
+    """Whether the C loops can be used here (else, once, a warning: the row cache takes its torch path)."""
     try:
         library()
         return True
     except (NativeError, OSError) as e:
-        log.warning("the row cache's C loop could not be built (%s): it runs its slower torch path", e)
+        log.warning("the row cache's C loops could not be built (%s): it runs its slower torch path", e)
         return False
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+def _ptr(t: torch.Tensor | np.ndarray) -> ctypes.c_void_p:
+    if isinstance(t, np.ndarray):
+        assert t.flags.c_contiguous
+        return ctypes.c_void_p(t.ctypes.data)
     assert t.is_contiguous()
     return ctypes.c_void_p(t.data_ptr())
 
@@ -99,3 +107,31 @@ def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offs
                 _ptr(old_key), _ptr(old_dirty), _ptr(old_used), _ptr(old_uses), ctypes.byref(count))
     m = count.value
     return int(failed), slot, table, miss[:m], old_key[:m], old_dirty[:m]
+
+
+def bloom_add(words: np.ndarray, bits: int, hashes: int, keys: np.ndarray) -> None:
+    """Set the filter's bits of ``keys`` (int64) in ``words`` (uint8, ``bits`` bits)."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    library().bloom_add(_ptr(words), ctypes.c_uint64(bits), ctypes.c_int64(hashes), _ptr(keys), ctypes.c_int64(len(keys)))
+
+
+def bloom_may_hold(words: np.ndarray, bits: int, hashes: int, keys: np.ndarray) -> np.ndarray:
+    """[n] bool: False where the filter surely does not hold the key."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    out = np.empty(len(keys), dtype=bool)
+    library().bloom_may_hold(_ptr(words), ctypes.c_uint64(bits), ctypes.c_int64(hashes), _ptr(keys),
+                             ctypes.c_int64(len(keys)), _ptr(out))
+    return out
+
+
+def paged_find(flat: np.ndarray, n_records: int, width: int, per_page: int, page_words: int, fences: np.ndarray,
+               keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(found [n] bool, the found keys' records [found, width]) of ``keys`` (ascending) in a run's records file
+    mapped as ``flat`` (float32, whole pages of ``page_words`` words)."""
+    keys, fences = np.ascontiguousarray(keys, dtype=np.int64), np.ascontiguousarray(fences, dtype=np.int64)
+    n = len(keys)
+    found, out, page = np.empty(n, dtype=bool), np.empty((n, width), dtype=np.float32), np.empty(n, dtype=np.int64)
+    hits = library().paged_find(_ptr(flat), ctypes.c_int64(n_records), ctypes.c_int64(width), ctypes.c_int64(per_page),
+                                ctypes.c_int64(page_words), _ptr(fences), ctypes.c_int64(len(fences)), _ptr(keys),
+                                ctypes.c_int64(n), _ptr(page), _ptr(found), _ptr(out))
+    return found, out[:hits]

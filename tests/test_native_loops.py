@@ -1,8 +1,12 @@
-"""The row cache's C loop (modules/embedding/ssd_tier/slot_assign.c via native_slots.py) against its torch path
-(set_victims.place with set_victims.choose_ways, itself tested against a per-set reference in
-test_set_victims.py): on random caches — keys, last uses, use counts, dirty flags, several tables of
-different set counts — the same slots, tables, misses, victims' old keys and dirty flags, the same cache
-state after, and the same refusal (and state) where a set has too few unpinned ways."""
+"""The row cache's C loops (modules/embedding/ssd_tier/cache_loops.c via native_loops.py) against their torch and
+numpy twins:
+
+* slot assignment against set_victims.place (with set_victims.choose_ways, itself tested against a per-set
+  reference in test_set_victims.py): on random caches — keys, last uses, use counts, dirty flags, several
+  tables of different set counts — the same slots, tables, misses, victims' old keys and dirty flags, the
+  same cache state after, and the same refusal (and state) where a set has too few unpinned ways;
+* a sorted run's Bloom filter: the same bits, the same answers, no false negatives;
+* a sorted run's records file: the same keys found and records read as numpy, and as the keys written."""
 
 from __future__ import annotations
 
@@ -13,14 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modules.embedding.row_init import RowInit
-from modules.embedding.ssd_tier import native_slots
+from modules.embedding.ssd_tier import native_loops
 from modules.embedding.ssd_tier.backing import BackingTable
+from modules.embedding.ssd_tier.bloom import BloomFilter
+from modules.embedding.ssd_tier.paged_records import PagedRecords, mapped, paged, per_page
 from modules.embedding.ssd_tier.row_cache import WAYS, RowCache
 from modules.embedding.ssd_tier.set_victims import CacheTooSmallError, place
 
 
 def test_the_c_loop_builds_here():
-    assert native_slots.available(), "gcc is on every machine of this project (README); the C loop must build"
+    assert native_loops.available(), "gcc is on every machine of this project (README); the C loop must build"
 
 
 def _cache(rows: list[int], sets: list[int], key_dtype: torch.dtype) -> RowCache:
@@ -65,7 +71,7 @@ def test_the_c_loop_places_every_id_as_the_torch_path_does(data, tables, policy,
         if not native:
             return place(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used, cache.uses,
                          cache.dirty, cache.clock, mark_dirty, policy, "raise")
-        failed, *out = native_slots.assign(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used,
+        failed, *out = native_loops.assign(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used,
                                            cache.uses, cache.dirty, cache.clock, mark_dirty, policy == "lfu")
         if failed >= 0:
             raise CacheTooSmallError(str(failed))
@@ -92,3 +98,33 @@ def test_a_set_with_too_few_free_ways_is_refused_with_the_same_message(native):
     with pytest.raises(CacheTooSmallError, match=rf"{WAYS + 1} rows of one batch fall into one set of {WAYS} ways "
                                                  rf"\({WAYS} free\).*raise topology.ssd.cache_mb"):
         cache.assign(torch.arange(WAYS + 1), dirty=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(0, 3000))
+def test_the_c_bloom_filter_sets_and_answers_as_the_numpy_one(seed, n):
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, 2**40, n))
+    c, ref = BloomFilter(keys, native=True), BloomFilter(keys, native=False)
+    assert np.array_equal(c.words, ref.words)
+    asked = np.concatenate([keys, rng.integers(0, 2**40, 2000)])
+    held = c.may_hold(asked)
+    assert np.array_equal(held, ref.may_hold(asked)) and held[:len(keys)].all()  # no false negatives
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 700), width=st.sampled_from([1, 5, 17]))
+def test_the_c_lookup_of_a_runs_records_finds_what_the_numpy_one_finds(tmp_path_factory, seed, n, width):
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(10, 5000, n))
+    records = rng.standard_normal((len(keys), width)).astype(np.float32)
+    path = tmp_path_factory.mktemp("run") / "records"
+    path.write_bytes(paged(keys, records, width))
+    fences = keys[::per_page(width)]
+    asked = np.unique(np.concatenate([rng.choice(keys, min(len(keys), 50)), rng.integers(0, 5100, 50)]))
+    got = [PagedRecords(mapped(path, at_random=True), len(keys), width, native=native).find(asked, fences)
+           for native in (True, False)]
+    assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+    expect = np.isin(asked, keys)
+    assert np.array_equal(got[0][0], expect)  # and against the keys themselves
+    assert np.array_equal(got[0][1], records[np.searchsorted(keys, asked[expect])])

@@ -1,6 +1,8 @@
-/* The row cache's per-row loop: each unique id of a batch to its slot (set-associative lookup, then a victim
- * way for each miss), in one pass in C. Python's side, the contract and the reference it is tested against:
- * modules/embedding/ssd_tier/native_slots.py, set_victims.py, row_cache.py.
+/* The row cache's per-row loops in C, called through ctypes (modules/embedding/ssd_tier/native_loops.py, which
+ * also says how this file is built). Each loop has a torch / numpy twin that computes the same thing, is the
+ * reference the tests compare it with (tests/test_native_loops.py) and runs where no C compiler is found.
+ *
+ * 1. assign_slots_i32 / _i64 — each unique id of a batch to its slot (twin: set_victims.place):
  *
  *   table   t = the last table with first[t] <= id            (ids ascending: one forward walk)
  *   set     s = set_offset[t] + (id − first[t]) mod nsets[t]
@@ -11,9 +13,17 @@
  *           → its old key and dirty flag are returned (the caller writes the row back), then
  *             key = id, used = clock (pinned), uses = 1, dirty = mark_dirty
  *
- * Returns −1, or the set in which a miss found every way pinned: the cache is then left as the hits made it
- * (the misses admitted before are rolled back). Keys are int32 or int64 (KEY below: two entry points).
+ *   Returns −1, or the set in which a miss found every way pinned: the cache is then left as the hits made
+ *   it (the misses admitted before are rolled back). Keys are int32 or int64 (two entry points).
+ *
+ * 2. bloom_add / bloom_may_hold — a sorted run's Bloom filter (twin and formulas: bloom.py).
+ * 3. paged_find — keys in a sorted run's records file, one page read per key (twin and layout:
+ *    paged_records.py): each key's page from the fences, the pages asked of the kernel at once
+ *    (madvise WILLNEED, runs of adjacent pages as one call), a binary search of the page's inline keys.
  */
+#define _DEFAULT_SOURCE
+#include <string.h>
+#include <sys/mman.h>
 #include <stdint.h>
 
 #define USE_BITS 40
@@ -100,3 +110,92 @@ int64_t NAME(const int64_t *ids, int64_t n, const int64_t *first, const int64_t 
 
 DEFINE_ASSIGN(assign_slots_i32, int32_t)
 DEFINE_ASSIGN(assign_slots_i64, int64_t)
+
+/* -- 2. Bloom filters (bloom.py) ------------------------------------------------------------------------ */
+static inline void bloom_halves(int64_t key, uint64_t *h1, uint64_t *h2)
+{
+    uint64_t z = (uint64_t)key + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    *h1 = z >> 32;
+    *h2 = (z & 0xFFFFFFFFULL) | 1;
+}
+
+void bloom_add(uint8_t *words, uint64_t bits, int64_t hashes, const int64_t *keys, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t h1, h2;
+        bloom_halves(keys[j], &h1, &h2);
+        for (int64_t i = 0; i < hashes; i++) {
+            const uint64_t at = (h1 + (uint64_t)i * h2) % bits;
+            words[at >> 3] |= (uint8_t)(1u << (at & 7));
+        }
+    }
+}
+
+void bloom_may_hold(const uint8_t *words, uint64_t bits, int64_t hashes, const int64_t *keys, int64_t n, uint8_t *out)
+{
+    for (int64_t j = 0; j < n; j++) {
+        uint64_t h1, h2;
+        uint8_t all = 1;
+        bloom_halves(keys[j], &h1, &h2);
+        for (int64_t i = 0; i < hashes; i++) {
+            const uint64_t at = (h1 + (uint64_t)i * h2) % bits;
+            all &= (uint8_t)((words[at >> 3] >> (at & 7)) & 1);
+        }
+        out[j] = all;
+    }
+}
+
+/* -- 3. a sorted run's records (paged_records.py) -------------------------------------------------------- */
+static inline int64_t record_key(const float *flat, int64_t word)
+{
+    int64_t key;
+    memcpy(&key, flat + word, sizeof key);
+    return key;
+}
+
+/* found[j] = whether keys[j] (ascending) is among the run's n_records records; the found keys' records
+ * (width floats each) are written to out one after the other. Returns how many were found. */
+int64_t paged_find(const float *flat, int64_t n_records, int64_t width, int64_t per_page, int64_t page_words,
+                   const int64_t *fences, int64_t n_fences, const int64_t *keys, int64_t n, int64_t *page_of,
+                   uint8_t *found, float *out)
+{
+    const int64_t stride = 2 + width;
+    const long page_bytes = (long)page_words * 4;
+    for (int64_t j = 0; j < n; j++) {  /* the page: the last fence <= key (−1: before the first page) */
+        int64_t lo = 0, hi = n_fences;
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) >> 1;
+            if (fences[mid] <= keys[j]) lo = mid + 1; else hi = mid;
+        }
+        page_of[j] = lo - 1;
+    }
+    for (int64_t j = 0; j < n;) {  /* keys ascending: pages nondecreasing; adjacent pages in one call */
+        if (page_of[j] < 0) { j++; continue; }
+        const int64_t first = page_of[j];
+        int64_t last = first;
+        while (j < n && page_of[j] <= last + 1) { if (page_of[j] > last) last = page_of[j]; j++; }
+        madvise((void *)(flat + first * page_words), (size_t)((last - first + 1) * page_bytes), MADV_WILLNEED);
+    }
+    int64_t hits = 0;
+    for (int64_t j = 0; j < n; j++) {
+        found[j] = 0;
+        const int64_t page = page_of[j];
+        if (page < 0) continue;
+        const int64_t base = page * page_words, count = n_records - page * per_page < per_page
+                                                         ? n_records - page * per_page : per_page;
+        int64_t lo = 0, hi = count;  /* the first record whose key >= keys[j] */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) >> 1;
+            if (record_key(flat, base + mid * stride) < keys[j]) lo = mid + 1; else hi = mid;
+        }
+        if (lo < count && record_key(flat, base + lo * stride) == keys[j]) {
+            found[j] = 1;
+            memcpy(out + hits * width, flat + base + lo * stride + 2, (size_t)width * sizeof(float));
+            hits++;
+        }
+    }
+    return hits;
+}
