@@ -144,10 +144,9 @@ class RowCache:
         self.written[byte[starts]] |= np.bitwise_or.reduceat(bits, starts)
 
     def _read(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Fill ``slots`` with rows ``ids`` (linear): the newest evicted record from the sorted runs, else the
-        row in its file (in file order) where it was written, else drawn from its initialiser."""
-        order = torch.argsort(ids)
-        ids, slots = ids[order], slots[order]
+        """Fill ``slots`` with rows ``ids`` (linear, ascending: a batch's misses): the newest evicted record from
+        the sorted runs, else the row in its file (in file order) where it was written, else drawn from its
+        initialiser."""
         written = self._is_written(ids)
         from_file = written.clone()
         if self.runs is not None and bool(written.any()):
