@@ -119,7 +119,7 @@ def test_the_c_lookup_of_a_runs_records_finds_what_the_numpy_one_finds(tmp_path_
     keys = np.unique(rng.integers(10, 5000, n))
     records = rng.standard_normal((len(keys), width)).astype(np.float32)
     path = tmp_path_factory.mktemp("run") / "records"
-    path.write_bytes(paged(keys, records, width))
+    path.write_bytes(paged(keys, records, width).tobytes())
     fences = keys[::per_page(width)]
     asked = np.unique(np.concatenate([rng.choice(keys, min(len(keys), 50)), rng.integers(0, 5100, 50)]))
     got = [PagedRecords(mapped(path, at_random=True), len(keys), width, native=native).find(asked, fences)

@@ -53,7 +53,7 @@ int64_t NAME(const int64_t *ids, int64_t n, const int64_t *first, const int64_t 
         }                                                                                                      \
         const int64_t id = ids[i], base = slot_out[i];                                                         \
         const KEY key = (KEY)id;                                                                               \
-        int64_t way = -1;  /* no early exit: the compiler vectorises the scan (a key sits in one way at most) */\
+        int64_t way = -1;  /* a branch-free scan, no early exit: a key sits in one way at most */              \
         for (int64_t w = 0; w < ways; w++)                                                                     \
             way = keys[base + w] == key ? w : way;                                                             \
         if (way >= 0) {                                                                                        \

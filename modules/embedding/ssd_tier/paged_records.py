@@ -87,17 +87,20 @@ def per_page(width: int) -> int:
     return max(1, PAGE // ((2 + width) * 4))
 
 
-def paged(keys: np.ndarray, records: np.ndarray, width: int) -> bytes:
-    """Whole pages of ``keys`` and ``records`` (:class:`PagedRecords`), the last one padded."""
+def paged(keys: np.ndarray, records: np.ndarray, width: int) -> np.ndarray:
+    """Whole pages of ``keys`` and ``records`` (:class:`PagedRecords`), the last one padded: [pages, PAGE / 4]
+    float32, written to the file as it lies in memory."""
     k, stride = per_page(width), 2 + width
     n = len(keys)
     pages = -(-n // k)
-    out = np.zeros((pages * k, stride), np.float32)
-    out[:n, :2] = np.ascontiguousarray(keys, dtype=np.int64).view(np.float32).reshape(n, 2)
-    out[:n, 2:] = records
     buf = np.zeros((pages, PAGE // 4), np.float32)
-    buf[:, :k * stride] = out.reshape(pages, k * stride)
-    return buf.tobytes()
+    out = buf[:, :k * stride].reshape(pages, k, stride)  # a view: the records are written into their pages
+    words = np.ascontiguousarray(keys, dtype=np.int64).view(np.float32).reshape(n, 2)
+    full, rest = divmod(n, k)
+    out[:full, :, :2], out[:full, :, 2:] = words[:full * k].reshape(full, k, 2), records[:full * k].reshape(full, k, width)
+    if rest:
+        out[full, :rest, :2], out[full, :rest, 2:] = words[full * k:], records[full * k:]
+    return buf
 
 
 def mapped(path: Path, at_random: bool) -> mmap.mmap:
