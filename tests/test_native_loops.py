@@ -128,3 +128,22 @@ def test_the_c_lookup_of_a_runs_records_finds_what_the_numpy_one_finds(tmp_path_
     expect = np.isin(asked, keys)
     assert np.array_equal(got[0][0], expect)  # and against the keys themselves
     assert np.array_equal(got[0][1], records[np.searchsorted(keys, asked[expect])])
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_ids_in_any_order_and_repeated_get_the_slots_of_their_sorted_unique_ids(native):
+    """A batch's ids arrive sorted and unique; rows an optimizer term updates may not: same slots either way."""
+    rows = [500, 700]
+    rng = np.random.default_rng(0)
+    caches = []
+    for _ in range(2):
+        tables = [BackingTable(torch.zeros(n, 1), [], RowInit(0, 0.0, ((0, n, t),))) for t, n in enumerate(rows)]
+        caches.append(RowCache(tables, [torch.zeros(4 * WAYS, 1) for _ in rows], [[] for _ in rows], "lru", native=native))
+    for _ in range(20):
+        ids = torch.from_numpy(rng.integers(0, sum(rows), 90))
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        slot, table = caches[0].assign(ids, dirty=True)
+        ref_slot, ref_table = caches[1].assign(unique, dirty=True)
+        assert torch.equal(slot, ref_slot[inverse]) and torch.equal(table, ref_table[inverse])
+        assert torch.equal(table, (ids >= rows[0]).long())
+    assert torch.equal(caches[0].keys, caches[1].keys) and (caches[0].keys >= 0).sum() > 100

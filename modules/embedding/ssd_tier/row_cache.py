@@ -101,8 +101,13 @@ class RowCache:
 
     # -- the batch path ----------------------------------------------------------------------------
     def assign(self, ids: torch.Tensor, dirty: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(global slots, tables) of the unique linear ``ids`` (int64, ascending), loading the missing rows;
-        ``dirty``: the kernel will update them (a training forward)."""
+        """(global slots, tables) of the linear ``ids`` (int64), loading the missing rows; ``dirty``: the kernel
+        will update them (a training forward). A batch's ids arrive unique and ascending, as the loops need
+        them; others (rows an optimizer term updates) are made so first."""
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            slot, table = self.assign(unique, dirty)
+            return slot[inverse], table[inverse]
         self.clock += 1
         if self.native:
             failed, slot, table, miss, old, old_dirty = native_loops.assign(
