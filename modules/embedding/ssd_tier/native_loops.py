@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 class NativeError(RuntimeError):
-    """The C loop could not be built or loaded."""
+    """The C loops could not be built."""
 
 
 def _library_path() -> Path:
@@ -49,7 +49,7 @@ def _library_path() -> Path:
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
-    """The compiled loop (built on first use); :class:`NativeError` if no compiler can build it."""
+    """The compiled loops (built on first use); :class:`NativeError` if no compiler can build them."""
     path = _library_path()
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,17 +78,21 @@ def available() -> bool:
         return False
 
 
-def _ptr(t: torch.Tensor | np.ndarray) -> ctypes.c_void_p:
+def _ptr(t: torch.Tensor | np.ndarray, dtype: torch.dtype | np.dtype | None = None) -> ctypes.c_void_p:
+    """The address of ``t``'s first element; refused unless it is contiguous (and of ``dtype``, if given): the C
+    reads and writes it as one flat array of that type."""
     if isinstance(t, np.ndarray):
-        assert t.flags.c_contiguous
+        if not t.flags.c_contiguous or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"the C loops take contiguous {dtype or t.dtype} arrays (got {t.dtype}, {t.strides})")
         return ctypes.c_void_p(t.ctypes.data)
-    assert t.is_contiguous()
+    if not t.is_contiguous() or (dtype is not None and t.dtype != dtype):
+        raise ValueError(f"the C loops take contiguous {dtype or t.dtype} tensors (got {t.dtype}, {t.stride()})")
     return ctypes.c_void_p(t.data_ptr())
 
 
 def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor,
            keys: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, dirty: torch.Tensor, clock: int,
-           mark_dirty: bool, lfu: bool) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           mark_dirty: bool, lfu: bool) -> tuple[int, ...]:
     """The C file's loop over unique ``ids`` (int64, ascending) on the cache's ``keys`` / ``used`` / ``uses`` /
     ``dirty`` [S, W] (updated in place). Returns (overflowing set or −1, slot [n], table [n], the misses'
     positions in ``ids`` [m], their victims' old keys [m] and old dirty flags [m]). On overflow the misses
@@ -101,8 +105,10 @@ def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offs
     old_used, old_uses = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
     count = ctypes.c_int64(0)
     fn = library().assign_slots_i32 if keys.dtype == torch.int32 else library().assign_slots_i64
-    failed = fn(_ptr(ids), ctypes.c_int64(n), _ptr(first), _ptr(nsets), _ptr(set_offset), ctypes.c_int64(first.numel()),
-                _ptr(keys), _ptr(used), _ptr(uses), _ptr(dirty), ctypes.c_int64(ways), ctypes.c_int32(clock),
+    i64, i32 = torch.int64, torch.int32
+    failed = fn(_ptr(ids, i64), ctypes.c_int64(n), _ptr(first, i64), _ptr(nsets, i64), _ptr(set_offset, i64),
+                ctypes.c_int64(first.numel()), _ptr(keys, keys.dtype if keys.dtype in (i32, i64) else i64),
+                _ptr(used, i32), _ptr(uses, i32), _ptr(dirty, torch.bool), ctypes.c_int64(ways), ctypes.c_int32(clock),
                 ctypes.c_int32(int(mark_dirty)), ctypes.c_int32(int(lfu)), _ptr(slot), _ptr(table), _ptr(miss),
                 _ptr(old_key), _ptr(old_dirty), _ptr(old_used), _ptr(old_uses), ctypes.byref(count))
     m = count.value
@@ -112,14 +118,15 @@ def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offs
 def bloom_add(words: np.ndarray, bits: int, hashes: int, keys: np.ndarray) -> None:
     """Set the filter's bits of ``keys`` (int64) in ``words`` (uint8, ``bits`` bits)."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)
-    library().bloom_add(_ptr(words), ctypes.c_uint64(bits), ctypes.c_int64(hashes), _ptr(keys), ctypes.c_int64(len(keys)))
+    library().bloom_add(_ptr(words, np.dtype(np.uint8)), ctypes.c_uint64(bits), ctypes.c_int64(hashes), _ptr(keys),
+                        ctypes.c_int64(len(keys)))
 
 
 def bloom_may_hold(words: np.ndarray, bits: int, hashes: int, keys: np.ndarray) -> np.ndarray:
     """[n] bool: False where the filter surely does not hold the key."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     out = np.empty(len(keys), dtype=bool)
-    library().bloom_may_hold(_ptr(words), ctypes.c_uint64(bits), ctypes.c_int64(hashes), _ptr(keys),
+    library().bloom_may_hold(_ptr(words, np.dtype(np.uint8)), ctypes.c_uint64(bits), ctypes.c_int64(hashes), _ptr(keys),
                              ctypes.c_int64(len(keys)), _ptr(out))
     return out
 
@@ -131,7 +138,8 @@ def paged_find(flat: np.ndarray, n_records: int, width: int, per_page: int, page
     keys, fences = np.ascontiguousarray(keys, dtype=np.int64), np.ascontiguousarray(fences, dtype=np.int64)
     n = len(keys)
     found, out, page = np.empty(n, dtype=bool), np.empty((n, width), dtype=np.float32), np.empty(n, dtype=np.int64)
-    hits = library().paged_find(_ptr(flat), ctypes.c_int64(n_records), ctypes.c_int64(width), ctypes.c_int64(per_page),
-                                ctypes.c_int64(page_words), _ptr(fences), ctypes.c_int64(len(fences)), _ptr(keys),
-                                ctypes.c_int64(n), _ptr(page), _ptr(found), _ptr(out))
+    hits = library().paged_find(_ptr(flat, np.dtype(np.float32)), ctypes.c_int64(n_records), ctypes.c_int64(width),
+                                ctypes.c_int64(per_page), ctypes.c_int64(page_words), _ptr(fences),
+                                ctypes.c_int64(len(fences)), _ptr(keys), ctypes.c_int64(n), _ptr(page), _ptr(found),
+                                _ptr(out))
     return found, out[:hits]
