@@ -68,14 +68,9 @@ def test_the_c_loop_places_every_id_as_the_torch_path_does(data, tables, policy,
 
     def run(cache: RowCache, native: bool):
         cache.clock += 1
-        if not native:
-            return place(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used, cache.uses,
-                         cache.dirty, cache.clock, mark_dirty, policy, "raise")
-        failed, *out = native_loops.assign(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used,
-                                           cache.uses, cache.dirty, cache.clock, mark_dirty, policy == "lfu")
-        if failed >= 0:
-            raise CacheTooSmallError(str(failed))
-        return tuple(out)
+        loop = native_loops.assign if native else place
+        return loop(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used, cache.uses, cache.dirty,
+                    cache.clock, mark_dirty, policy, "raise")
 
     results = []
     for cache, native in zip(caches, (False, True)):

@@ -46,7 +46,7 @@ from modules.embedding.ssd_tier.backing import (MEMTABLE_PER_SLOTS, RUN_RECORDS_
                                                 records, split_records)
 from modules.embedding.ssd_tier.paged_records import prefetch_rows
 from modules.embedding.ssd_tier import native_loops
-from modules.embedding.ssd_tier.set_victims import POLICIES, place, too_small
+from modules.embedding.ssd_tier.set_victims import POLICIES, place
 from modules.embedding.ssd_tier.sorted_runs import SortedRuns
 
 WAYS = 32
@@ -109,16 +109,9 @@ class RowCache:
             slot, table = self.assign(unique, dirty)
             return slot[inverse], table[inverse]
         self.clock += 1
-        if self.native:
-            failed, slot, table, miss, old, old_dirty = native_loops.assign(
-                ids, self.first, self.nsets, self.set_offset, self.keys, self.used, self.uses, self.dirty,
-                self.clock, dirty, self.policy == "lfu")
-            if failed >= 0:
-                in_set = int((slot[miss] // WAYS == failed).sum())
-                raise too_small(in_set, WAYS, WAYS - int((self.used[failed] == self.clock).sum()), TOO_SMALL_HINT)
-        else:
-            slot, table, miss, old, old_dirty = place(ids, self.first, self.nsets, self.set_offset, self.keys, self.used,
-                                                      self.uses, self.dirty, self.clock, dirty, self.policy, TOO_SMALL_HINT)
+        loop = native_loops.assign if self.native else place  # the same contract, in C or in torch
+        slot, table, miss, old, old_dirty = loop(ids, self.first, self.nsets, self.set_offset, self.keys, self.used,
+                                                 self.uses, self.dirty, self.clock, dirty, self.policy, TOO_SMALL_HINT)
         self.stats.lookups += int(ids.numel())
         self.stats.hits += int(ids.numel() - miss.numel())
         if miss.numel():
