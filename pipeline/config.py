@@ -109,6 +109,7 @@ class TrainerConfig:
     eval_batch_size: int = 16384
     max_epochs: int = 1
     max_steps: int = -1
+    shuffle: bool = True                # training rows in a new random order each epoch; false: the files' order
     precision: str = "32-true"
     num_threads: Optional[int] = None
     log_every_n_steps: int = 25

@@ -237,3 +237,55 @@ def test_chunked_reading_keeps_earlier_tables_intact():
     small = list(RawReader([dac], CRITEO, block_size=1 << 16))  # the chunk buffer is reused 29 times
     whole = list(RawReader([dac], CRITEO, block_size=1 << 26))
     assert len(small) > 10 and pa.concat_tables(small).equals(pa.concat_tables(whole))
+
+
+@pytest.mark.parametrize("categorical", ["vocab", "raw"])
+def test_a_declared_time_column_is_kept_as_seconds_since_1970(tmp_path, categorical):
+    """``data.time``: Avazu's ``hour`` (YYMMDDHH) kept per row in file order, against Python's own calendar; both
+    preprocessing paths (two passes through the spill, and one)."""
+    frame = pd.read_csv(shared_file("avazu_sample/avazu_sample.csv"), dtype=str)
+    rows = np.arange(len(frame))
+    frame["hour"] = [f"1410{21 + d:02d}{h:02d}" for d, h in zip(rows * 7 % 9, rows * 5 % 24)]  # other times a row
+    path = tmp_path / "avazu.csv"
+    frame.to_csv(path, index=False)
+    data = builtin_layout("avazu", PreprocessConfig(categorical=categorical, split=SplitConfig(valid=0.0, test=0.0)))
+    data.time, data.time_format = "hour", "%y%m%d%H"
+    store = preprocess([path], data, tmp_path / "a")
+    hour = frame["hour"].astype(int)
+    expected = [int(datetime.datetime(2000 + h // 1_000_000, h // 10_000 % 100, h // 100 % 100, h % 100,
+                                      tzinfo=datetime.timezone.utc).timestamp()) for h in hour]
+    assert store.meta["time"] == "hour"
+    np.testing.assert_array_equal(store.split("train").time, expected)
+    assert store.split("train").time.dtype == np.int64 and len(set(expected)) == 72  # (7i mod 9, 5i mod 24) repeats every 72 rows
+
+
+@pytest.mark.parametrize("bad, expected", [("14102100x", r"'14102100x'; expected a time in the format '%y%m%d%H'"),
+                                           ("", r"column 'hour' is empty; expected a time")])
+def test_a_bad_or_missing_time_is_refused_with_its_line(tmp_path, bad, expected):
+    lines = shared_file("avazu_sample/avazu_sample.csv").read_text().splitlines()
+    cells = lines[7].split(",")
+    cells[lines[0].split(",").index("hour")] = bad
+    lines[7] = ",".join(cells)
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(lines) + "\n")
+    data = builtin_layout("avazu", PreprocessConfig(categorical="raw", block_size=1 << 12))
+    data.time, data.time_format = "hour", "%y%m%d%H"
+    with pytest.raises(BadInputError, match=r"bad\.csv:8: (column 'hour' has )?" + expected):
+        preprocess([path], data, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_time_column_that_cannot_be_one_is_refused():
+    from pipeline.data.dataset import DataConfig, FeatureDecl
+
+    def declare(time: str, **kw) -> DataConfig:
+        return DataConfig(name="mylog", format="csv", header=True, label="clicked", time=time,
+                          features=[FeatureDecl(name="price", type="numeric"), FeatureDecl(name="user")], **kw)
+
+    assert declare("click_time").text_columns == ("user", "click_time")
+    for time in ("clicked", "price"):
+        with pytest.raises(ValueError, match=rf"time='{time}': expected a text column of times"):
+            declare(time)
+    with pytest.raises(ValueError, match=r"time='when': .*\(columns: \['clicked', 'price', 'user'\]\)"):
+        DataConfig(name="mylog", format="csv", columns=["clicked", "price", "user"], label="clicked", time="when",
+                   features=[FeatureDecl(name="price", type="numeric"), FeatureDecl(name="user")])

@@ -79,6 +79,74 @@ def test_ttl_keeps_a_row_for_ttl_days_of_data_then_gives_it_to_a_new_id():
     assert (counts["admitted"], counts["evicted"]) == (3, 1)  # 10 and 11 into free rows, then 12 in place of 11
 
 
+def _held(remapper: ZchRemapper) -> dict[int, int]:
+    """Id → row of every id a table ``t`` holds (TorchRec's buffers; an empty row, and MCH's sentinel, hold the
+    largest int64)."""
+    m = remapper.mch["t"]
+    empty = torch.iinfo(torch.int64).max
+    return {i: r for i, r in zip(m._mch_sorted_raw_ids.tolist(), m._mch_remapped_ids_mapping.tolist()) if i != empty}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.lists(st.integers(1, 25), min_size=1, max_size=8)), min_size=1, max_size=25),
+       st.integers(3, 8), st.integers(1, 3))
+def test_ttl_on_row_times_maps_as_ttl_on_days_when_every_time_is_a_day(steps, rows, ttl_days):
+    """``ttl_clock=time`` with every row time at midnight of its day (the days in any order: the clock is the
+    latest time so far) holds the same ids on the same rows as ``ttl_clock=day`` told those days."""
+    by_day = ZchConfig(rows=rows, eviction="ttl", ttl_days=ttl_days, eviction_interval=1)
+    by_time = ZchConfig(rows=rows, eviction="ttl", ttl_days=ttl_days, ttl_clock="time", eviction_interval=1)
+    a = ZchRemapper(by_day, {"t": ["a"]}, by_day.table_sizes(["t"]))
+    b = ZchRemapper(by_time, {"t": ["a"]}, by_time.table_sizes(["t"]))
+    a.train(), b.train()
+    latest = 0
+    for day, ids in steps:
+        latest = max(latest, day)
+        a.set_day(latest)
+        assert a(_kjt({"a": ids})).values().tolist() == b(_kjt({"a": ids}), 1_500_000_000 + day * 86_400).values().tolist()
+        assert _held(a) == _held(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 400), st.lists(st.integers(1, 30), min_size=1, max_size=8)), min_size=1, max_size=30),
+       st.integers(3, 8), st.sampled_from([50, 120]))
+def test_ttl_on_row_times_keeps_unexpired_ids_and_gives_new_ids_only_free_or_expired_rows(steps, rows, ttl):
+    """Row times in seconds, in any order (the clock: the latest so far), TTL ``ttl`` seconds; after every
+    round (interval 1), against the rule kept here: an id held and seen less than ``ttl`` ago keeps its row; a
+    held id is one held before or seen in the round; an id of the round turned away means every row is held by an
+    id seen less than ``ttl`` ago; no two ids share a row."""
+    cfg = ZchConfig(rows=rows, eviction="ttl", ttl_days=ttl / 86_400, ttl_clock="time", eviction_interval=1)
+    remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
+    remapper.train()
+    clock, last = -1, {}  # last: held id → the clock when it was last seen
+    for time, ids in steps:
+        clock = max(clock, time)
+        before = set(_held(remapper))
+        remapper(_kjt({"a": ids}), time)
+        held = _held(remapper)
+        assert len(set(held.values())) == len(held) and all(FIRST_ROW <= r < rows + 1 for r in held.values())
+        assert {i for i in before if clock - last[i] < ttl} <= set(held) <= before | set(ids)
+        last = {i: clock if i in ids else last[i] for i in held}
+        if set(ids) - set(held):
+            assert len(held) == rows - 1 and all(clock - t < ttl for t in last.values())
+
+
+def test_ttl_on_row_times_is_refused_without_them():
+    from pipeline.data.store import with_table_sizes
+
+    with pytest.raises(ValueError, match=r"model.zch.ttl_clock=time: only eviction=ttl reads a clock"):
+        ZchConfig(rows=10, ttl_clock="time")
+    with pytest.raises(ValueError, match=r"model.zch.ttl_days=0.5: expected a number of days >= 1"):
+        ZchConfig(rows=10, eviction="ttl", ttl_days=0.5)
+    cfg = ZchConfig(rows=10, eviction="ttl", ttl_clock="time")
+    meta = {"id_dtype": "int64", "features": [{"name": "a", "table": "t"}], "time": None}
+    with pytest.raises(ValueError, match=r"model.zch.ttl_clock=time: the store keeps no row times; .*data.time="):
+        with_table_sizes(meta, cfg)
+    remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
+    remapper.train()
+    with pytest.raises(ValueError, match=r"ttl_clock=time: the training batches carry no row times"):
+        remapper(_kjt({"a": [5]}))
+
+
 def test_distance_lfu_keeps_a_frequent_id_until_its_count_over_the_rounds_since_seen_falls_behind():
     """TorchRec's DistanceLFU: score = occurrences / (rounds since last seen + 1). Id 10 seen 6 times in round 1
     against a new id seen twice a round (score 2, while the previous one's falls to 1): 10 keeps its row while
@@ -304,3 +372,49 @@ def test_zch_needs_raw_ids(small_overrides, tmp_path):
         parse_config(compose_config([*small_overrides, "model.zch.eviction=fifo"]))
     with pytest.raises(ValueError, match=r"model.zch.tables.nope: no such table"):
         ZchConfig(rows=10, tables={"nope": 5}).table_sizes(["C1"])
+
+
+def test_a_replay_in_file_order_evicts_by_the_rows_own_times(own_data_run, tmp_path):
+    """A log sorted by time, trained in the files' order (``trainer.shuffle=false``) with a TTL of 29 minutes on the
+    rows' times (``data.time``): the store keeps each row's time (against pandas' parse of the file), and the model
+    folder's mapping is the one its training batches build through a remapper in this process, told each
+    batch's latest time — ids changed hands as the clock passed their TTL."""
+    import pandas as pd
+
+    from modules.embedding.sparse_arch import FeatureSpec
+    from pipeline.data.batches import BatchLoader
+    from pipeline.data.pass1 import assign_splits
+    from pipeline.data.preprocess_config import SplitConfig
+    from pipeline.data.store import ColumnarStore, with_table_sizes
+    from pipeline.training.zch_stage import ZchStage
+    from tests.conftest import train_cli
+    from tests.test_model_use import predict_here
+
+    _, _, args, _, frame, _ = own_data_run
+    frame = frame.sort_values("click_time", kind="stable").reset_index(drop=True)
+    frame.to_csv(tmp_path / "by_time.csv", index=False)
+    cfg = ZchConfig(rows=120, eviction="ttl", ttl_days=0.02, ttl_clock="time", eviction_interval=2)
+    train_cli([*args, f"data.path={tmp_path / 'by_time.csv'}", f"paths.cache_dir={tmp_path / 'cache'}",
+               "data.preprocess.categorical=raw", "data.time=click_time", "trainer.shuffle=false", "trainer.max_epochs=1",
+               f"model.zch.rows={cfg.rows}", "model.zch.eviction=ttl", f"model.zch.ttl_days={cfg.ttl_days}",
+               "model.zch.ttl_clock=time", "model.zch.eviction_interval=2", "trainer.batch_size=128"], tmp_path / "run")
+    store = ColumnarStore(next((tmp_path / "cache" / "stores").glob("mylog-*[!k]")))
+    train = store.split("train")
+    split = assign_splits(np.arange(len(frame), dtype=np.uint64), len(frame), SplitConfig(valid=0.1, test=0.2, seed=0))
+    seconds = pd.to_datetime(frame["click_time"][split == 0]).to_numpy().astype("datetime64[s]").astype(np.int64)
+    np.testing.assert_array_equal(train.time, seconds)
+
+    spec = FeatureSpec.from_store_meta(with_table_sizes(store.meta, cfg))
+    remapper = ZchStage(cfg, spec, {}, 0).remapper
+    remapper.train()
+    loader = BatchLoader(train, spec.kjt_keys, 128, 0, 1, True, categorical=store.categorical_names, shuffle=False)
+    for batch in loader:
+        remapper(batch.sparse_features, batch.time)
+    assert remapper.take_counts()["evicted"] > 1000  # 3,767 when written
+    trained = dict(np.load(tmp_path / "run" / "model" / "zch.npz"))
+    replayed = mapping_state(remapper)
+    assert sorted(trained) == sorted(replayed)
+    for key, value in replayed.items():
+        np.testing.assert_array_equal(trained[key], value, err_msg=key)
+    frame.head(50).drop(columns=["clicked"]).to_csv(tmp_path / "score.csv", index=False)  # the folder scores as any other
+    assert len(predict_here(tmp_path / "run" / "model", tmp_path / "score.csv", tmp_path / "scores.csv")) == 50

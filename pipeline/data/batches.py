@@ -1,7 +1,8 @@
 """From store arrays to TorchRec batches, each rank reading its own rows.
 
 Global batch ``i`` of an epoch is rows ``perm[i·B : (i+1)·B]`` of the split, with ``perm`` a
-permutation seeded by (seed, epoch) (identity for evaluation); rank ``r`` of ``W`` takes the
+permutation seeded by (seed, epoch) (identity for evaluation, and for training with ``shuffle`` off: the
+rows in the order of their files, as they happened); rank ``r`` of ``W`` takes the
 ``r``-th slice of ``B / W`` rows. The sequence of global batches therefore does not depend on the
 number of ranks: training on 1 rank with batch B sees the same data as on W ranks with B / W each.
 
@@ -25,12 +26,15 @@ from pipeline.data.store import Ragged, SplitArrays
 
 @dataclass
 class CTRBatch(Batch):
-    """A torchrec ``Batch`` plus the number of real (non-padding) leading rows."""
+    """A torchrec ``Batch`` plus the number of real (non-padding) leading rows and the latest time of its rows
+    (seconds since 1970; -1: the store keeps no times)."""
 
     num_valid: int = -1
+    time: int = -1
 
     def _with(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, labels: torch.Tensor) -> "CTRBatch":
-        return CTRBatch(dense_features=dense, sparse_features=sparse, labels=labels, num_valid=self.num_valid)
+        return CTRBatch(dense_features=dense, sparse_features=sparse, labels=labels, num_valid=self.num_valid,
+                        time=self.time)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "CTRBatch":
         return self._with(self.dense_features.to(device=device, non_blocking=non_blocking),
@@ -95,6 +99,7 @@ def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_v
         sparse_features=kjt,
         labels=torch.from_numpy(rows_of(arrays.label, rows).astype(np.float32)),
         num_valid=num_valid,
+        time=-1 if arrays.time is None or not b else int(rows_of(arrays.time, rows).max()),
     )
 
 
@@ -113,7 +118,7 @@ class BatchLoader:
 
     def __init__(self, arrays: SplitArrays, keys: Sequence[str], global_batch_size: int, rank: int,
                  world_size: int, train: bool, seed: int = 0, pin_memory: bool = False,
-                 categorical: Sequence[str] | None = None) -> None:
+                 categorical: Sequence[str] | None = None, shuffle: bool = True) -> None:
         if global_batch_size % world_size:
             raise ValueError(f"batch size {global_batch_size} is not divisible by world size {world_size}")
         self.arrays = arrays
@@ -124,6 +129,7 @@ class BatchLoader:
         self.rank = rank
         self.train = train
         self.seed = seed
+        self.shuffle = shuffle
         self.pin_memory = pin_memory  # page-locked batches: asynchronous host → GPU copies
         self.sampler = EpochState()
         self.batch_sampler = None  # Lightning inspects DataLoader-like attributes
@@ -144,7 +150,7 @@ class BatchLoader:
         self._resume = (int(epoch), int(batch))
 
     def _global_order(self) -> np.ndarray | None:
-        if not self.train:
+        if not self.train or not self.shuffle:
             return None
         # the permutation Generator.permutation(n) draws, in int32 where the rows fit (half the memory:
         # 4 bytes a training row for the whole epoch; shuffling draws the same swaps for either type)

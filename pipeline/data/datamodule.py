@@ -19,7 +19,7 @@ from pipeline.data.vocab_files import read_vocabulary
 
 class CTRDataModule(L.LightningDataModule):
     def __init__(self, data: DataConfig, cache_dir: str | Path, batch_size: int, eval_batch_size: int,
-                 seed: int, zch: ZchConfig | None = None) -> None:
+                 seed: int, zch: ZchConfig | None = None, shuffle: bool = True) -> None:
         super().__init__()
         self.zch = zch or ZchConfig()  # model.zch: sizes the tables of a raw store
         self.data_cfg = data
@@ -27,6 +27,7 @@ class CTRDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.seed = seed
+        self.shuffle = shuffle  # trainer.shuffle: off, training batches in the files' order
         self.prepare_data_per_node = True
         self.store: ColumnarStore | None = None
         self.resume_position: tuple[int, int] | None = None  # (epoch, next batch) from a checkpoint
@@ -89,7 +90,8 @@ class CTRDataModule(L.LightningDataModule):
         return BatchLoader(self.store.split(split), self.feature_spec.kjt_keys,
                            self.batch_size if train else self.eval_batch_size, rank, world, train, self.seed,
                            pin_memory=torch.cuda.is_available() and trainer is not None
-                           and trainer.strategy.root_device.type == "cuda", categorical=self.store.categorical_names)
+                           and trainer.strategy.root_device.type == "cuda", categorical=self.store.categorical_names,
+                           shuffle=self.shuffle)
 
     def train_dataloader(self) -> BatchLoader:
         loader = self._loader("train", train=True)

@@ -11,6 +11,8 @@
       - {name: tags,     type: sequence, separator: "|", max_length: 50, pooling: mean}   # sum | mean
       - {name: hist_items, type: sequence, separator: ",", share_table_with: item_id}
       - {name: hour, column: click_time, type: categorical, derive: hour_of_day}  # hour_of_day | weekday | date
+    time: click_time             # optional: the column of each row's time (iso | unix | a strptime pattern, as
+    time_format: iso             #   `time_format`), kept in the store: the clock of model.zch.ttl_clock=time
 
 Feature types: ``categorical`` — one id per row (one embedding row looked up); ``sequence`` — a
 multi-hot bag of ids per row (the embeddings are pooled by sum or mean); ``numeric`` — a number
@@ -105,6 +107,8 @@ class DataConfig:
     separator: Optional[str] = None    # csv/tsv field separator (default ',' / tab)
     quote_char: Optional[str] = None   # csv/tsv quoting (default '"' for csv, none for tsv; '' = none)
     label: str = "label"               # '' only for rows to score (pipeline.commands.predict): no label column
+    time: Optional[str] = None         # a column of each row's time, kept as seconds since 1970 (int64 time.npy)
+    time_format: str = "iso"           # of `time`: iso | unix | a strptime pattern (pipeline/data/derive.py)
     features: List[FeatureDecl] = field(default_factory=list)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # name 'synthetic': the generator
@@ -145,6 +149,12 @@ class DataConfig:
         both = sorted(c for c, k in kinds.items() if len(k) > 1)
         if both:
             raise ValueError(f"features: column {both[0]!r} is read both as numeric and as text; declare it once")
+        if self.time is not None and (self.time == self.label or self.time in self.number_columns
+                                      or (self.columns and self.format in DEFAULT_SEPARATORS and self.time not in self.columns)):
+            raise ValueError(f"time={self.time!r}: expected a text column of times that is not the label or a numeric "
+                             f"feature's column" + (f" (columns: {list(self.columns)})" if self.columns else ""))
+        if self.time is not None and self.format == "libsvm":
+            raise ValueError("time: a libsvm file has no named columns to read a time from")
         if self.label and self.columns and self.format in DEFAULT_SEPARATORS and self.label not in self.columns:
             raise ValueError(f"label={self.label!r}: not among columns {list(self.columns)}")
 
@@ -196,7 +206,9 @@ class DataConfig:
 
     @property
     def text_columns(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(f.source for f in self.declared() if f.type != "numeric"))
+        """The columns read as text: the sparse features' and the time's."""
+        time = (self.time,) if self.time is not None else ()
+        return tuple(dict.fromkeys([*(f.source for f in self.declared() if f.type != "numeric"), *time]))
 
     @property
     def read_columns(self) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 
 from pipeline.data.dataset import DataConfig, FeatureDecl
-from pipeline.data.derive import BadValue, derive
+from pipeline.data.derive import BadValue, derive, parse_times
 from pipeline.runtime.errors import BadInputError
 
 Where = Callable[[int], str]  # row of the block → "file:line"
@@ -36,6 +36,7 @@ class FeatureBlock:
     numeric: np.ndarray               # float32 [n, numeric features], NaN = missing
     sparse: list[pa.Array]            # strings; null = missing
     lengths: list[np.ndarray | None]  # int32 [n] for sequence features
+    time: np.ndarray | None = None    # int64 [n] seconds since 1970 (``data.time``), else None
 
     @property
     def rows(self) -> int:
@@ -105,4 +106,24 @@ def extract(table: pa.Table, data: DataConfig, where: Where, truncated: dict[str
             sparse.append(_categorical(column, f, where))
             lengths.append(None)
     label = table.column(data.label).to_numpy().astype(np.int8) if data.label else np.zeros(n, np.int8)
-    return FeatureBlock(label, dense, sparse, lengths)
+    return FeatureBlock(label, dense, sparse, lengths, None if data.time is None else _times(table, data, where))
+
+
+def _times(table: pa.Table, data: DataConfig, where: Where) -> np.ndarray:
+    """``data.time``: each row's time in seconds since 1970 (int64); a missing or unreadable time is bad input."""
+    column = table.column(data.time).combine_chunks()
+    expected = f"a time (time_format: {data.time_format})"
+    try:
+        seconds = pc.cast(parse_times(column, data.time_format), pa.int64())
+    except BadValue as e:
+        raise BadInputError(f"{where(e.index)}: column {data.time!r} has {e.value!r}; expected {e.expected} "
+                            f"(data.time)") from None
+    if seconds.null_count:
+        i = int(np.argmax(pc.is_null(seconds).to_numpy(zero_copy_only=False)))
+        raise BadInputError(f"{where(i)}: column {data.time!r} is empty; expected {expected} in every row (data.time)")
+    out = seconds.to_numpy()
+    if (out < 0).any():
+        i = int(np.argmax(out < 0))
+        raise BadInputError(f"{where(i)}: column {data.time!r} has {column[i].as_py()!r}; expected {expected} "
+                            f"not before 1970 (data.time)")
+    return out

@@ -104,15 +104,16 @@ def no_rows_error(sources: Sources, skipped: dict[str, int]) -> BadInputError:
 class Spill:
     """Pass-1 blocks on disk: split code, label, raw numeric values (NaN = missing), each sparse
     feature's codes (one per row, or one per value of a sequence; concatenated), each sparse feature's
-    distinct keys (concatenated) and the bag lengths of the sequence features ([sequences, rows])."""
+    distinct keys (concatenated), the bag lengths of the sequence features ([sequences, rows]) and the rows'
+    times (``data.time``; else none)."""
 
     SPECS = {"split": np.int8, "label": np.int8, "dense": np.float32, "codes": np.int32, "distinct": np.uint64,
-             "lengths": np.int32}
+             "lengths": np.int32, "time": np.int64}
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        # rows, dense width, codes per feature, distinct keys per feature, sequence features
-        self.blocks: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int]] = []
+        # rows, dense width, codes per feature, distinct keys per feature, sequence features, timed
+        self.blocks: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int, bool]] = []
         self.handles = {name: open(folder / f"{name}.bin", "wb") for name in self.SPECS}
 
     @property
@@ -124,11 +125,12 @@ class Spill:
         empty = np.zeros(0)
         arrays = {"split": split, "label": block.label, "dense": block.numeric,
                   "codes": np.concatenate(codes) if codes else empty, "distinct": np.concatenate(distinct) if distinct else empty,
-                  "lengths": np.concatenate(lengths) if lengths else empty}
+                  "lengths": np.concatenate(lengths) if lengths else empty,
+                  "time": empty if block.time is None else block.time}
         for name, a in arrays.items():
             self.handles[name].write(np.ascontiguousarray(a, dtype=self.SPECS[name]).data)  # errno on a full disk
         self.blocks.append((len(split), block.numeric.shape[1], tuple(len(c) for c in codes),
-                            tuple(len(d) for d in distinct), len(lengths)))
+                            tuple(len(d) for d in distinct), len(lengths), block.time is not None))
 
     def close(self) -> None:
         for fh in self.handles.values():
@@ -145,13 +147,14 @@ class Spill:
             return np.split(a, np.cumsum(sizes)[:-1]) if sizes else []
 
         try:
-            for n, width, code_sizes, sizes, n_seq in self.blocks:
+            for n, width, code_sizes, sizes, n_seq, timed in self.blocks:
                 distinct = take("distinct", sum(sizes))
                 yield {"split": take("split", n), "label": take("label", n),
                        "dense": take("dense", n * width).reshape(n, width),
                        "codes": parts(take("codes", sum(code_sizes)), code_sizes),
                        "distinct": parts(distinct, sizes),
-                       "lengths": take("lengths", n * n_seq).reshape(n_seq, n)}
+                       "lengths": take("lengths", n * n_seq).reshape(n_seq, n),
+                       "time": take("time", n) if timed else None}
         finally:
             for fh in readers.values():
                 fh.close()

@@ -67,7 +67,8 @@ def run_pass2(first: Pass1, vocab: Vocabulary, data: DataConfig, writer: StoreWr
         ids = list(pool.map(encode, range(len(tables.of))))
         dense = transform_dense(chunk["dense"], transforms, first.lo, first.hi)
         bags = list(zip(chunk["lengths"], ids[n_cat:]))
-        for name, n in writer.append_block(chunk["split"], chunk["label"], dense, ids[:n_cat], bags).items():
+        for name, n in writer.append_block(chunk["split"], chunk["label"], dense, ids[:n_cat], bags,
+                                           chunk["time"]).items():
             positives[name] += n
     return positives
 
@@ -91,10 +92,11 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
     pool = ThreadPoolExecutor(max_workers=max(1, min(len(sparse), os.cpu_count() or 1)))
     try:
         id_dtype = np.dtype(np.int64 if cfg.categorical == "raw" else np.int32)  # raw ids are 63-bit
-        row_bytes = 1 + 4 * len(data.numeric) + id_dtype.itemsize * len(data.categorical)  # label, dense values, ids
+        timed = data.time is not None
+        row_bytes = 1 + 4 * len(data.numeric) + id_dtype.itemsize * len(data.categorical) + 8 * timed  # label, dense, ids, time
         if cfg.categorical == "raw":  # nothing to count first: one pass, no spill
             ensure_space(out_dir, sum(os.path.getsize(p) for p, _ in sources) // 2)  # ≈ the parsed rows
-            writer = StoreWriter(out_dir, len(data.numeric), len(data.categorical), data.sequence, id_dtype)
+            writer = StoreWriter(out_dir, len(data.numeric), len(data.categorical), data.sequence, id_dtype, timed)
             done: Pass1 | RawPass = run_raw_pass(sources, data, total_rows, writer, pool)
             vocab = build_vocabulary(None, data)
             positives = done.positives
@@ -106,7 +108,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             vocab = build_vocabulary(first, data)
             seq_bytes = (8 + id_dtype.itemsize) * sum(sum(v) for v in first.split_values.values())  # values + offsets
             ensure_space(out_dir, first.spill.rows * row_bytes + seq_bytes)
-            writer = StoreWriter(out_dir, len(data.numeric), len(data.categorical), data.sequence, id_dtype,
+            writer = StoreWriter(out_dir, len(data.numeric), len(data.categorical), data.sequence, id_dtype, timed,
                                  (first.split_rows, {s: dict(zip(data.sequence, v)) for s, v in first.split_values.items()}))
             positives = run_pass2(first, vocab, data, writer, pool)
         rows = done.split_rows
@@ -123,6 +125,7 @@ def preprocess(files: Sequence[str | os.PathLike] | Mapping[str, Sequence[str | 
             "table_sizes": vocab.table_sizes,
             "vocabulary_day": vocab.day,
             "id_dtype": id_dtype.name,
+            "time": data.time,  # the column of each row's time (time.npy), or None
             "splits": rows,
             "positive_rate": {k: positives[k] / rows[k] if rows[k] else None for k in SPLITS},
             **({"dense_range": {c: [float(done.lo[j]), float(done.hi[j])] for j, c in enumerate(data.numeric)

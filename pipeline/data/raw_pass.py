@@ -68,7 +68,7 @@ def run_raw_pass(sources: Sources, data: DataConfig, total_rows: int, writer: St
             dense[:, now] = transform_dense(dense[:, now], [transforms[j] for j in now], out.lo[now], out.hi[now])
         encoded = list(pool.map(lambda j: ids(block.sparse, j), range(len(names))))
         bags = list(zip(block.lengths[n_cat:], encoded[n_cat:]))
-        for name, positives in writer.append_block(split, block.label, dense, encoded[:n_cat], bags).items():
+        for name, positives in writer.append_block(split, block.label, dense, encoded[:n_cat], bags, block.time).items():
             out.positives[name] += positives
     out.split_rows = dict(writer.rows)
     if sum(out.split_rows.values()) == 0:

@@ -9,6 +9,7 @@ Layout of a store directory::
     <split>/sparse.npy      int32  [N, n_cat]     one id per categorical feature (0 = OOV, 1 = missing, 2.. = vocabulary)
     <split>/seq/<f>.values.npy   int32 [V_f]       the ids of sequence feature f, row after row
     <split>/seq/<f>.offsets.npy  int64 [N + 1]     row i's ids: values[offsets[i]:offsets[i+1]] (at least one)
+    <split>/time.npy        int64  [N]            each row's time, seconds since 1970 (only with ``data.time``)
 
 With ``categorical: raw`` the ids are int64 (``meta["id_dtype"]``): 63-bit ids of the values, 0 = missing,
 no vocabulary and no table sizes (``model.zch`` sizes the tables).
@@ -51,6 +52,7 @@ class SplitArrays:
     dense: np.ndarray
     sparse: np.ndarray
     sequences: dict[str, Ragged] = field(default_factory=dict)
+    time: np.ndarray | None = None  # int64 [N] seconds since 1970 (``data.time``)
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
@@ -66,8 +68,9 @@ class SplitArrays:
             starts = np.cumsum([0] + [int(r.offsets[-1]) for r in ragged[:-1]])
             offsets = np.concatenate([[0]] + [r.offsets[1:] + s for r, s in zip(ragged, starts)])
             sequences[name] = Ragged(np.concatenate([r.values for r in ragged]), offsets.astype(np.int64))
+        time = None if parts[0].time is None else np.concatenate([p.time for p in parts])
         return SplitArrays(np.concatenate([p.label for p in parts]), np.concatenate([p.dense for p in parts]),
-                           np.concatenate([p.sparse for p in parts]), sequences)
+                           np.concatenate([p.sparse for p in parts]), sequences, time)
 
 
 def has_raw_ids(meta: dict[str, Any]) -> bool:
@@ -86,6 +89,9 @@ def with_table_sizes(meta: dict[str, Any], zch: Any) -> dict[str, Any]:
     if not zch.enabled:
         raise ValueError("data.preprocess.categorical=raw: the tables' sizes come from model.zch.rows=<rows per "
                          "table>, which is not set")
+    if zch.eviction == "ttl" and zch.ttl_clock == "time" and not meta.get("time"):
+        raise ValueError("model.zch.ttl_clock=time: the store keeps no row times; declare the column of each row's "
+                         "time (data.time=<column>, data.time_format) or use ttl_clock=day")
     tables = list(dict.fromkeys(f["table"] for f in meta["features"]))
     return {**meta, "table_sizes": zch.table_sizes(tables)}
 
@@ -131,8 +137,9 @@ class ColumnarStore:
         mode = "r" if mmap else None
         sequences = {f: Ragged(np.load(d / "seq" / f"{f}.values.npy", mmap_mode=mode),
                                np.load(d / "seq" / f"{f}.offsets.npy", mmap_mode=mode)) for f in self.sequence_names}
+        time = np.load(d / "time.npy", mmap_mode=mode) if self.meta.get("time") else None
         return SplitArrays(*(np.load(d / f"{a}.npy", mmap_mode=mode) for a in ("label", "dense", "sparse")),
-                           sequences=sequences)
+                           sequences=sequences, time=time)
 
 
 ARRAYS = {"label": np.int8, "dense": np.float32, "sparse": np.int32}
@@ -155,10 +162,10 @@ class StoreWriter:
     ids per split and sequence feature), ``commit`` also checks that exactly those were written."""
 
     def __init__(self, final_dir: str | os.PathLike, n_dense: int, n_cat: int, sequences: Sequence[str] = (),
-                 id_dtype: Any = np.int32,
+                 id_dtype: Any = np.int32, timed: bool = False,
                  planned: tuple[dict[str, int], dict[str, dict[str, int]]] | None = None) -> None:
         """``sequences``: the sequence features' names; ``id_dtype``: of the ids (int32; int64 for raw ids);
-        ``planned``: (rows per split, per split the ids of each sequence feature) that pass 1 counted."""
+        ``timed``: a ``time`` array too (``data.time``); ``planned``: (rows per split, per split the ids of each sequence feature) that pass 1 counted."""
         self.final_dir = Path(final_dir)
         self.tmp_dir = self.final_dir.with_name(self.final_dir.name + f".tmp-{os.getpid()}")
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -166,8 +173,8 @@ class StoreWriter:
         self.planned = planned
         self.rows = dict.fromkeys(SPLITS, 0)
         self.values = {s: dict.fromkeys(sequences, 0) for s in SPLITS}
-        self.arrays = {**ARRAYS, "sparse": np.dtype(id_dtype)}
-        self.widths = {"label": (), "dense": (n_dense,), "sparse": (n_cat,)}
+        self.arrays = {**ARRAYS, "sparse": np.dtype(id_dtype), **({"time": np.dtype(np.int64)} if timed else {})}
+        self.widths = {"label": (), "dense": (n_dense,), "sparse": (n_cat,), "time": ()}
         self.files: dict[str, dict[str, Any]] = {}
         self.headers: dict[Path, int] = {}  # each file's header length
         for split in SPLITS:
@@ -194,11 +201,17 @@ class StoreWriter:
             fh, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape})
 
     def append(self, split: str, label: np.ndarray, dense: np.ndarray, sparse: np.ndarray,
-               sequences: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> None:
-        """Rows of ``split``; ``sequences``: (lengths [n], ids) of each sequence feature, in order."""
+               sequences: Sequence[tuple[np.ndarray, np.ndarray]] = (), time: np.ndarray | None = None) -> None:
+        """Rows of ``split``; ``sequences``: (lengths [n], ids) of each sequence feature, in order; ``time``:
+        their times (a ``timed`` writer)."""
         if self.planned is not None and self.rows[split] + len(label) > self.planned[0][split]:
             raise RuntimeError(f"split {split} overflows its {self.planned[0][split]} planned rows")
-        for name, values in (("label", label), ("dense", dense), ("sparse", sparse)):
+        if ("time" in self.arrays) != (time is not None):
+            raise RuntimeError(f"rows {'without' if time is None else 'with'} times for a store "
+                               f"{'with' if 'time' in self.arrays else 'without'} a time array")
+        for name, values in (("label", label), ("dense", dense), ("sparse", sparse), ("time", time)):
+            if values is None:
+                continue
             self.files[split][name].write(np.ascontiguousarray(values, dtype=self.arrays[name]).data)  # errno when full
         for f, (lengths, ids) in zip(self.values[split], sequences):
             start = self.values[split][f]
@@ -208,12 +221,13 @@ class StoreWriter:
         self.rows[split] += len(label)
 
     def append_block(self, split: np.ndarray, label: np.ndarray, dense: np.ndarray, columns: Sequence[np.ndarray],
-                     sequences: Sequence[tuple[np.ndarray, np.ndarray]] = ()) -> dict[str, int]:
+                     sequences: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+                     time: np.ndarray | None = None) -> dict[str, int]:
         """A block of rows, each to its split by ``split`` (codes: index into :data:`SPLITS`), file order kept
         within a split; ``columns``: the ids of each categorical feature. Returns the positives per split."""
         order = np.argsort(split, kind="stable")
         bounds = np.searchsorted(split[order], np.arange(len(SPLITS) + 1))
-        label, dense = label[order], dense[order]
+        label, dense, time = label[order], dense[order], None if time is None else time[order]
         sparse = np.stack([c[order] for c in columns], axis=1) if len(columns) else \
             np.zeros((len(order), 0), self.arrays["sparse"])
         bags = [ragged_take(lengths, ids, order) for lengths, ids in sequences]
@@ -223,7 +237,8 @@ class StoreWriter:
             if hi > lo:
                 starts = [(int(lengths[:lo].sum()), int(lengths[:hi].sum())) for lengths, _ in bags]
                 self.append(name, label[lo:hi], dense[lo:hi], sparse[lo:hi],
-                            [(lengths[lo:hi], ids[a:b]) for (lengths, ids), (a, b) in zip(bags, starts)])
+                            [(lengths[lo:hi], ids[a:b]) for (lengths, ids), (a, b) in zip(bags, starts)],
+                            None if time is None else time[lo:hi])
             positives[name] = int(label[lo:hi].sum())
         return positives
 

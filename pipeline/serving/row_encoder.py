@@ -70,6 +70,7 @@ class RowEncoder:
 
     def _reading(self, label: bool) -> DataConfig:
         data = declaration_from(asdict(self.data))
+        data.time = None  # rows are scored without their time (only training's TTL clock reads it)
         if not label:
             data.label = ""
             if data.columns:

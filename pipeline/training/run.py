@@ -47,7 +47,7 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     source = init_source(t.init_from) if ckpt_path is None else None  # checked once; a resumed run has its weights
     logger = start_logger(run_cfg.logger, output_dir, run_id, {**sweep_job_tags(), **lineage_tags(source)})
     datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed,
-                               run_cfg.model.zch)
+                               run_cfg.model.zch, shuffle=t.shuffle)
     task = CTRTask(run_cfg, topology, resume_from=ckpt_path, init_from=source)
     guard = SignalGuard(t.preemption)
     callbacks = build_callbacks(run_cfg, topology, guard, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])

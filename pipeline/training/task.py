@@ -162,7 +162,8 @@ class CTRTask(L.LightningModule):
     def forward(self, batch: CTRBatch) -> torch.Tensor:
         sparse = batch.sparse_features
         if self.zch is not None:
-            sparse = self.zch(self.model, sparse, self.cowclip.every_row_l2 and self.cowclip.every_row_l2.lazy)
+            sparse = self.zch(self.model, sparse, self.cowclip.every_row_l2 and self.cowclip.every_row_l2.lazy,
+                              batch.time)
         return self.model(batch.dense_features, sparse)
 
     def transfer_batch_to_device(self, batch: CTRBatch, device: torch.device, dataloader_idx: int) -> CTRBatch:

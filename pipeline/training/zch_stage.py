@@ -49,8 +49,8 @@ class ZchStage(nn.Module):
         self.remapper.set_day(day)
         self.spec, self.inits = spec, inits
 
-    def forward(self, model: nn.Module, kjt: KeyedJaggedTensor, lazy_l2: object | None) -> KeyedJaggedTensor:
-        rows = self.remapper(kjt)
+    def forward(self, model: nn.Module, kjt: KeyedJaggedTensor, lazy_l2: object | None, time: int = -1) -> KeyedJaggedTensor:
+        rows = self.remapper(kjt, time)
         for kernel, table, local in reset_rows(model, self.spec, self.inits, self.remapper.take_evicted()):
             if lazy_l2 is not None:
                 lazy_l2.restart_rows(kernel, table, local)

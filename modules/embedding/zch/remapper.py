@@ -22,9 +22,9 @@ zero (:mod:`modules.embedding.row_reset`). Scores (``model.zch.eviction``):
 * ``lfu``: occurrences since admission (TorchRec's ``LFU_EvictionPolicy``);
 * ``distance_lfu``: occurrences since admission / (rounds since last seen + 1) (TorchRec's
   ``DistanceLFU_EvictionPolicy``, decay exponent 1): frequent ids keep their rows, but not forever once unseen;
-* ``ttl``: in the data's own time, its day (:class:`modules.embedding.zch.ttl.DayTTLPolicy`): a held id unseen for fewer than
-  ``ttl_days`` days keeps its row; an expired one gives it up to a new id (newest days first). Replaying
-  last month's logs day by day evicts as production would have.
+* ``ttl``: in the data's own time (:class:`modules.embedding.zch.ttl.TTLPolicy`; ``ttl_clock``: the store's day,
+  or the latest row time trained, ``data.time``): a held id unseen for less than ``ttl_days`` days keeps its row;
+  an expired one gives it up to a new id (newest first). Replaying last month's logs evicts as production would.
 
 Between rounds the ids of the steps are kept (:meth:`get_extra_state`), so a checkpoint taken at any step
 resumes exactly. Why not ``HashZchManagedCollisionModule`` (multi-probe ZCH): fbgemm-gpu-cpu 1.9.0's
@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.modules.mc_modules import (
@@ -51,12 +50,14 @@ from torchrec.modules.mc_modules import (
 )
 
 from modules.embedding.zch.admission import ProbationAdmission
-from modules.embedding.zch.ttl import DayTTLPolicy
+from modules.embedding.zch.global_batch import global_ids
+from modules.embedding.zch.ttl import SECONDS_A_DAY, TTLPolicy
 
 ADMISSION_PREFIX = "admission."
 MISSING_ROW = 1
 FIRST_ROW = 2
 EVICTIONS = ("lru", "lfu", "distance_lfu", "ttl")
+CLOCKS = ("day", "time")
 
 
 @dataclass
@@ -68,7 +69,8 @@ class ZchConfig:
     tables: dict[str, int] = field(default_factory=dict)
     eviction: str = "lru"           # lru | lfu | distance_lfu | ttl
     eviction_interval: int = 16     # training steps between admission rounds
-    ttl_days: int = 7               # eviction=ttl: days an id keeps its row unseen
+    ttl_days: float = 7             # eviction=ttl: days an id keeps its row unseen
+    ttl_clock: str = "day"          # eviction=ttl: day (the store's day index) | time (rows' times, data.time)
     min_count: int = 1              # occurrences before a new id may take a row (modules/embedding/zch/admission.py)
     probation: float = 4.0          # min_count > 1: new ids counted on probation, × the rows of all tables
 
@@ -81,8 +83,13 @@ class ZchConfig:
             raise ValueError(f"model.zch.min_count={self.min_count}: expected a number of occurrences >= 1")
         if self.probation <= 0:
             raise ValueError(f"model.zch.probation={self.probation}: expected a positive multiple of the tables' rows")
-        if self.ttl_days < 1:
-            raise ValueError(f"model.zch.ttl_days={self.ttl_days}: expected a number of days >= 1")
+        if self.ttl_clock not in CLOCKS:
+            raise ValueError(f"model.zch.ttl_clock={self.ttl_clock!r}: expected one of {CLOCKS}")
+        if self.ttl_clock == "time" and self.eviction != "ttl":
+            raise ValueError(f"model.zch.ttl_clock=time: only eviction=ttl reads a clock (eviction={self.eviction})")
+        if self.ttl_days <= 0 or (self.ttl_clock == "day" and self.ttl_days < 1):
+            raise ValueError(f"model.zch.ttl_days={self.ttl_days}: expected a number of days "
+                             f"{'>= 1 (ttl_clock=day counts whole days)' if self.ttl_clock == 'day' else '> 0'}")
         for name, n in {"rows": self.rows, **{f"tables.{k}": v for k, v in self.tables.items()}}.items():
             if n < 0 or (n and n < 2):
                 raise ValueError(f"model.zch.{name}={n}: expected 0 (off) or at least 2 rows")
@@ -108,28 +115,7 @@ def _policy(cfg: ZchConfig) -> MCHEvictionPolicy:
         return LFU_EvictionPolicy()
     if cfg.eviction == "distance_lfu":
         return DistanceLFU_EvictionPolicy(decay_exponent=1.0)
-    return DayTTLPolicy(cfg.ttl_days)
-
-
-def global_ids(per_table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every rank's ids of a step, per table (one all-gather; the ranks' ids one after the other): with several
-    ranks, each keeps the whole mapping and admits the global batch's ids, so every rank's remapper stays the
-    same — admission depends on the ids and their counts, not on their order (``torch.unique``), so it is the
-    mapping one process would build from the same global batches."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return per_table
-    sizes = torch.tensor([len(v) for v in per_table.values()], dtype=torch.int64)
-    flat = torch.cat(list(per_table.values())) if per_table else torch.zeros(0, dtype=torch.int64)
-    world = dist.get_world_size()
-    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
-    longest = int(max(int(s.sum()) for s in all_sizes))
-    padded = torch.zeros(longest, dtype=torch.int64)
-    padded[:len(flat)] = flat
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded)
-    parts = [torch.split(g[:int(s.sum())], s.tolist()) for g, s in zip(gathered, all_sizes)]
-    return {t: torch.cat([p[i] for p in parts]) for i, t in enumerate(per_table)}
+    return TTLPolicy(cfg.ttl_days * (SECONDS_A_DAY if cfg.ttl_clock == "time" else 1))
 
 
 def held_rows(held: torch.Tensor, rows: torch.Tensor, unknown_row: int, raw: torch.Tensor) -> torch.Tensor:
@@ -150,6 +136,8 @@ class ZchRemapper(nn.Module):
         self.features = {t: list(f) for t, f in features.items()}
         self.table_of = {k: t for t, keys in self.features.items() for k in keys}
         self.policies = {t: _policy(cfg) for t in features}
+        self.clock_from_time = cfg.eviction == "ttl" and cfg.ttl_clock == "time"
+        self.latest = -1  # the latest row time trained so far (ttl_clock=time)
         # output rows FIRST_ROW … FIRST_ROW + rows − 1; the last is MCH's row of unmatched ids
         self.mch = nn.ModuleDict({t: MCHManagedCollisionModule(
             zch_size=table_sizes[t] - FIRST_ROW, device=torch.device("cpu"), eviction_policy=self.policies[t],
@@ -164,20 +152,23 @@ class ZchRemapper(nn.Module):
         self.counts = {"admitted": 0, "evicted": 0, "unknown": 0, "looked_up": 0}
 
     def set_day(self, day: int) -> None:
-        """The data's day (``eviction=ttl``): the store's day index (0, or the base's day + 1)."""
+        """The data's day (``eviction=ttl``, ``ttl_clock=day``): the store's day index (0, or the base's day + 1)."""
         for policy in self.policies.values():
-            if isinstance(policy, DayTTLPolicy):
-                policy.day = int(day)
+            if isinstance(policy, TTLPolicy) and not self.clock_from_time:
+                policy.now = int(day) + 1
 
     @torch.no_grad()
-    def forward(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def forward(self, kjt: KeyedJaggedTensor, time: int = -1) -> KeyedJaggedTensor:
         """The batch's raw ids as rows (int64), keys and lengths unchanged. Training: the ids join the next
-        admission round, which runs first when this step completes its interval."""
+        admission round, which runs first when this step completes its interval; ``time``: the batch's latest
+        row time (``ttl_clock=time``)."""
         values = kjt.values().to(torch.int64)
         per_key = dict(zip(kjt.keys(), torch.split(values, kjt.length_per_key())))
         if self.training:
             step = {t: torch.cat([per_key[k] for k in keys]) for t, keys in self.features.items()}
-            for t, ids in global_ids(step).items():
+            step, latest = global_ids(step, time)
+            self.latest = max(self.latest, latest)
+            for t, ids in step.items():
                 self.pending[t].append(ids[ids != 0])
             self.pending_steps += 1
             if self.pending_steps >= min(self.interval, 1 << self.rounds):
@@ -204,6 +195,11 @@ class ZchRemapper(nn.Module):
         round_ids = {t: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64) for t, parts in self.pending.items()}
         for parts in self.pending.values():
             parts.clear()
+        if self.clock_from_time:
+            if self.latest < 0:
+                raise ValueError("model.zch.ttl_clock=time: the training batches carry no row times (data.time)")
+            for policy in self.policies.values():
+                policy.now = self.latest + 1
         new = self._admitted(round_ids) if self.admission is not None else {}
         for t, ids in round_ids.items():
             if not len(ids):
@@ -266,11 +262,12 @@ class ZchRemapper(nn.Module):
 
     def get_extra_state(self) -> dict[str, Any]:
         """The ids waiting for the next admission round (a checkpoint between rounds resumes exactly)."""
-        return {"pending_steps": self.pending_steps, "rounds": self.rounds,
+        return {"pending_steps": self.pending_steps, "rounds": self.rounds, "latest": self.latest,
                 "pending": {t: torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for t, p in self.pending.items()}}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.pending_steps, self.rounds = int(state["pending_steps"]), int(state["rounds"])
+        self.latest = int(state.get("latest", -1))
         self.pending = {t: [state["pending"][t]] if len(state["pending"][t]) else [] for t in self.features}
 
 

@@ -1,32 +1,38 @@
-"""``model.zch.eviction=ttl``: a TTL in days of data as a TorchRec MCH eviction policy (:mod:`modules.embedding.zch.remapper`).
+"""``model.zch.eviction=ttl``: a TTL in the data's own time as a TorchRec MCH eviction policy (:mod:`modules.embedding.zch.remapper`).
 
-Metadata per held id: ``last_day`` = the day it was last seen + 1 (0: an empty row). At an admission round on day
-d (``stamp = d + 1``) the ids of the round are stamped, then TorchRec's MCH keeps the ``zch_size`` highest scores:
+The clock (``model.zch.ttl_clock``) is the data's, never the wall's: ``day`` — the store's day index (0, or the
+day ``ctr daily`` continues + 1), ``ttl = ttl_days``; ``time`` — the latest row time trained so far, in seconds
+(``data.time``), ``ttl = ttl_days · 86,400``. Metadata per held id: ``last`` = the clock's stamp when it was last
+seen (stamp = clock + 1, so 0 marks an empty row). At an admission round stamped ``now`` the ids of the round are
+stamped, then TorchRec's MCH keeps the ``zch_size`` highest scores:
 
-* a held id unexpired (``stamp − last < ttl``): +∞ — it keeps its row;
-* a held id expired, or an empty row: ``last − 1 − 2·ttl`` (older first, every one below any new id);
-* a new id: ``stamp``;
+* a held id unexpired (``now − last < ttl``): +∞ — it keeps its row;
+* a held id expired, or an empty row: ``last − 1 − 2·⌈ttl⌉`` (older first, every one below any new id);
+* a new id: ``now``;
 
 so a new id takes only an empty or expired row, as HashZch's TTL lets an id probe for an empty or expired slot
 (TorchRec ``HashZchManagedCollisionModule``, ``eviction_policy_name=SINGLE_TTL_EVICTION``, which counts hours of
-wall time; here the clock is the data's day, so replaying last month's logs day by day evicts as production would).
+wall time; here the clock is the data's, so replaying last month's logs evicts as production would).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torchrec.modules.mc_modules import MCHEvictionPolicy, MCHEvictionPolicyMetadataInfo
 
+SECONDS_A_DAY = 86_400
 
-class DayTTLPolicy(MCHEvictionPolicy):
-    """TTL in days of data: metadata ``last_day`` = day last seen + 1 (0: never). Scores: a held id unexpired
-    (``now − last < ttl``) +∞; an expired or empty row ``last − 1 − 2·ttl`` (older first); a new id ``now``.
-    TorchRec's MCH keeps the highest ``zch_size`` scores, so new ids take only empty or expired rows."""
 
-    def __init__(self, ttl_days: int) -> None:
+class TTLPolicy(MCHEvictionPolicy):
+    """TTL in the data's time (module docstring): ``ttl`` in the clock's units; :attr:`now`, the stamp of the
+    next round (clock + 1), is set by :class:`modules.embedding.zch.remapper.ZchRemapper`."""
+
+    def __init__(self, ttl: float) -> None:
         super().__init__([MCHEvictionPolicyMetadataInfo("last_day", True, False)])
-        self.ttl = ttl_days
-        self.day = 0  # the data's day (set by ZchRemapper.set_day)
+        self.ttl = ttl
+        self.now = 1
 
     @property
     def metadata_info(self) -> list[MCHEvictionPolicyMetadataInfo]:
@@ -34,7 +40,7 @@ class DayTTLPolicy(MCHEvictionPolicy):
 
     def record_history_metadata(self, current_iter: int, incoming_ids: torch.Tensor,
                                 history_metadata: dict[str, torch.Tensor]) -> None:
-        pass  # every id of a round is seen today
+        pass  # every id of a round is stamped with the round's clock
 
     def coalesce_history_metadata(self, current_iter: int, history_metadata: dict[str, torch.Tensor],
                                   unique_ids_counts: torch.Tensor, unique_inverse_mapping: torch.Tensor,
@@ -49,11 +55,11 @@ class DayTTLPolicy(MCHEvictionPolicy):
             coalesced_history_mch_matching_indices: torch.Tensor, mch_metadata: dict[str, torch.Tensor],
             coalesced_history_metadata: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         last = mch_metadata["last_day"]
-        stamp = self.day + 1
+        stamp = self.now
         last[coalesced_history_mch_matching_indices] = stamp
         new = int((~coalesced_history_mch_matching_elements_mask).sum())
         held = torch.where((last > 0) & (stamp - last < self.ttl), torch.iinfo(torch.int64).max,
-                           last - 1 - 2 * self.ttl)
+                           last - 1 - 2 * math.ceil(self.ttl))
         held[mch_size - 1] = torch.iinfo(torch.int64).max  # the sentinel row of unmatched ids (TorchRec's MCH)
         scores = torch.cat([held, torch.full((new,), stamp, dtype=torch.int64)])
         evicted, selected = self._compute_selected_eviction_and_replacement_indices(mch_size, scores)
