@@ -75,7 +75,7 @@ def test_ttl_keeps_a_row_for_ttl_days_of_data_then_gives_it_to_a_new_id():
     assert rows_on(1, [10]) == [first[0]]  # 10 seen on day 1 now
     assert rows_on(2, [12]) == [first[1]]  # 11 unseen since day 0 expired on day 2: its row goes to 12
     assert rows_on(2, [10]) == [first[0]]
-    counts = remapper.take_counts()
+    counts = remapper.take_counts()["t"]
     assert (counts["admitted"], counts["evicted"]) == (3, 1)  # 10 and 11 into free rows, then 12 in place of 11
 
 
@@ -145,6 +145,18 @@ def test_ttl_on_row_times_is_refused_without_them():
     remapper.train()
     with pytest.raises(ValueError, match=r"ttl_clock=time: the training batches carry no row times"):
         remapper(_kjt({"a": [5]}))
+
+
+def test_counts_are_kept_per_table():
+    """Two tables of two id rows, LRU, a round every step; what each call must count, worked out by hand."""
+    cfg = ZchConfig(rows=3, eviction_interval=1)
+    remapper = ZchRemapper(cfg, {"t": ["a"], "u": ["b", "c"]}, cfg.table_sizes(["t", "u"]))
+    remapper.train()
+    remapper(_kjt({"a": [5, 6, 7], "b": [8, 8, 0], "c": [9, 0, 0]}))  # t: 3 new ids for 2 rows, one turned away
+    remapper(_kjt({"a": [10, 10, 10], "b": [8, 9, 8], "c": [0, 0, 0]}))  # t: 10 evicts one; u: both held
+    assert remapper.take_counts() == {"t": {"admitted": 3, "evicted": 1, "unknown": 1, "looked_up": 6},
+                                      "u": {"admitted": 2, "evicted": 0, "unknown": 0, "looked_up": 6}}
+    assert remapper.take_counts()["t"] == dict.fromkeys(("admitted", "evicted", "unknown", "looked_up"), 0)
 
 
 def test_distance_lfu_keeps_a_frequent_id_until_its_count_over_the_rounds_since_seen_falls_behind():
@@ -381,6 +393,8 @@ def test_a_replay_in_file_order_evicts_by_the_rows_own_times(own_data_run, tmp_p
     batch's latest time — ids changed hands as the clock passed their TTL."""
     import pandas as pd
 
+    from mlflow.tracking import MlflowClient
+
     from modules.embedding.sparse_arch import FeatureSpec
     from pipeline.data.batches import BatchLoader
     from pipeline.data.pass1 import assign_splits
@@ -394,7 +408,7 @@ def test_a_replay_in_file_order_evicts_by_the_rows_own_times(own_data_run, tmp_p
     frame = frame.sort_values("click_time", kind="stable").reset_index(drop=True)
     frame.to_csv(tmp_path / "by_time.csv", index=False)
     cfg = ZchConfig(rows=120, eviction="ttl", ttl_days=0.02, ttl_clock="time", eviction_interval=2)
-    train_cli([*args, f"data.path={tmp_path / 'by_time.csv'}", f"paths.cache_dir={tmp_path / 'cache'}",
+    _, result = train_cli([*args, f"data.path={tmp_path / 'by_time.csv'}", f"paths.cache_dir={tmp_path / 'cache'}",
                "data.preprocess.categorical=raw", "data.time=click_time", "trainer.shuffle=false", "trainer.max_epochs=1",
                f"model.zch.rows={cfg.rows}", "model.zch.eviction=ttl", f"model.zch.ttl_days={cfg.ttl_days}",
                "model.zch.ttl_clock=time", "model.zch.eviction_interval=2", "trainer.batch_size=128"], tmp_path / "run")
@@ -410,11 +424,19 @@ def test_a_replay_in_file_order_evicts_by_the_rows_own_times(own_data_run, tmp_p
     loader = BatchLoader(train, spec.kjt_keys, 128, 0, 1, True, categorical=store.categorical_names, shuffle=False)
     for batch in loader:
         remapper(batch.sparse_features, batch.time)
-    assert remapper.take_counts()["evicted"] > 1000  # 3,767 when written
+    assert sum(c["evicted"] for c in remapper.take_counts().values()) > 1000  # 3,767 when written
     trained = dict(np.load(tmp_path / "run" / "model" / "zch.npz"))
     replayed = mapping_state(remapper)
     assert sorted(trained) == sorted(replayed)
     for key, value in replayed.items():
         np.testing.assert_array_equal(trained[key], value, err_msg=key)
+    # MLflow: each logged step's counts per table add up to its totals
+    client = MlflowClient(next(a.split("=", 1)[1] for a in args if a.startswith("logger.tracking_uri=")))
+    tables = list(dict.fromkeys(f["table"] for f in store.meta["features"]))
+    for name in ("admitted", "evicted"):
+        total = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, f"zch/{name}")}
+        parts = [{m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, f"zch/{name}/{t}")}
+                 for t in tables]
+        assert sum(total.values()) > 0 and all(total[s] == sum(p[s] for p in parts) for s in total), name
     frame.head(50).drop(columns=["clicked"]).to_csv(tmp_path / "score.csv", index=False)  # the folder scores as any other
     assert len(predict_here(tmp_path / "run" / "model", tmp_path / "score.csv", tmp_path / "scores.csv")) == 50

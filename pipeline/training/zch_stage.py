@@ -13,7 +13,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 from modules.embedding.sparse_arch import FeatureSpec
 from modules.embedding.row_reset import reset_rows
 from modules.embedding.sharded_kernels import kernels
-from modules.embedding.zch.remapper import ZchConfig, ZchRemapper
+from modules.embedding.zch.remapper import COUNTS, ZchConfig, ZchRemapper
 from pipeline.runtime.errors import ConfigError
 
 
@@ -57,10 +57,15 @@ class ZchStage(nn.Module):
         return rows
 
     def metrics(self) -> dict[str, float]:
-        """Since the last call: ids admitted and evicted, share of looked-up ids on the unknown row; occupancy."""
-        c = self.remapper.take_counts()
+        """Since the last call, over all tables and per table (``zch/<name>/<table>``): ids admitted and evicted,
+        share of looked-up ids on the unknown row (new ids waiting for a round or turned away: MCH's fallback);
+        occupancy now."""
+        per_table = self.remapper.take_counts()
         occupancy = self.remapper.occupancy()
-        return {"zch/admitted": float(c["admitted"]), "zch/evicted": float(c["evicted"]),
-                "zch/unknown_share": c["unknown"] / max(1, c["looked_up"]),
-                "zch/occupancy": sum(occupancy.values()) / max(1, len(occupancy)),
-                **{f"zch/occupancy/{t}": v for t, v in occupancy.items()}}
+        out = {}
+        for t, c in [("", {k: sum(c[k] for c in per_table.values()) for k in COUNTS}), *per_table.items()]:
+            at = f"/{t}" if t else ""
+            out.update({f"zch/admitted{at}": float(c["admitted"]), f"zch/evicted{at}": float(c["evicted"]),
+                        f"zch/unknown_share{at}": c["unknown"] / max(1, c["looked_up"]),
+                        f"zch/occupancy{at}": occupancy[t] if t else sum(occupancy.values()) / max(1, len(occupancy))})
+        return out

@@ -57,6 +57,7 @@ ADMISSION_PREFIX = "admission."
 MISSING_ROW = 1
 FIRST_ROW = 2
 EVICTIONS = ("lru", "lfu", "distance_lfu", "ttl")
+COUNTS = ("admitted", "evicted", "unknown", "looked_up")  # per table, since the last take_counts
 CLOCKS = ("day", "time")
 
 
@@ -149,7 +150,7 @@ class ZchRemapper(nn.Module):
         self.pending_steps = 0
         self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
         self.evicted: dict[str, torch.Tensor] = {}
-        self.counts = {"admitted": 0, "evicted": 0, "unknown": 0, "looked_up": 0}
+        self.counts = {t: dict.fromkeys(COUNTS, 0) for t in features}
 
     def set_day(self, day: int) -> None:
         """The data's day (``eviction=ttl``, ``ttl_clock=day``): the store's day index (0, or the base's day + 1)."""
@@ -176,14 +177,12 @@ class ZchRemapper(nn.Module):
         out = torch.empty_like(values)
         start = 0
         for k, n in zip(kjt.keys(), kjt.length_per_key()):
-            out[start:start + n] = self._remap(self.table_of[k], per_key[k])
+            t, present = self.table_of[k], per_key[k] != 0
+            out[start:start + n] = rows = self._remap(t, per_key[k])
+            self.counts[t]["unknown"] += int(((rows == self.unknown_row[t]) & present).sum())
+            self.counts[t]["looked_up"] += int(present.sum())
             start += n
-        missing = values == 0
-        unknown = torch.repeat_interleave(torch.tensor([self.unknown_row[self.table_of[k]] for k in kjt.keys()]),
-                                          torch.tensor(kjt.length_per_key()))
-        self.counts["unknown"] += int(((out == unknown) & ~missing).sum())
-        self.counts["looked_up"] += len(values) - int(missing.sum())
-        out[missing] = MISSING_ROW
+        out[values == 0] = MISSING_ROW
         return KeyedJaggedTensor(keys=kjt.keys(), values=out, lengths=kjt.lengths(), stride=kjt.stride(),
                                  length_per_key=kjt.length_per_key(), offset_per_key=kjt.offset_per_key())
 
@@ -214,8 +213,8 @@ class ZchRemapper(nn.Module):
             module.profile({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})
             evicted = module.evict()
             taken = 0 if evicted is None else len(evicted)
-            self.counts["admitted"] += taken
-            self.counts["evicted"] += taken - (free_before - int(module.open_slots()))  # free rows taken evict nobody
+            self.counts[t]["admitted"] += taken
+            self.counts[t]["evicted"] += taken - (free_before - int(module.open_slots()))  # free rows taken evict nobody
             if evicted is not None and taken:
                 self.evicted[t] = evicted if t not in self.evicted else torch.unique(torch.cat([self.evicted[t], evicted]))
         if self.admission is not None:  # new ids that took a row leave probation
@@ -256,8 +255,10 @@ class ZchRemapper(nn.Module):
         """Share of each table's admission rows that hold an id."""
         return {t: 1.0 - int(m.open_slots()) / max(1, m.output_size() - 1) for t, m in self.mch.items()}
 
-    def take_counts(self) -> dict[str, int]:
-        out, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+    def take_counts(self) -> dict[str, dict[str, int]]:
+        """Per table, since the last call: ids admitted, ids evicted (admitted into a held row), looked-up ids
+        on the unknown row, looked-up ids (missing values aside)."""
+        out, self.counts = self.counts, {t: dict.fromkeys(COUNTS, 0) for t in self.counts}
         return out
 
     def get_extra_state(self) -> dict[str, Any]:
