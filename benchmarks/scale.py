@@ -223,14 +223,14 @@ def table_scale(args: argparse.Namespace) -> None:
                 prepare(data, rebuild=False)
                 gib, limit = buckets * BYTES_PER_HASH_ROW / 2**30, args.limit_gb
                 common += data
-            (group / "memory.limit_in_bytes").write_text(str(int(limit * 2**30)))
+            (group / "memory.limit_in_bytes").write_text(str(int((args.cgroup_gb or limit) * 2**30)))
             if host is None or not args.vocab_rows:  # the vocab model is the same at every fraction
                 host = train([*common, "topology.ddr_cap_gb=0"], work / f"tables-{fraction}-host")  # all in memory
             ssd_dir = work / f"tables-{fraction}-ssd"
             shutil.rmtree(ssd_dir / "files", ignore_errors=True)  # an earlier run's tables: not this run's, and disk
             # told the truth: the run's memory is the cgroup's limit; placement moves what does not fit to files
             ssd = train([*common, f"topology.ssd.path={ssd_dir / 'files'}", f"topology.ddr_cap_gb={limit:.4f}",
-                         f"topology.ssd.cache_policy={args.policy}"], ssd_dir / "run", group)
+                         f"topology.ssd.cache_policy={args.policy}", *args.ssd_set], ssd_dir / "run", group)
             ssd["cache"] = row_cache_line(ssd["out"])
             ssd["peak_mb"] = int((group / "memory.max_usage_in_bytes").read_text()) / 2**20
             (group / "memory.max_usage_in_bytes").write_text("0")
@@ -270,6 +270,10 @@ def main() -> None:
     t.add_argument("--rows", type=int, default=2_000_000)
     t.add_argument("--vocab-rows", type=int, default=None, help="size by this log's vocabulary instead of hashing")
     t.add_argument("--max-steps", type=int, default=1000)
+    t.add_argument("--cgroup-gb", type=float, default=None, help="the ssd run's cgroup limit (default: the limit "
+                   "placement is told): more room than the run is told, to see whether memory pressure binds it")
+    t.add_argument("--ssd-set", nargs="*", default=[], help="overrides for the ssd run only, e.g. "
+                   "+topology.table_overrides.<table>.tier=ssd for every table")
     t.add_argument("--policy", default="lfu", choices=["lru", "lfu"], help="topology.ssd.cache_policy")
     t.add_argument("--set", nargs="*", default=[], help="more data overrides, e.g. data.synthetic.zipf_exponent=1.05 "
                    "'data.synthetic.cardinalities=[...]' data.preprocess.min_count=1 (large frequency-ordered vocabularies)")
