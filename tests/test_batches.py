@@ -66,3 +66,20 @@ def test_epochs_reshuffle_deterministically(arrays):
     loader.sampler.set_epoch(0)
     assert all((a == b).all() for a, b in zip(first, again))
     assert not all((a == b).all() for a, b in zip([b.sparse_features.values() for b in loader], other))
+
+
+def test_peek_hands_the_iteration_the_same_batch_and_changes_no_order(arrays):
+    """The row caches look a batch ahead (pipeline/training/callbacks/next_batch_rows.py): the batch peeked
+    is the object the iteration yields, the epoch's order is the one without peeking, past the end is None."""
+    plain = [b.sparse_features.values().clone() for b in BatchLoader(arrays, KEYS, 100, 0, 1, train=True, seed=4)]
+    loader = BatchLoader(arrays, KEYS, 100, rank=0, world_size=1, train=True, seed=4)
+    it = iter(loader)
+    for i in range(len(loader)):
+        ahead = loader.peek(i + 1) if i % 3 else None  # the look-ahead does not run every step
+        batch = next(it)
+        assert batch.sparse_features.values().equal(plain[i])
+        if i:
+            assert loader.peek(i) is batch  # made once
+        if ahead is not None:
+            assert loader.peek(i + 1) is ahead
+    assert loader.peek(len(loader)) is None and len(loader._made) <= 3  # only the last few are kept

@@ -47,6 +47,7 @@ def test_the_c_loop_places_every_id_as_the_torch_path_does(data, tables, policy,
     sets = [data.draw(st.integers(1, 3)) for _ in range(tables)]
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
     clock = int(rng.integers(2, 6))
+    hold = clock - int(rng.integers(0, 3))  # < clock: the rows of calls since `hold` stay (a batch under way)
     caches = [_cache(rows, sets, key_dtype) for _ in range(2)]
     first = np.cumsum([0, *rows[:-1]])
     shape = caches[0].keys.shape
@@ -70,7 +71,7 @@ def test_the_c_loop_places_every_id_as_the_torch_path_does(data, tables, policy,
         cache.clock += 1
         loop = native_loops.assign if native else place
         return loop(ids, cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used, cache.uses, cache.dirty,
-                    cache.clock, mark_dirty, policy, "raise")
+                    cache.clock, mark_dirty, policy, "raise", hold=hold)
 
     results = []
     for cache, native in zip(caches, (False, True)):

@@ -46,7 +46,7 @@ def test_each_miss_takes_the_way_its_set_ranks_next_whatever_the_chunks(data, ns
     draw = lambda lo, hi: np.array(data.draw(st.lists(st.integers(lo, hi), min_size=nsets * ways,  # noqa: E731
                                                           max_size=nsets * ways))).reshape(nsets, ways)
     keys, used, uses = draw(-1, 3), np.minimum(draw(0, clock + 3), clock), draw(0, 3)  # used: often this call (pinned)
-    free = [int((used[s] != clock).sum()) for s in range(nsets)]
+    free = [int(((used[s] != clock) | (keys[s] < 0)).sum()) for s in range(nsets)]  # an empty way is free
     sets = sorted(data.draw(st.lists(st.integers(0, nsets - 1), max_size=3 * nsets)))
     args = [torch.tensor(sets, dtype=torch.int64), torch.from_numpy(keys), torch.from_numpy(used).int(),
             torch.from_numpy(uses).int(), clock, policy, "raise the cache"]

@@ -3,6 +3,7 @@ resume, export and score exactly as in host memory, and are never loaded whole i
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -71,7 +72,14 @@ def test_ssd_tier_trains_with_cowclip_and_l2_on_every_row_exactly_like_host_memo
     base = [*small_overrides, "trainer.max_epochs=1", "logger.log_model=true", "scaling=cowclip",
             f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "model.stack_tables=false"]
     _, host = train_cli(base, tmp_path / "host")
-    _, ssd = train_cli([*base, f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD, SMALL_CACHE, SMALL_CACHE], tmp_path / "on_ssd")
+    # checkpoints every 7 steps: each writes every dirty row back between a look-ahead and its step
+    proc, ssd = train_cli([*base, f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD, SMALL_CACHE, SMALL_CACHE,
+                           f"trainer.checkpoint.dir={tmp_path}/ckpt", "trainer.checkpoint.every_n_steps=7"],
+                          tmp_path / "on_ssd")
+    # the caches brought each next batch's rows in while the step computed (rows_ahead), and it was used
+    ahead = re.search(r"brought in ahead for (\d+) lookups \((\d+) not used\)", proc.stdout + proc.stderr)
+    assert ahead and int(ahead[1]) > 0, (proc.stdout + proc.stderr)[-3000:]
+    print("look-ahead taken / not used:", ahead[1], ahead[2])
     plan = [line for line in (tmp_path / "on_ssd" / "sharding_plan.txt").read_text().splitlines()
             if line.startswith("| emb_") or line.startswith("| wide")]
     assert plan and all("| ssd | fused |" in line for line in plan), plan

@@ -1,6 +1,7 @@
 """The embedding tables: what the models look up, how rows start and start again, where a sharded model's
 kernels are, and the tiers that hold rows outside FBGEMM's own memory.
 
+* :mod:`.feature_spec` — what a model knows of the data: features, the tables they read, the tables' sizes;
 * :mod:`.sparse_arch` — the sparse side every model shares: TorchRec collections over the sparse features, the
   first-order table, stacking of one-id tables, pooling of bags;
 * :mod:`.lookup_inputs` — what the collections are fed (shifted ids of shared and stacked tables) and the id

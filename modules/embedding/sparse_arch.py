@@ -40,9 +40,8 @@ order, so the outputs are selected by key (``KeyedTensor.regroup``), never by po
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property, partial
-from typing import Any, Sequence
+from functools import partial
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -56,6 +55,7 @@ from torchrec import (
     PoolingType,
 )
 
+from modules.embedding.feature_spec import FeatureSpec
 from modules.embedding.lookup_inputs import check_ids, pool_bags, shifted_keys
 from modules.embedding.row_init import RowInit
 
@@ -65,64 +65,6 @@ WIDE_PREFIX = "wide_"
 WIDE_TABLE = "wide"
 WIDE_SEQ_TABLE = "wide_seq"
 STACKED_TABLE = "stacked"
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """What a model needs to know about the data: features, the tables they read, table sizes."""
-
-    dense: tuple[str, ...]
-    categorical: tuple[str, ...]                 # one id per row
-    table_sizes: dict[str, int]                  # rows of each table (vocabulary + OOV + missing)
-    sequence: tuple[str, ...] = ()               # a bag of ids per row
-    pooling: dict[str, str] = field(default_factory=dict)  # sequence feature → "sum" | "mean"
-    tables: dict[str, str] = field(default_factory=dict)   # feature → the table it reads (default: its own)
-
-    @classmethod
-    def from_store_meta(cls, meta: dict) -> "FeatureSpec":
-        features = meta.get("features", [])
-        return cls(tuple(meta["dense"]), tuple(meta["categorical"]),
-                   {k: int(v) for k, v in meta["table_sizes"].items()}, tuple(meta.get("sequence", ())),
-                   {f["name"]: f["pooling"] for f in features if "pooling" in f},
-                   {f["name"]: f["table"] for f in features if f["table"] != f["name"]})
-
-    @classmethod
-    def of_data(cls, data: Any, table_sizes: dict[str, int]) -> "FeatureSpec":
-        """The spec of a dataset declaration (:class:`pipeline.data.dataset.DataConfig`) with these table sizes."""
-        sparse = (*data.categorical, *data.sequence)
-        return cls(tuple(data.numeric), tuple(data.categorical), dict(table_sizes), tuple(data.sequence),
-                   {f: data.decl(f).pooling for f in data.sequence},
-                   {f: data.table_of(f) for f in sparse if data.table_of(f) != f})
-
-    @cached_property  # the spec is frozen: computed once
-    def sparse(self) -> tuple[str, ...]:
-        return self.categorical + self.sequence
-
-    def table_of(self, feature: str) -> str:
-        return self.tables.get(feature, feature)
-
-    @cached_property
-    def unpooled_tables(self) -> tuple[str, ...]:
-        """Tables read by a sequence feature or by several features: they live in the EmbeddingCollection,
-        where every occurrence of an id has its own row (exact per-id statistics for CowClip)."""
-        readers: dict[str, int] = {}
-        for f in self.sparse:
-            readers[self.table_of(f)] = readers.get(self.table_of(f), 0) + 1
-        return tuple(dict.fromkeys(t for f in self.sparse if (t := self.table_of(f)) in
-                                   {self.table_of(g) for g in self.sequence} or readers[t] > 1))
-
-    @cached_property
-    def bag_features(self) -> tuple[str, ...]:
-        return tuple(f for f in self.sparse if self.table_of(f) not in self.unpooled_tables)
-
-    @cached_property
-    def seq_features(self) -> tuple[str, ...]:
-        return tuple(f for f in self.sparse if self.table_of(f) in self.unpooled_tables)
-
-    @cached_property
-    def kjt_keys(self) -> tuple[str, ...]:
-        """The batch's KJT keys, in order: the bag collection's features, then the sequence collection's."""
-        return self.bag_features + self.seq_features
 
 
 def wide_row_offsets(spec: FeatureSpec, features: Sequence[str] | None = None) -> dict[str, int]:
@@ -268,18 +210,44 @@ class SparseArch(nn.Module):
             raise ValueError(f"SparseArch expects the KJT keys {self.fields}, got {features.keys()}")
         if features.values().device.type == "cpu":  # on CUDA, FBGEMM's parallel check, without a host sync
             check_ids(features, self._table_rows)
+        bags, sequences = self._parts(features)
         if self.ec is None:
-            return self._bags(features)
+            return self._bags(bags)
         if self.ebc is None:
-            return self._sequences(features)
-        bags, sequences = features.split([len(self.bag_fields), len(self.seq_fields)])
+            return self._sequences(sequences)
         emb, first = self._bags(bags)
         seq_emb, seq_first = self._sequences(sequences)
         return torch.cat([emb, seq_emb], dim=1), None if first is None else first + seq_first
 
-    def _bags(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def inputs(self, features: KeyedJaggedTensor) -> list[tuple[nn.Module, KeyedJaggedTensor]]:
+        """(collection, the KJT :meth:`forward` calls it with) for each collection: what the ``ssd`` tier's
+        row caches look ahead with (:mod:`modules.embedding.ssd_tier.rows_ahead`)."""
+        bags, sequences = self._parts(features)
+        out = [(self.ebc, self._bag_keys(bags))] if self.ebc is not None else []
+        if self.ec is not None:
+            out.append((self.ec, sequences))
+            if self.ec_wide is not None:
+                out.append((self.ec_wide, self._seq_wide_keys(sequences).split([len(self.seq_fields)] * 2)[1]))
+        return out
+
+    def _parts(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+        """(the bag collection's keys, the sequence collection's); one of them is all of ``features``."""
+        if self.ec is None or self.ebc is None:
+            return features, features
+        bags, sequences = features.split([len(self.bag_fields), len(self.seq_fields)])
+        return bags, sequences
+
+    def _bag_keys(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         if self.wide or self.stack:
-            features = shifted_keys(features, self._wide_offsets, self._wide_dtype, self.stack, self._wide_keys)
+            return shifted_keys(features, self._wide_offsets, self._wide_dtype, self.stack, self._wide_keys)
+        return features
+
+    def _seq_wide_keys(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        return shifted_keys(features, self._seq_wide_offsets, self._wide_dtype, False,
+                            [WIDE_PREFIX + f for f in self.seq_fields])
+
+    def _bags(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        features = self._bag_keys(features)
         pooled = self.ebc(features)
         if pooled.keys() == self._flat_keys:  # the groups are column ranges of the values: views, no copy
             groups = list(pooled.values().split(self._group_widths, dim=1))
@@ -298,8 +266,7 @@ class SparseArch(nn.Module):
         emb = torch.cat([rows[f].values() for f in self.seq_fields])
         wide = None
         if self.wide:
-            features = shifted_keys(features, self._seq_wide_offsets, self._wide_dtype, False,
-                                    [WIDE_PREFIX + f for f in self.seq_fields])
+            features = self._seq_wide_keys(features)
             first_rows = self.ec_wide(features.split([k, k])[1])
             wide = torch.cat([first_rows[WIDE_PREFIX + f].values() for f in self.seq_fields])
         emb, wide = self.unpooled(emb, wide, features)

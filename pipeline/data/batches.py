@@ -137,6 +137,8 @@ class BatchLoader:
         self.num_batches = n // global_batch_size if train else -(-n // global_batch_size)
 
         self._resume: tuple[int, int] | None = None
+        self._order: np.ndarray | None = None   # this epoch's, for peek
+        self._made: dict[int, CTRBatch] = {}    # batches peek made before the iteration reached them
 
     def __len__(self) -> int:
         return self.num_batches
@@ -172,10 +174,24 @@ class BatchLoader:
         return rows, valid
 
     def __iter__(self) -> Iterator[CTRBatch]:
-        order = self._global_order()
+        self._order, self._made = self._global_order(), {}
         start = self._resume[1] if self._resume and self._resume[0] == self.sampler.epoch else 0
         self._resume = None
         for i in range(start, self.num_batches):
-            rows, valid = self.local_rows(i, order)
-            batch = make_batch(self.arrays, rows, self.keys, -1 if self.train else valid, self.categorical)
+            batch = self.peek(i)
             yield batch.pin_memory() if self.pin_memory else batch
+
+    def peek(self, i: int) -> CTRBatch | None:
+        """Batch ``i`` of the epoch under way (None past its end), made once: the iteration and a look ahead
+        (the row caches': modules/embedding/ssd_tier/rows_ahead.py) get the same object."""
+        if i >= self.num_batches:
+            return None
+        for old in [k for k in self._made if k < i - 2]:  # batches the trainer is done with
+            del self._made[old]
+        if i not in self._made:
+            self._made[i] = self._batch(i)
+        return self._made[i]
+
+    def _batch(self, i: int) -> CTRBatch:
+        rows, valid = self.local_rows(i, self._order)
+        return make_batch(self.arrays, rows, self.keys, -1 if self.train else valid, self.categorical)

@@ -8,6 +8,8 @@
 * :mod:`.row_cache` — the set-associative cache of one table batch's tables (each its own sets and slot
   table): lookup, LFU/LRU eviction, write-back, rows drawn when first met (their initial values:
   :mod:`modules.embedding.row_init`); what it works on and counts: :mod:`.backing`;
+* :mod:`.rows_ahead` — the next training batch's rows brought into the cache in a thread while the current
+  step computes (one process);
 * :mod:`.set_victims` — the eviction policy, and the per-row step (lookup, victims) in torch;
 * :mod:`.native_loops` — the per-row loops in C (``cache_loops.c``: slot assignment, the runs' Bloom filters and
   page lookups), built on first use; their torch / numpy twins are the reference and the fallback;

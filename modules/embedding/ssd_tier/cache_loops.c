@@ -8,7 +8,8 @@
  *   set     s = set_offset[t] + (id − first[t]) mod nsets[t]
  *   hit     keys[s·W + w] = id         → used = clock, uses += 1, dirty |= mark_dirty
  *   miss    (after every hit of the batch is pinned, misses in ascending id order) the way of s with the
- *           least score among the ways not pinned (used ≠ clock), ties the lower way:
+ *           least score among the ways not pinned (used < hold: rows used since call `hold` stay — this
+ *           call's, and with hold < clock those of a batch still under way), ties the lower way:
  *             −1 empty (key < 0);  lru: used;  lfu: uses·2^40 + used
  *           → its old key and dirty flag are returned (the caller writes the row back), then
  *             key = id, used = clock (pinned), uses = 1, dirty = mark_dirty
@@ -34,7 +35,7 @@
 #define DEFINE_ASSIGN(NAME, KEY)                                                                               \
 int64_t NAME(const int64_t *ids, int64_t n, const int64_t *first, const int64_t *nsets,                        \
              const int64_t *set_offset, int64_t tables, KEY *keys, int32_t *used, int32_t *uses,               \
-             uint8_t *dirty, int64_t ways, int32_t clock, int32_t mark_dirty, int32_t lfu,                     \
+             uint8_t *dirty, int64_t ways, int32_t clock, int32_t hold, int32_t mark_dirty, int32_t lfu,       \
              int64_t *slot_out, int64_t *table_out, int64_t *miss_out, int64_t *old_key_out,                   \
              uint8_t *old_dirty_out, int32_t *old_used, int32_t *old_uses, int64_t *n_miss_out)                \
 {                                                                                                              \
@@ -82,7 +83,7 @@ int64_t NAME(const int64_t *ids, int64_t n, const int64_t *first, const int64_t 
         for (int64_t w = 0; w < ways; w++) {                                                                   \
             const int64_t s = base + w;                                                                        \
             const int64_t v = lfu ? ((int64_t)uses[s] << USE_BITS) | used[s] : (int64_t)used[s];               \
-            score[w] = used[s] == clock ? INT64_MAX : keys[s] < 0 ? -1 : v;                                    \
+            score[w] = keys[s] < 0 ? -1 : used[s] >= hold ? INT64_MAX : v;  /* an empty way holds nothing */   \
             low = score[w] < low ? score[w] : low;                                                             \
         }                                                                                                      \
         for (int64_t w = ways - 1; w >= 0; w--)                                                                \

@@ -36,9 +36,11 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 from torch import nn
+from torchrec import KeyedJaggedTensor
 
 from modules.embedding.ssd_tier.backing import BackingTable, CacheStats
 from modules.embedding.ssd_tier.row_cache import WAYS, RowCache
+from modules.embedding.ssd_tier.rows_ahead import RowsAhead
 from modules.embedding.row_init import RowInit
 from modules.embedding.sharded_kernels import kernels
 
@@ -50,6 +52,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
     """A file-backed TBE trained through row caches (module docstring). Made by :meth:`attach`."""
 
     cache: RowCache
+    ahead: RowsAhead  # the next batch's rows brought in while a step computes
     _inner: list[SplitTableBatchedEmbeddingBagsCodegen]  # in a list: not a submodule (no state dict)
 
     @classmethod
@@ -74,7 +77,11 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         backing = [BackingTable(outer[t], states[t], inits[t], int(row), int(col), int(width))
                    for t, (_, width, row, col) in enumerate(info)]
         self._inner = [inner]
-        self.cache = RowCache(backing, inner.split_embedding_weights(), _states(inner, len(dims)), policy, runs)
+        # the slots as `.data` views: rows brought in by the look-ahead thread while FBGEMM's autograd holds the
+        # slot tables for a backward are other rows than the batch's (pinned), not a change autograd must see
+        self.cache = RowCache(backing, [w.data for w in inner.split_embedding_weights()],
+                              [[s.data for s in st] for st in _states(inner, len(dims))], policy, runs)
+        self.ahead = RowsAhead(self.cache)
         self._first_of_feature = torch.tensor([int(self.cache.first[t]) for t in self.feature_table_map])
         return self
 
@@ -97,22 +104,32 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         bounds = offsets[:: (offsets.numel() - 1) // features]
         lin = ids + torch.repeat_interleave(self._first_of_feature, bounds[1:] - bounds[:-1], output_size=ids.numel())
         unique, inverse = torch.unique(lin, return_inverse=True)
-        slots, table = self.cache.assign(unique, dirty)
+        slots, table = self.ahead.batch(unique, dirty)
         return self.cache.local_slots(slots, table)[inverse]
+
+    def bring_ahead(self, ids: Sequence[torch.Tensor]) -> None:
+        """Start bringing in the rows of the next training batch, ``ids`` of each feature in the module's
+        feature order (:mod:`.rows_ahead`)."""
+        lin = torch.cat([f.long() + int(first) for f, first in zip(ids, self._first_of_feature)])
+        if lin.numel():
+            self.ahead.start(torch.unique(lin))
 
     def rows_for_update(self, table: int, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """(slot weights, slot states, the slots of ``rows`` of ``table``): read and write them in place; the
         rows are loaded, pinned for this step and marked dirty."""
-        slots, tables = self.cache.assign(rows + int(self.cache.first[table]), dirty=True)
+        slots, tables = self.ahead.beside(rows + int(self.cache.first[table]), dirty=True)
         return self.cache.weights[table], self.cache.states[table], self.cache.local_slots(slots, tables)
 
     def sync_to_file(self) -> None:
+        self.ahead.hold()  # the thread done; the rows it brought stay where they are (written back, not moved)
         self.cache.materialise()
 
     def reload(self) -> None:
+        self.ahead.drop()
         self.cache.invalidate()
 
     def take_stats(self) -> CacheStats:
+        self.ahead.hold()
         return self.cache.stats.take()
 
     @property
@@ -138,6 +155,19 @@ def _states(tbe: SplitTableBatchedEmbeddingBagsCodegen, tables: int) -> list[lis
 def cached_tbes(model: nn.Module) -> list[CachedRowsTBE]:
     """The row-cached TBEs of a DMP model (TorchRec's lookups are not submodules: found through them)."""
     return [k.emb_module for _, _, k in kernels(model) if isinstance(getattr(k, "emb_module", None), CachedRowsTBE)]
+
+
+def bring_ahead(collection: nn.Module, features: KeyedJaggedTensor) -> None:
+    """Start bringing the next training batch's rows into the row caches of a sharded ``collection``'s kernels:
+    ``features`` the KJT the collection will be called with. One process: a kernel receives its features'
+    ids as the batch holds them (with several ranks, other ranks' ids after the input all-to-all: not known
+    ahead). Whether it guessed right is checked at the next forward (:mod:`.rows_ahead`)."""
+    values = None
+    for _, _, kernel in kernels(collection):
+        emb = getattr(kernel, "emb_module", None)
+        if isinstance(emb, CachedRowsTBE):
+            values = values if values is not None else features.to_dict()
+            emb.bring_ahead([values[f].values() for table in kernel.config.embedding_tables for f in table.feature_names])
 
 
 def sync_tables(model: nn.Module) -> None:

@@ -100,18 +100,20 @@ class RowCache:
         return slots - self.set_offset[table] * WAYS
 
     # -- the batch path ----------------------------------------------------------------------------
-    def assign(self, ids: torch.Tensor, dirty: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def assign(self, ids: torch.Tensor, dirty: bool, hold: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(global slots, tables) of the linear ``ids`` (int64), loading the missing rows; ``dirty``: the kernel
         will update them (a training forward). A batch's ids arrive unique and ascending, as the loops need
-        them; others (rows an optimizer term updates) are made so first."""
+        them; others (rows an optimizer term updates) are made so first. ``hold``: the rows used since that
+        call stay too (a batch still under way: :mod:`.rows_ahead`); by default this call's own."""
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
             unique, inverse = torch.unique(ids, return_inverse=True)
-            slot, table = self.assign(unique, dirty)
+            slot, table = self.assign(unique, dirty, hold)
             return slot[inverse], table[inverse]
         self.clock += 1
         loop = native_loops.assign if self.native else place  # the same contract, in C or in torch
         slot, table, miss, old, old_dirty = loop(ids, self.first, self.nsets, self.set_offset, self.keys, self.used,
-                                                 self.uses, self.dirty, self.clock, dirty, self.policy, TOO_SMALL_HINT)
+                                                 self.uses, self.dirty, self.clock, dirty, self.policy, TOO_SMALL_HINT,
+                                                 hold=hold)
         self.stats.lookups += int(ids.numel())
         self.stats.hits += int(ids.numel() - miss.numel())
         if miss.numel():

@@ -4,7 +4,8 @@
 For the sets that missed rows in this call, each way is scored
 
     score[set, way] = −1                  the way is empty
-                      +∞                  pinned: the batch under way uses it (its last use is this call)
+                      +∞                  pinned: used at call ``hold`` or later (this call's rows; with an
+                                          earlier ``hold``, those of a batch still under way too)
                       used                lru: the call that last used it
                       uses·2^40 + used    lfu (default): uses since admission, ties by last use
 
@@ -43,11 +44,11 @@ def too_small(rows: int, ways: int, free: int, floor_hint: str) -> CacheTooSmall
                               f"the cache is too small for this batch: {floor_hint}")
 
 
-def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, clock: int,
+def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, hold: int,
                 policy: str, floor_hint: str) -> torch.Tensor:
     """The slot (set·W + way) each missed row takes. ``sets`` [M] the missed rows' sets, ascending;
-    ``keys`` / ``used`` / ``uses`` [S, W] the cache's key, last use and use count of every slot; ``clock``
-    this call; ``floor_hint`` ends the error message (what to raise). Returns [M] int64."""
+    ``keys`` / ``used`` / ``uses`` [S, W] the cache's key, last use and use count of every slot; a slot
+    used at call ``hold`` or later is pinned; ``floor_hint`` ends the error message (what to raise). Returns [M] int64."""
     ways = keys.shape[1]
     uniq, counts = torch.unique_consecutive(sets, return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
@@ -57,7 +58,7 @@ def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses
         chunk = uniq[a:a + SETS_PER_CHUNK]
         first, last = int(starts[a]), int(starts[a + chunk.numel() - 1] + counts[a + chunk.numel() - 1])
         last_use = used[chunk]
-        pinned = last_use == clock
+        pinned = (last_use >= hold) & (keys[chunk] >= 0)  # an empty way holds nothing to keep
         free = ways - pinned.sum(dim=1)
         over = counts[a:a + chunk.numel()] - free
         if bool((over > 0).any()):
@@ -92,7 +93,7 @@ def _lowest(score: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
 
 def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor, keys: torch.Tensor,
           used: torch.Tensor, uses: torch.Tensor, dirty: torch.Tensor, clock: int, mark_dirty: bool, policy: str,
-          floor_hint: str) -> tuple[torch.Tensor, ...]:
+          floor_hint: str, hold: int | None = None) -> tuple[torch.Tensor, ...]:
     """The torch path of the row cache's per-row loop — :func:`modules.embedding.ssd_tier.native_loops.assign`'s
     contract (``cache_loops.c``'s header), and the reference it is tested against: unique ``ids`` (ascending)
     looked up :data:`LOOKUP_CHUNK` at a time, hits touched, then a victim for each miss (:func:`choose_ways`).
@@ -114,7 +115,8 @@ def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offse
     miss = torch.nonzero(~hit).view(-1)
     order = torch.argsort(sets[miss], stable=True)
     victim = torch.empty_like(miss)
-    victim[order] = choose_ways(sets[miss][order], keys, used, uses, clock, policy, floor_hint)
+    victim[order] = choose_ways(sets[miss][order], keys, used, uses, clock if hold is None else hold, policy,
+                                floor_hint)
     old, old_dirty = keys.view(-1)[victim].long(), dirty.view(-1)[victim].clone()
     keys.view(-1)[victim] = ids[miss].to(keys.dtype)
     used.view(-1)[victim], uses.view(-1)[victim], dirty.view(-1)[victim] = clock, 1, mark_dirty

@@ -1,0 +1,111 @@
+"""The next batch's rows brought into a row cache while the current step computes.
+
+A step's cache work — its rows looked up, victims chosen and written back, missed rows read or drawn
+(:mod:`.row_cache`) — sits on the step's path: FBGEMM's kernel needs every row of the batch in a slot.
+When the next batch's ids are known (one process: :func:`modules.embedding.ssd_tier.cached_tbe.bring_ahead`),
+that work runs in a thread while the current step's dense forward, backward and optimizer step run:
+
+    step i     forward: batch i's slots — the thread's result if it brought exactly these ids, else assigned now
+               → the thread starts on batch i+1: assign(ids_{i+1}, hold = the call that brought batch i)
+               → dense forward, backward (FBGEMM updates batch i's slots), optimizer step
+    step i+1   forward: waits for the thread, takes its result
+
+Exactness: ``hold`` pins batch i's rows (their slots change in the backward while the thread runs) as
+well as the thread's own; any other use of the cache waits for the thread first and, while its result
+is not taken, keeps those rows too (:meth:`RowsAhead.beside`: the every-row L2 catches up a batch's rows
+before its forward); a result taken has its rows marked dirty again (a checkpoint in between wrote them
+back clean, and the batch is about to update them). The thread only moves rows between the files and slots — it never changes a
+value — so a result not taken (the ids differ: the end of an epoch, an evaluation batch, a set too full
+for two batches' rows) costs time, not exactness: the batch is then assigned as without look-ahead.
+The sources of the idea: TorchRec's ``PrefetchTrainPipelineSparseDist`` (UVM caches filled for the next
+batch while the current one trains) and FBGEMM's ``prefetch_pipeline`` (rows of batches in flight locked).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from modules.embedding.ssd_tier.row_cache import RowCache
+from modules.embedding.ssd_tier.set_victims import CacheTooSmallError
+
+Slots = tuple[torch.Tensor, torch.Tensor]  # (global slots, tables) of a batch's unique ids
+
+
+class RowsAhead:
+    """One row cache's look-ahead (module docstring): :meth:`start` with the next batch's unique linear ids
+    after the current batch's :meth:`batch`; any other use of the cache through :meth:`beside`."""
+
+    def __init__(self, cache: RowCache) -> None:
+        self.cache = cache
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-ahead")
+        self._ids: torch.Tensor | None = None  # the ids the thread brings (or brought) in
+        self._job: Future | None = None
+        self._result: Slots | None = None
+        self._made_at: int | None = None       # the cache call that brought them: kept until taken
+        self._batch_at: int | None = None      # the call that brought the batch under way
+        self.taken = self.dropped = 0          # results used / not used
+
+    def start(self, ids: torch.Tensor) -> None:
+        """Bring the unique ascending linear ``ids`` of the next training batch in, in the thread."""
+        self.drop()
+        hold = self.cache.clock if self._batch_at is None else self._batch_at
+        self._ids, self._job = ids, self._thread.submit(self._bring, ids, hold)
+
+    def _bring(self, ids: torch.Tensor, hold: int) -> Slots | None:
+        try:
+            return self.cache.assign(ids, dirty=True, hold=hold)
+        except CacheTooSmallError:  # two batches' rows do not fit a set: the batch is assigned when it comes
+            return None
+
+    def batch(self, ids: torch.Tensor, dirty: bool) -> Slots:
+        """The slots of a batch's unique ascending ``ids``: the thread's result if it brought these ids for
+        training, else assigned now."""
+        self._wait()
+        if dirty and self._result is not None and torch.equal(self._ids, ids):
+            slots, self._batch_at = self._result, self._made_at
+            self.cache.dirty.view(-1)[slots[0]] = True  # a checkpoint since may have written them back: clean
+            self.taken += 1
+            self._clear()
+            return slots
+        self.drop()
+        slots = self.cache.assign(ids, dirty)
+        self._batch_at = self.cache.clock
+        return slots
+
+    def beside(self, ids: torch.Tensor, dirty: bool) -> Slots:
+        """Another use of the cache (the every-row L2's catch-up, a row reset): a pending result's rows are kept
+        — unless they and ``ids``' rows do not fit a set together: then the result is dropped."""
+        hold = self.hold()
+        if hold is not None:
+            try:
+                return self.cache.assign(ids, dirty, hold=hold)
+            except CacheTooSmallError:
+                self.drop()
+        return self.cache.assign(ids, dirty)
+
+    def hold(self) -> int | None:
+        """Wait for the thread; the call whose rows another use of the cache must keep (None: its own only)."""
+        self._wait()
+        return self._made_at if self._result is not None else None
+
+    def drop(self) -> None:
+        """Wait for the thread and forget its result (before the slots are forgotten, or a new start)."""
+        self._wait()
+        if self._ids is not None:
+            self.dropped += 1
+        self._clear()
+
+    def _wait(self) -> None:
+        if self._job is not None:
+            job, self._job = self._job, None
+            try:
+                self._result = job.result()
+            except BaseException:
+                self._clear()
+                raise
+            self._made_at = self.cache.clock
+
+    def _clear(self) -> None:
+        self._ids = self._result = self._made_at = None
