@@ -284,6 +284,9 @@ def check_runnable(run: RunConfig) -> None:
     if zch.enabled != (categorical == "raw"):
         raise ConfigError(f"model.zch.rows={zch.rows} with data.preprocess.categorical={categorical}: zero-collision "
                           f"tables take raw ids and raw ids need them (set both, or neither)")
+    if run.topology.ssd.look_ahead and (world > 1 or zch.enabled):
+        raise ConfigError(f"topology.ssd.look_ahead=true needs one process and no model.zch (here {world} process(es)"
+                          f"{', model.zch' if zch.enabled else ''}): a kernel's next ids are not known ahead; set it false")
     if run.data.shape_only:
         raise ConfigError(f"data={run.data.name} describes a shape for planning only (ctr plan); "
                           f"train on a dataset with files")

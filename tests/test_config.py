@@ -117,3 +117,15 @@ def test_fused_cpu_optimizers_ignore_weight_decay(name):
         else:
             accumulator = next(iter(tbe.get_optimizer_state()[0].values())).flatten()
             assert torch.allclose(accumulator[accumulator > 0], torch.tensor(1.0)), (mode, accumulator)  # decayed: 2.25
+
+
+def test_look_ahead_is_refused_where_the_next_ids_are_not_known(small_overrides, monkeypatch):
+    """topology.ssd.look_ahead=true (modules/embedding/ssd_tier/rows_ahead.py) needs one process and no model.zch."""
+    ahead = [*small_overrides, "topology.ssd.look_ahead=true"]
+    check_config(compose_config(ahead))  # one process: fine
+    with pytest.raises(ConfigError, match=r"topology.ssd.look_ahead=true needs one process and no model.zch "
+                                          r"\(here 1 process\(es\), model.zch\)"):
+        check_config(compose_config([*ahead, "data.preprocess.categorical=raw", "model.zch.rows=100"]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"\(here 2 process\(es\)\)"):
+        check_config(compose_config(ahead))

@@ -73,10 +73,10 @@ def test_ssd_tier_trains_with_cowclip_and_l2_on_every_row_exactly_like_host_memo
             f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "model.stack_tables=false"]
     _, host = train_cli(base, tmp_path / "host")
     # checkpoints every 7 steps: each writes every dirty row back between a look-ahead and its step
-    proc, ssd = train_cli([*base, f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD, SMALL_CACHE, SMALL_CACHE,
+    proc, ssd = train_cli([*base, f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD, SMALL_CACHE, "topology.ssd.look_ahead=true",
                            f"trainer.checkpoint.dir={tmp_path}/ckpt", "trainer.checkpoint.every_n_steps=7"],
                           tmp_path / "on_ssd")
-    # the caches brought each next batch's rows in while the step computed (rows_ahead), and it was used
+    # topology.ssd.look_ahead: the caches brought each next batch's rows in while the step computed, and they were used
     ahead = re.search(r"brought in ahead for (\d+) lookups \((\d+) not used\)", proc.stdout + proc.stderr)
     assert ahead and int(ahead[1]) > 0, (proc.stdout + proc.stderr)[-3000:]
     print("look-ahead taken / not used:", ahead[1], ahead[2])

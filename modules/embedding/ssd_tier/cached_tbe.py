@@ -103,16 +103,15 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         features = self._first_of_feature.numel()
         bounds = offsets[:: (offsets.numel() - 1) // features]
         lin = ids + torch.repeat_interleave(self._first_of_feature, bounds[1:] - bounds[:-1], output_size=ids.numel())
-        unique, inverse = torch.unique(lin, return_inverse=True)
-        slots, table = self.ahead.batch(unique, dirty)
-        return self.cache.local_slots(slots, table)[inverse]
+        slots, table = self.ahead.batch(lin, dirty)  # each id's: unique ids looked up (RowCache.assign)
+        return self.cache.local_slots(slots, table)
 
     def bring_ahead(self, ids: Sequence[torch.Tensor]) -> None:
         """Start bringing in the rows of the next training batch, ``ids`` of each feature in the module's
         feature order (:mod:`.rows_ahead`)."""
         lin = torch.cat([f.long() + int(first) for f, first in zip(ids, self._first_of_feature)])
         if lin.numel():
-            self.ahead.start(torch.unique(lin))
+            self.ahead.start(lin)
 
     def rows_for_update(self, table: int, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """(slot weights, slot states, the slots of ``rows`` of ``table``): read and write them in place; the

@@ -30,7 +30,7 @@ import torch
 from modules.embedding.ssd_tier.row_cache import RowCache
 from modules.embedding.ssd_tier.set_victims import CacheTooSmallError
 
-Slots = tuple[torch.Tensor, torch.Tensor]  # (global slots, tables) of a batch's unique ids
+Slots = tuple[torch.Tensor, torch.Tensor]  # (global slots, tables) of each of a batch's ids
 
 
 class RowsAhead:
@@ -48,7 +48,8 @@ class RowsAhead:
         self.taken = self.dropped = 0          # results used / not used
 
     def start(self, ids: torch.Tensor) -> None:
-        """Bring the unique ascending linear ``ids`` of the next training batch in, in the thread."""
+        """Bring the linear ``ids`` of the next training batch in, in the thread (made unique there too: the
+        forward that takes the result only compares its ids)."""
         self.drop()
         hold = self.cache.clock if self._batch_at is None else self._batch_at
         self._ids, self._job = ids, self._thread.submit(self._bring, ids, hold)
@@ -60,7 +61,7 @@ class RowsAhead:
             return None
 
     def batch(self, ids: torch.Tensor, dirty: bool) -> Slots:
-        """The slots of a batch's unique ascending ``ids``: the thread's result if it brought these ids for
+        """The slots of a batch's linear ``ids`` (each id's): the thread's result if it brought these ids for
         training, else assigned now."""
         self._wait()
         if dirty and self._result is not None and torch.equal(self._ids, ids):

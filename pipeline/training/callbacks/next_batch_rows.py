@@ -7,9 +7,9 @@ Right after the sparse lookups of training batch i (a forward hook on the model'
 is laid out as each embedding collection will receive it (:meth:`SparseArch.inputs`), and each row cache
 starts bringing its rows in, in a thread, while batch i's dense layers, backward and optimizer step run.
 
-Where it applies: one process (with several ranks a kernel's ids come from every rank's batch), tables on
-the ``ssd`` tier, no ``model.zch`` (its admission rounds remap ids between steps). Elsewhere it is not
-started, and the run says so once. At the end of training it prints how many results were taken and how many not.
+``topology.ssd.look_ahead=true`` (off by default: docs/scale.md has what it gained and lost on 2 cores), tables on
+the ``ssd`` tier; one process (with several ranks a kernel's ids come from every rank's batch) and no
+``model.zch`` (its admission rounds remap ids between steps): :func:`pipeline.config.check_runnable` refuses the rest. At the end of training it prints how many results were taken and how many not.
 """
 
 from __future__ import annotations
@@ -35,12 +35,10 @@ class NextBatchRows(L.Callback):
         self._loader: Any = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not cached_tbes(pl_module.model):
+        if not pl_module.topology.ssd.look_ahead or not cached_tbes(pl_module.model):
             return
-        why = ("several processes" if trainer.world_size > 1 else "model.zch" if pl_module.zch is not None
-               else "no peek on the training loader" if not hasattr(trainer.train_dataloader, "peek") else None)
-        if why:
-            log.info("ssd tier: the next batch's rows are brought in at its own step (%s)", why)
+        if not hasattr(trainer.train_dataloader, "peek"):  # world size and model.zch: refused by check_runnable
+            log.warning("topology.ssd.look_ahead: the training loader cannot peek; rows are brought in at each step")
             return
         self._arch = next(m for m in pl_module.model.modules() if isinstance(m, SparseArch))
         self._loader = trainer.train_dataloader
