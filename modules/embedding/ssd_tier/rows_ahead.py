@@ -14,10 +14,11 @@ Exactness: ``hold`` pins batch i's rows (their slots change in the backward whil
 well as the thread's own; any other use of the cache waits for the thread first and, while its result
 is not taken, keeps those rows too (:meth:`RowsAhead.beside`: the every-row L2 catches up a batch's rows
 before its forward); a result taken has its rows marked dirty again (a checkpoint in between wrote them
-back clean, and the batch is about to update them). The thread only moves rows between the files and slots — it never changes a
-value — so a result not taken (the ids differ: the end of an epoch, an evaluation batch, a set too full
+back clean, and the batch is about to update them). The thread only moves rows between the files and
+slots — it never changes a value — so a result not taken (the ids differ: the end of an epoch, an evaluation batch, a set too full
 for two batches' rows) costs time, not exactness: the batch is then assigned as without look-ahead.
-The sources of the idea: TorchRec's ``PrefetchTrainPipelineSparseDist`` (UVM caches filled for the next
+On with ``topology.ssd.look_ahead=true`` (off by default: on 2 cores it gained a few per cent on one table
+and lost on another, docs/scale.md). The sources of the idea: TorchRec's ``PrefetchTrainPipelineSparseDist`` (UVM caches filled for the next
 batch while the current one trains) and FBGEMM's ``prefetch_pipeline`` (rows of batches in flight locked).
 """
 
@@ -34,8 +35,8 @@ Slots = tuple[torch.Tensor, torch.Tensor]  # (global slots, tables) of each of a
 
 
 class RowsAhead:
-    """One row cache's look-ahead (module docstring): :meth:`start` with the next batch's unique linear ids
-    after the current batch's :meth:`batch`; any other use of the cache through :meth:`beside`."""
+    """One row cache's look-ahead (module docstring): :meth:`start` with the next batch's linear ids after
+    the current batch's :meth:`batch`; any other use of the cache through :meth:`beside`."""
 
     def __init__(self, cache: RowCache) -> None:
         self.cache = cache
