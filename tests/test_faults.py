@@ -15,7 +15,9 @@ from pipeline.runtime.launch import free_port
 from pipeline.tracking.logger import FALLBACK_DB, ORIGINAL_RUN_TAG
 from tests.conftest import PYTHON, ROOT, MlflowServer, subprocess_env, train_cli
 
-FAIL_FAST_S = 15
+# the whole command: imports (7-10 s alone, more beside another test on 2 cores: make test runs two at once) and
+# the probe's logger.connect_timeout_s (5 s); without the probe MLflow's client retries for minutes
+FAIL_FAST_S = 40
 
 
 def _train(args: list[str], run_dir: Path, check: bool = True):

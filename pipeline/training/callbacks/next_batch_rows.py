@@ -7,9 +7,10 @@ Right after the sparse lookups of training batch i (a forward hook on the model'
 is laid out as each embedding collection will receive it (:meth:`SparseArch.inputs`), and each row cache
 starts bringing its rows in, in a thread, while batch i's dense layers, backward and optimizer step run.
 
-``topology.ssd.look_ahead=true`` (off by default: docs/scale.md has what it gained and lost on 2 cores), tables on
-the ``ssd`` tier; one process (with several ranks a kernel's ids come from every rank's batch) and no
-``model.zch`` (its admission rounds remap ids between steps): :func:`pipeline.config.check_runnable` refuses the rest. At the end of training it prints how many results were taken and how many not.
+``topology.ssd.look_ahead=true`` (off by default: docs/scale.md has what it gained and lost on 2 cores), tables
+on the ``ssd`` tier; one process (with several ranks a kernel's ids come from every rank's batch) and no
+``model.zch`` (its admission rounds remap ids between steps): :func:`pipeline.config.check_runnable` refuses
+the rest. At the end of training it prints how many results were taken and how many not.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class NextBatchRows(L.Callback):
+    """After each training step's sparse lookups, the next batch's rows start coming in (module docstring)."""
+
     def __init__(self) -> None:
         self._arch: SparseArch | None = None
         self._hook: RemovableHandle | None = None
