@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 # Test processes (pytest-xdist): most tests wait on a training subprocess of one thread, so two run well on
-# two cores (the suite: 712 s against 869-1,078 s in one process, 2026-11-27); TEST_WORKERS=0 runs them in this one.
+# two cores (the suite: 643-712 s against 869-1,078 s in one process, 2026-11-27); TEST_WORKERS=0 runs them in this one.
 TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml tools/fbgemm_gpu_shim/pyproject.toml
