@@ -44,15 +44,16 @@ def test_rows_brought_ahead_never_take_the_slot_of_a_row_in_use(seed, sets, nati
         slots, _ = ahead.beside(catch_up, dirty=True)  # the every-row L2 before the forward
         _add(cache, slots, 10.0)
         value[catch_up.numpy()] += 10.0
-        slots, _ = ahead.batch(ids, dirty=True)  # the forward
+        slots, _, inverse = ahead.batch(ids, dirty=True)  # the forward (ids unique: each its own place)
+        assert inverse.equal(torch.arange(len(ids)))
         if i + 1 < steps:  # the next batch — or, now and then, a wrong guess
             ahead.start(batches[i + 1] if rng.random() < guess else torch.from_numpy(
                 np.unique(rng.integers(0, ROWS, len(batches[i + 1])))))
-        ahead.hold()  # the thread has evicted what it evicts: the backward comes after, at its worst
+        ahead.wait()  # the thread has evicted what it evicts: the backward comes after, at its worst
         _add(cache, slots, 1.0)
         value[ids.numpy()] += 1.0
         if rng.random() < 0.3:  # a checkpoint after the step: every dirty row written back, clean again
-            ahead.hold()
+            ahead.wait()
             cache.flush()
     ahead.drop()
     cache.flush()
@@ -68,8 +69,8 @@ def test_a_result_is_taken_only_for_the_same_ids_in_training():
     ahead.start(torch.tensor([1, 5, 9]))
     ahead.batch(torch.tensor([1, 5, 8]), dirty=True)
     ahead.start(torch.tensor([2, 3]))
-    ahead.hold()  # the thread done
+    ahead.wait()  # the thread done
     clock = cache.clock
-    slots, _ = ahead.batch(torch.tensor([2, 3]), dirty=True)
+    slots, _, _ = ahead.batch(torch.tensor([2, 3]), dirty=True)
     assert (ahead.taken, ahead.dropped) == (1, 2) and cache.clock == clock  # taken: no call of its own
     assert cache.keys.view(-1)[slots].tolist() == [2, 3]

@@ -23,7 +23,7 @@ class SsdSpec:
     cache_policy: str = "lfu"      # CPU row cache eviction: lfu | lru (docs/scale.md: LFU hit more on both id orders)
     # CPU: the next training batch's rows brought into the row cache in a thread while a step computes (one
     # process, no model.zch; modules/embedding/ssd_tier/rows_ahead.py). Off by default: on 2 cores it gained 5 %
-    # on a frequency-ordered table and lost 7-11 % on a hashed one (docs/scale.md)
+    # on a frequency-ordered table and lost 6-11 % on a hashed one (docs/scale.md)
     look_ahead: bool = False
 
     def __post_init__(self) -> None:

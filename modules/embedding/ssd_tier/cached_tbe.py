@@ -103,8 +103,8 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         features = self._first_of_feature.numel()
         bounds = offsets[:: (offsets.numel() - 1) // features]
         lin = ids + torch.repeat_interleave(self._first_of_feature, bounds[1:] - bounds[:-1], output_size=ids.numel())
-        slots, table = self.ahead.batch(lin, dirty)  # each id's: unique ids looked up (RowCache.assign)
-        return self.cache.local_slots(slots, table)
+        slots, table, inverse = self.ahead.batch(lin, dirty)  # of the unique ids, and each id's place among them
+        return self.cache.local_slots(slots, table)[inverse]
 
     def bring_ahead(self, ids: Sequence[torch.Tensor]) -> None:
         """Start bringing in the rows of the next training batch, ``ids`` of each feature in the module's
@@ -120,7 +120,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         return self.cache.weights[table], self.cache.states[table], self.cache.local_slots(slots, tables)
 
     def sync_to_file(self) -> None:
-        self.ahead.hold()  # the thread done; the rows it brought stay where they are (written back, not moved)
+        self.ahead.wait()  # the rows it brought stay in their slots (written back, not moved): its result holds
         self.cache.materialise()
 
     def reload(self) -> None:
@@ -128,7 +128,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         self.cache.invalidate()
 
     def take_stats(self) -> CacheStats:
-        self.ahead.hold()
+        self.ahead.wait()
         return self.cache.stats.take()
 
     @property
@@ -166,7 +166,8 @@ def bring_ahead(collection: nn.Module, features: KeyedJaggedTensor) -> None:
         emb = getattr(kernel, "emb_module", None)
         if isinstance(emb, CachedRowsTBE):
             values = values if values is not None else features.to_dict()
-            emb.bring_ahead([values[f].values() for table in kernel.config.embedding_tables for f in table.feature_names])
+            names = [f for table in kernel.config.embedding_tables for f in table.feature_names]  # the TBE's order
+            emb.bring_ahead([values[f].values() for f in names])
 
 
 def sync_tables(model: nn.Module) -> None:

@@ -15,11 +15,14 @@ well as the thread's own; any other use of the cache waits for the thread first 
 is not taken, keeps those rows too (:meth:`RowsAhead.beside`: the every-row L2 catches up a batch's rows
 before its forward); a result taken has its rows marked dirty again (a checkpoint in between wrote them
 back clean, and the batch is about to update them). The thread only moves rows between the files and
-slots — it never changes a value — so a result not taken (the ids differ: the end of an epoch, an evaluation batch, a set too full
-for two batches' rows) costs time, not exactness: the batch is then assigned as without look-ahead.
+slots — it never changes a value — so a result not taken (the ids differ: the end of an epoch, an
+evaluation batch, a set too full for two batches' rows) costs time, not exactness: the batch is then
+assigned as without look-ahead.
+
 On with ``topology.ssd.look_ahead=true`` (off by default: on 2 cores it gained a few per cent on one table
-and lost on another, docs/scale.md). The sources of the idea: TorchRec's ``PrefetchTrainPipelineSparseDist`` (UVM caches filled for the next
-batch while the current one trains) and FBGEMM's ``prefetch_pipeline`` (rows of batches in flight locked).
+and lost on another, docs/scale.md). The sources of the idea: TorchRec's ``PrefetchTrainPipelineSparseDist``
+(UVM caches filled for the next batch while the current one trains) and FBGEMM's ``prefetch_pipeline``
+(rows of batches in flight locked).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 from modules.embedding.ssd_tier.row_cache import RowCache
 from modules.embedding.ssd_tier.set_victims import CacheTooSmallError
 
-Slots = tuple[torch.Tensor, torch.Tensor]  # (global slots, tables) of each of a batch's ids
+Slots = tuple[torch.Tensor, torch.Tensor]  # (global slots, tables) of unique ids (RowCache.assign)
+BatchSlots = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # and each of the batch's ids' place among them
 
 
 class RowsAhead:
@@ -43,7 +47,7 @@ class RowsAhead:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="row-cache-ahead")
         self._ids: torch.Tensor | None = None  # the ids the thread brings (or brought) in
         self._job: Future | None = None
-        self._result: Slots | None = None
+        self._result: BatchSlots | None = None
         self._made_at: int | None = None       # the cache call that brought them: kept until taken
         self._batch_at: int | None = None      # the call that brought the batch under way
         self.taken = self.dropped = 0          # results used / not used
@@ -55,16 +59,17 @@ class RowsAhead:
         hold = self.cache.clock if self._batch_at is None else self._batch_at
         self._ids, self._job = ids, self._thread.submit(self._bring, ids, hold)
 
-    def _bring(self, ids: torch.Tensor, hold: int) -> Slots | None:
+    def _bring(self, ids: torch.Tensor, hold: int) -> BatchSlots | None:
+        unique, inverse = torch.unique(ids, return_inverse=True)
         try:
-            return self.cache.assign(ids, dirty=True, hold=hold)
+            return (*self.cache.assign(unique, dirty=True, hold=hold), inverse)
         except CacheTooSmallError:  # two batches' rows do not fit a set: the batch is assigned when it comes
             return None
 
-    def batch(self, ids: torch.Tensor, dirty: bool) -> Slots:
-        """The slots of a batch's linear ``ids`` (each id's): the thread's result if it brought these ids for
-        training, else assigned now."""
-        self._wait()
+    def batch(self, ids: torch.Tensor, dirty: bool) -> BatchSlots:
+        """(slots, tables) of a batch's unique linear ids and each of ``ids``' place among them: the thread's
+        result if it brought these ids for training, else assigned now."""
+        self.wait()
         if dirty and self._result is not None and torch.equal(self._ids, ids):
             slots, self._batch_at = self._result, self._made_at
             self.cache.dirty.view(-1)[slots[0]] = True  # a checkpoint since may have written them back: clean
@@ -72,9 +77,10 @@ class RowsAhead:
             self._clear()
             return slots
         self.drop()
-        slots = self.cache.assign(ids, dirty)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        slots, tables = self.cache.assign(unique, dirty)
         self._batch_at = self.cache.clock
-        return slots
+        return slots, tables, inverse
 
     def beside(self, ids: torch.Tensor, dirty: bool) -> Slots:
         """Another use of the cache (the every-row L2's catch-up, a row reset): a pending result's rows are kept
@@ -89,17 +95,18 @@ class RowsAhead:
 
     def hold(self) -> int | None:
         """Wait for the thread; the call whose rows another use of the cache must keep (None: its own only)."""
-        self._wait()
+        self.wait()
         return self._made_at if self._result is not None else None
 
     def drop(self) -> None:
         """Wait for the thread and forget its result (before the slots are forgotten, or a new start)."""
-        self._wait()
+        self.wait()
         if self._ids is not None:
             self.dropped += 1
         self._clear()
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Wait for the thread (its result, if any, stays to be taken; its error is raised here)."""
         if self._job is not None:
             job, self._job = self._job, None
             try:
