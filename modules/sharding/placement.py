@@ -19,11 +19,12 @@ the memory the planning process holds (measured, :mod:`modules.sharding.resident
 torch and their libraries' code, the data's index, …) plus a step's working set (estimated from the model,
 :func:`modules.sharding.planner.step_bytes`); ``ddr_reserve`` is left to the page cache.
 Every table stays in host memory while the tables fit that budget (weights + optimizer state);
-otherwise the largest move to ``ssd`` until the rest fits (tables forced to a tier in
-``table_overrides`` stay where they are forced). What the host tables leave is the ``ssd`` tables'
-row cache (:mod:`modules.embedding.ssd_tier.row_cache`), shared in proportion to their bytes (``Placement.cache_rows``);
-``ssd.cache_mb`` sets it outright instead. The ``ssd`` budget is ``ssd.cap_gb`` per node, or the free
-space of ``ssd.path`` when ``cap_gb`` is 0.
+otherwise the budget is shared between whole tables in host memory and the row caches
+(:mod:`modules.embedding.ssd_tier.row_cache`) of tables on ``ssd`` by the lookups each byte serves,
+from the id-frequency statistics (:mod:`modules.sharding.cache_allocation`; tables forced to a tier in
+``table_overrides`` stay there). ``ssd.cache_mb`` sets the caches outright instead (then the largest
+tables move until the rest fit). The ``ssd`` budget is ``ssd.cap_gb`` per node, or the free space of
+``ssd.path`` when ``cap_gb`` is 0.
 
 Rule (per table, weights + optimizer state): everything goes to GPU memory while it fits the HBM
 budget (``hbm_cap_gb`` per GPU × GPUs × (1 − ``hbm_reserve``), the rest left to dense layers and
@@ -49,6 +50,7 @@ from torchrec.distributed.types import ShardingType
 
 from modules.embedding.ssd_tier.backing import ROW_INDEX_BYTES, slot_bytes
 from modules.embedding.ssd_tier.row_cache import MIN_SLOTS_PER_ID
+from modules.sharding.cache_allocation import Claim, allocate, coverage_curve, least_bytes
 from modules.sharding.topology import GB, TableOverride, TopologySpec
 
 KERNELS = {
@@ -103,6 +105,7 @@ class Placement:
     cache_load_factor: float | None = None
     forced: bool = False
     cache_rows: int | None = None  # CPU ssd tier: rows of its row cache in host memory
+    cache_share: float | None = None  # … and the share of the table's lookups its rows carry (estimated)
 
     @property
     def row_bytes(self) -> float:
@@ -196,7 +199,8 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
 
 def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
                   fusable: bool, process_bytes: float, batch_rows: int) -> dict[str, Placement]:
-    """CPU tiers: host memory, or files (``ssd``) for the largest tables the host budget cannot hold."""
+    """CPU tiers: host memory, or files (``ssd``) behind a row cache, by the lookups each byte of the host
+    budget serves (:mod:`modules.sharding.cache_allocation`)."""
     kernel = KERNELS["host"] if fusable else EmbeddingComputeKernel.DENSE.value
     place: dict[str, Placement] = {}
     for t in tables:
@@ -214,14 +218,20 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
     floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
               for t in tables}  # each ssd table's least row cache (rows one batch can bring)
-    cached = lambda: sum(floors[p.table] * p.slot_bytes + p.rows * ROW_INDEX_BYTES  # noqa: E731
-                         for p in place.values() if p.tier == "ssd")
+    claims = {t.name: Claim(t.name, t.rows, float(t.features), coverage_curve(t.rows, t.coverage_rows),
+                            place[t.name].row_bytes, place[t.name].slot_bytes, t.rows * ROW_INDEX_BYTES, floors[t.name],
+                            may_host=not (place[t.name].forced and place[t.name].tier == "ssd")) for t in tables}
     outright = topology.ssd.cache_mb is not None  # a cache set outright is not taken from the budget
-    while use("host") + (0 if outright else cached()) > budget["host"]:
-        movable = sorted((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: -p.bytes)
-        if not movable:
-            break
-        place[movable[0].table] = replace(movable[0], tier="ssd")
+    movable = [claims[p.table] for p in place.values() if not p.forced]
+    fixed = [claims[p.table] for p in place.values() if p.forced and p.tier == "ssd"]
+    room = budget["host"] - sum(p.bytes for p in place.values() if p.forced and p.tier == "host")
+    if outright:  # the host budget holds host tables alone: the largest move until the rest fit
+        while use("host") > budget["host"] and any(p.tier == "host" and not p.forced for p in place.values()):
+            p = max((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: p.bytes)
+            place[p.table] = replace(p, tier="ssd")
+    elif sum(c.host_bytes for c in movable) + least_bytes(fixed) > room and movable:
+        chosen = allocate(movable + fixed, room)  # below the least, each table's least: the caches' check says so
+        place.update({c.name: replace(place[c.name], tier="host" if chosen[c.name] is None else "ssd") for c in movable})
     on_disk = sorted(p.table for p in place.values() if p.tier == "ssd")
     if on_disk and not fusable:
         raise PlacementError(f"tables {on_disk} need tier ssd, which runs FBGEMM's fused sgd, adagrad or "
@@ -240,22 +250,22 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
                              f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
                              f"topology.ssd.cap_gb, or use smaller tables")
     index = sum(p.rows * ROW_INDEX_BYTES for p in place.values() if p.tier == "ssd")
-    return _row_caches(place, topology, budget["host"] - use("host") - index, process_bytes, floors)
+    return _row_caches(place, topology, budget["host"] - use("host") - index, process_bytes, claims)
 
 
 def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float, process_bytes: float,
-                floor: Mapping[str, int]) -> dict[str, Placement]:
-    """Each ``ssd`` table's row cache: at least ``floor`` rows (the distinct ids one batch can bring, ×
-    :data:`MIN_SLOTS_PER_ID`: :mod:`modules.embedding.ssd_tier.row_cache`), plus ``left`` bytes (or ``ssd.cache_mb`` per rank)
-    beyond the floors shared in proportion to the tables' bytes; at most the whole table."""
-    on_disk = [p for p in place.values() if p.tier == "ssd"]
+                claims: Mapping[str, Claim]) -> dict[str, Placement]:
+    """Each ``ssd`` table's row cache: at least its floor (the distinct ids one batch can bring, ×
+    :data:`MIN_SLOTS_PER_ID`: :mod:`modules.embedding.ssd_tier.row_cache`), then ``left`` bytes (or ``ssd.cache_mb``
+    per rank) beyond the index shared by lookups served per byte (:func:`allocate`); at most the whole table."""
+    on_disk = [replace(claims[p.table], may_host=False, index_bytes=0.0) for p in place.values() if p.tier == "ssd"]
     if not on_disk:
         return place
     if topology.ssd.cache_mb is not None:
         left = topology.ssd.cache_mb * 2**20 * topology.world_size
     elif math.isinf(left):  # host memory not described: tables forced to ssd get the default cache
         left = DEFAULT_CACHE_MB * 2**20 * topology.world_size
-    need = sum(floor[p.table] * p.slot_bytes for p in on_disk)
+    need = least_bytes(on_disk)
     if need > left and topology.ssd.cache_mb is not None:
         raise PlacementError(f"topology.ssd.cache_mb={topology.ssd.cache_mb:g} cannot give the {len(on_disk)} ssd tables "
                              f"their row caches, {need / 2**20:,.1f} MB for the rows one batch can bring (× {MIN_SLOTS_PER_ID}); "
@@ -266,9 +276,9 @@ def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float
             f"(1 − ddr_reserve) leaves {max(0.0, left) / 2**20:,.0f} MB after the host tables and this process's own "
             f"{process_bytes / 2**20:,.0f} MB per rank, {need / 2**20:,.1f} MB are needed. Raise topology.ddr_cap_gb, "
             f"or set the cache outright with topology.ssd.cache_mb=<MB per rank>")
-    total = sum(p.bytes for p in on_disk)
-    rows = {p.table: min(p.rows, floor[p.table] + int((left - need) * p.bytes / total / p.slot_bytes)) for p in on_disk}
-    return {name: replace(p, cache_rows=rows[name]) if name in rows else p for name, p in place.items()}
+    rows = allocate(on_disk, left)
+    return {name: replace(p, cache_rows=rows[name], cache_share=claims[name].share(rows[name] or 0))
+            if name in rows else p for name, p in place.items()}
 
 
 def stacking_blocker(placements: Mapping[str, Placement], tables: Sequence[str], topology: TopologySpec) -> str | None:
