@@ -8,7 +8,8 @@ import subprocess
 import pytest
 import torch
 
-from modules.sharding.placement import PlacementError, TableInfo, place_tables, stacking_blocker
+from modules.sharding.placement import PlacementError, TableInfo, place_tables
+from modules.sharding.table_stacking import stacking_blocker
 from modules.sharding.topology import GB, SsdSpec, TopologySpec
 from modules.zipf import zipf_coverage
 from pipeline.commands.plan import plan_for_config

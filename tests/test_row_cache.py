@@ -47,8 +47,10 @@ def _batches(steps: int, batch: int, seed: int = 0) -> list[KeyedJaggedTensor]:
     return out
 
 
-def _train(topology: TopologySpec, batches: list[KeyedJaggedTensor], optimizer: str) -> tuple[dict, object]:
-    dmp, plan = shard_model(_model(), OptimizerSpec(optimizer, 0.05), topology, torch.device("cpu"))
+def _train(topology: TopologySpec, batches: list[KeyedJaggedTensor], optimizer: str,
+           batch_rows: int = 0) -> tuple[dict, object]:
+    dmp, plan = shard_model(_model(), OptimizerSpec(optimizer, 0.05), topology, torch.device("cpu"),
+                            batch_rows=batch_rows)
     for kjt in batches:
         out = dmp.module["ebc"](kjt)
         (out.values() ** 2).sum().backward()
@@ -63,8 +65,8 @@ def _run_against_host(rank: int, world: int, folder: str, policy: str, optimizer
     batches = _batches(30, 1024)
     host, _ = _train(TopologySpec(compute_device="cpu"), batches, optimizer)
     ssd = TopologySpec(compute_device="cpu", ddr_cap_gb=1e-12,  # a budget below one row: every table on ssd
-                       ssd=SsdSpec(path=folder, cache_mb=1.2, cache_policy=policy))
-    cached, dmp = _train(ssd, batches, optimizer)
+                       ssd=SsdSpec(path=folder, cache_mb=2.0, cache_policy=policy))  # the floors: 1.1-1.7 MB
+    cached, dmp = _train(ssd, batches, optimizer, batch_rows=1024)
     tbes = cached_tbes(dmp)
     assert tbes and all(t.cache_slots < sum(ROWS.values()) / 3 for t in tbes)
     stats = [t.cache.stats for t in tbes]

@@ -40,7 +40,7 @@ def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_h
     # what the process holds itself is taken from the budget: the cache shrinks, then cannot be
     assert place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=4_000)["b"].cache_rows \
         == 146_000 // slot
-    with pytest.raises(PlacementError, match=r"tables on tier ssd get no row cache.*Raise topology.ddr_cap_gb"):
+    with pytest.raises(PlacementError, match=r"tables get no row cache: they need 0.2 MB at least.*own 0 MB per rank. Raise topology.ddr_cap_gb"):
         place_tables(tables, _cpu(ddr, str(tmp_path)), "rowwise_adagrad", process_bytes=50_000)  # < 1,024 slots
     assert place_tables(tables, _cpu(ddr, str(tmp_path), cache_mb=0.5), "rowwise_adagrad",
                         process_bytes=50_000)["b"].cache_rows == 2**19 // slot  # set outright

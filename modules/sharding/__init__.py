@@ -4,10 +4,11 @@ and DistributedModelParallel, and the plan as a table for people.
 
 * :mod:`.topology` — ``topology``: nodes, ranks, each tier's capacity;
 * :mod:`.placement` — tables on tiers within the budget the process leaves (measured), row-cache sizes;
+* :mod:`.cache_allocation` — on CPU, host memory shared between whole tables and row caches by lookups served;
 * :mod:`.resident_memory` — what the process holds, GPU libraries' pages left out on CPU;
 * :mod:`.table_stacking` — ``model.stack_tables=auto``: whether the one-id tables become one;
 * :mod:`.planner` — placement → TorchRec plan → the sharded model;
 * :mod:`.plan_report` — the plan per table (rows, bytes, tier, cache).
 
-May import: modules.embedding, modules.models, modules.optim
+May import: modules, modules.embedding, modules.models, modules.optim
 """

@@ -12,15 +12,17 @@ whole table is in host memory. With a host budget B, choose for every table eith
     cost_t(rows_t) = rows_t · row_t            (in host memory: the rows alone, no slot, no index)
 
 H_t is the id-frequency curve preprocessing measures (``coverage_rows``: the rows carrying 50, 80, 90,
-95 and 99 % of the occurrences), linear between those points and 1 at rows_t; a table without
-statistics counts as uniform, H_t(r) = r / rows_t. H_t is concave (the counts are sorted), so taking the
+95 and 99 % of the occurrences), linear between those points and 1 at rows_t (placement gives a table
+without statistics, raw ids, the points of Zipf's law: :mod:`modules.zipf`). H_t is concave (the counts are sorted), so taking the
 steps of all curves in order of lookups gained per byte, each while it fits, solves the problem with
 fractional rows (the greedy of the fractional knapsack; the same marginal-utility rule partitions a
 shared cache in Qureshi & Patt, "Utility-Based Cache Partitioning", MICRO 2006). The last step of a
 table that may live in host memory is the move there: it gains n_t · (1 − H_t(r)) for rows_t · row_t
-less what its slots and index already cost. Without statistics this keeps the smallest tables whole in
-host memory and gives the rest to the next smallest's cache; with them, a large table's hot rows can
-win over a small table's cold ones.
+less what its slots and index already cost. That step is all or nothing, which the fractional greedy
+does not see; a local search mends it (:func:`allocate`). With uniform curves this keeps the smallest
+tables whole in host memory and gives the rest to the next smallest's cache, as placement did before
+by size alone; with measured ones, a table whose lookups a few rows carry goes behind a cache holding
+those rows, and the bytes its cold rows took serve other tables' lookups.
 """
 
 from __future__ import annotations
@@ -54,12 +56,9 @@ class Claim:
 
     def share(self, r: float) -> float:
         """H(r): the share of the table's lookups its ``r`` hottest rows carry."""
-        prev = (0, 0.0)
-        for point in self.curve:
-            if r <= point[0]:
-                width = point[0] - prev[0]
-                return point[1] if width <= 0 else prev[1] + (point[1] - prev[1]) * (r - prev[0]) / width
-            prev = point
+        for prev, point in zip(self.curve, self.curve[1:]):
+            if r < point[0]:
+                return prev[1] + (point[1] - prev[1]) * (r - prev[0]) / (point[0] - prev[0])
         return 1.0
 
     def starts_in_host(self) -> bool:
@@ -91,10 +90,34 @@ def least_bytes(claims: Sequence[Claim]) -> float:
 
 def allocate(claims: Sequence[Claim], budget: float) -> dict[str, int | None]:
     """Each table's row cache rows, or None for host memory (see the module docstring); with a ``budget``
-    below :func:`least_bytes`, each table's least (the caller says what is missing)."""
+    below :func:`least_bytes`, each table's least (the caller says what is missing).
+
+    The move to host memory is all or nothing, so the greedy alone can spend on caches the bytes a whole
+    table needed (a table 95 % of the way to host memory grown as slots instead); a local search mends
+    that: tables are put in host memory one at a time beforehand while that serves more lookups."""
+    best = _greedy(claims, budget, frozenset())
+    while True:
+        hosted = frozenset(name for name, r in best.items() if r is None)
+        trials = [_greedy(claims, budget, hosted | {c.name}) for c in claims if c.may_host and c.name not in hosted
+                  and c.host_bytes + least_bytes([d for d in claims if d.name not in hosted | {c.name}]) +
+                  sum(d.host_bytes for d in claims if d.name in hosted) <= budget]
+        better = max(trials, key=lambda s: served(claims, s), default=None)
+        if better is None or served(claims, better) <= served(claims, best) + 1e-12:
+            return best
+        best = better
+
+
+def served(claims: Sequence[Claim], state: Mapping[str, int | None]) -> float:
+    """Lookups per sample served from host memory: n_t in host memory, n_t · H_t(r) behind a cache of r rows."""
+    return sum(c.lookups * (1.0 if state[c.name] is None else c.share(state[c.name])) for c in claims)
+
+
+def _greedy(claims: Sequence[Claim], budget: float, hosted: frozenset[str]) -> dict[str, int | None]:
+    """Steps by lookups gained per byte while they fit, the tables in ``hosted`` whole from the start."""
     by_name = {c.name: c for c in claims}
-    state: dict[str, int | None] = {c.name: None if c.starts_in_host() else min(c.floor, c.rows) for c in claims}
-    left = budget - least_bytes(claims)
+    state: dict[str, int | None] = {c.name: None if c.starts_in_host() or c.name in hosted else min(c.floor, c.rows)
+                                    for c in claims}
+    left = budget - sum(c.host_bytes if state[c.name] is None else c.cache_cost(state[c.name]) for c in claims)
     heap: list[tuple[float, int, str, int | None, float]] = []  # (−gain per byte, order, table, rows or None, cost)
     order = 0
 
@@ -134,8 +157,3 @@ def allocate(claims: Sequence[Claim], budget: float) -> dict[str, int | None]:
                 state[name] = r + grow
                 left -= grow * c.slot_bytes
     return state
-
-
-def served_share(claim: Claim, cache_rows: int | None) -> float:
-    """The share of the table's lookups host memory serves: 1 in host memory, H(r) behind a cache."""
-    return 1.0 if cache_rows is None else claim.share(cache_rows)

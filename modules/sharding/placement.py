@@ -46,12 +46,12 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import ShardingType
 
 from modules.embedding.ssd_tier.backing import ROW_INDEX_BYTES, slot_bytes
 from modules.embedding.ssd_tier.row_cache import MIN_SLOTS_PER_ID
 from modules.sharding.cache_allocation import Claim, allocate, coverage_curve, least_bytes
 from modules.sharding.topology import GB, TableOverride, TopologySpec
+from modules.zipf import zipf_coverage
 
 KERNELS = {
     "hbm": EmbeddingComputeKernel.FUSED.value,
@@ -63,6 +63,7 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
+UNMEASURED_ZIPF_EXPONENT = 1.0  # the ids of a table without statistics (raw ids): Zipf's law, for its cache's share
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
 }
@@ -211,26 +212,33 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
         place[t.name] = Placement(t.name, o.tier or "host", o.compute_kernel or kernel, t.bytes(optimizer), t.rows,
                                   t.dim, forced=o.tier is not None)
     budget = topology.budgets()
-    if topology.ddr_cap_gb <= 0:  # host memory not described: nothing moves on its own
-        budget["host"] = math.inf
-    else:
-        budget["host"] -= topology.world_size * process_bytes
+    # host memory not described: nothing moves on its own
+    budget["host"] = budget["host"] - topology.world_size * process_bytes if topology.ddr_cap_gb > 0 else math.inf
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
     floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
               for t in tables}  # each ssd table's least row cache (rows one batch can bring)
-    claims = {t.name: Claim(t.name, t.rows, float(t.features), coverage_curve(t.rows, t.coverage_rows),
+    claims = {t.name: Claim(t.name, t.rows, float(t.features),
+                            coverage_curve(t.rows, t.coverage_rows or zipf_coverage(t.rows, UNMEASURED_ZIPF_EXPONENT)),
                             place[t.name].row_bytes, place[t.name].slot_bytes, t.rows * ROW_INDEX_BYTES, floors[t.name],
                             may_host=not (place[t.name].forced and place[t.name].tier == "ssd")) for t in tables}
-    outright = topology.ssd.cache_mb is not None  # a cache set outright is not taken from the budget
     movable = [claims[p.table] for p in place.values() if not p.forced]
     fixed = [claims[p.table] for p in place.values() if p.forced and p.tier == "ssd"]
     room = budget["host"] - sum(p.bytes for p in place.values() if p.forced and p.tier == "host")
-    if outright:  # the host budget holds host tables alone: the largest move until the rest fit
+    if topology.ssd.cache_mb is not None:  # a cache set outright is not taken from the budget: the largest
+        # tables move until the rest fit
         while use("host") > budget["host"] and any(p.tier == "host" and not p.forced for p in place.values()):
             p = max((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: p.bytes)
             place[p.table] = replace(p, tier="ssd")
     elif sum(c.host_bytes for c in movable) + least_bytes(fixed) > room and movable:
-        chosen = allocate(movable + fixed, room)  # below the least, each table's least: the caches' check says so
+        if 0 <= room < least_bytes(movable + fixed) and fusable:  # else said below: tables forced to host overflow, or
+            # tables that need ssd cannot be there
+            raise PlacementError(
+                f"the tables get no row cache: they need {least_bytes(movable + fixed) / 2**20:,.1f} MB at least (each "
+                f"whole or behind a cache of the rows one batch can bring × {MIN_SLOTS_PER_ID}, whichever is smaller); "
+                f"topology.ddr_cap_gb={topology.ddr_cap_gb:g} × (1 − ddr_reserve) leaves {max(0.0, room) / 2**20:,.0f} "
+                f"MB after tables forced to host and this process's own {process_bytes / 2**20:,.0f} MB per rank. Raise "
+                f"topology.ddr_cap_gb, or set the cache outright with topology.ssd.cache_mb=<MB per rank>")
+        chosen = allocate(movable + fixed, room)
         place.update({c.name: replace(place[c.name], tier="host" if chosen[c.name] is None else "ssd") for c in movable})
     on_disk = sorted(p.table for p in place.values() if p.tier == "ssd")
     if on_disk and not fusable:
@@ -250,10 +258,10 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
                              f"{_gb(needs['ssd'])} of {_gb(ssd_budget)}. Raise topology.ddr_cap_gb or "
                              f"topology.ssd.cap_gb, or use smaller tables")
     index = sum(p.rows * ROW_INDEX_BYTES for p in place.values() if p.tier == "ssd")
-    return _row_caches(place, topology, budget["host"] - use("host") - index, process_bytes, claims)
+    return _row_caches(place, topology, budget["host"] - use("host") - index, claims)
 
 
-def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float, process_bytes: float,
+def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float,
                 claims: Mapping[str, Claim]) -> dict[str, Placement]:
     """Each ``ssd`` table's row cache: at least its floor (the distinct ids one batch can bring, ×
     :data:`MIN_SLOTS_PER_ID`: :mod:`modules.embedding.ssd_tier.row_cache`), then ``left`` bytes (or ``ssd.cache_mb``
@@ -266,39 +274,15 @@ def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float
     elif math.isinf(left):  # host memory not described: tables forced to ssd get the default cache
         left = DEFAULT_CACHE_MB * 2**20 * topology.world_size
     need = least_bytes(on_disk)
-    if need > left and topology.ssd.cache_mb is not None:
-        raise PlacementError(f"topology.ssd.cache_mb={topology.ssd.cache_mb:g} cannot give the {len(on_disk)} ssd tables "
-                             f"their row caches, {need / 2**20:,.1f} MB for the rows one batch can bring (× {MIN_SLOTS_PER_ID}); "
-                             f"raise it or lower the batch size")
     if need > left:
-        raise PlacementError(
-            f"the {len(on_disk)} tables on tier ssd get no row cache: topology.ddr_cap_gb={topology.ddr_cap_gb:g} × "
-            f"(1 − ddr_reserve) leaves {max(0.0, left) / 2**20:,.0f} MB after the host tables and this process's own "
-            f"{process_bytes / 2**20:,.0f} MB per rank, {need / 2**20:,.1f} MB are needed. Raise topology.ddr_cap_gb, "
-            f"or set the cache outright with topology.ssd.cache_mb=<MB per rank>")
+        given = (f"topology.ssd.cache_mb={topology.ssd.cache_mb:g}" if topology.ssd.cache_mb is not None else
+                 f"what the host tables leave, {max(0.0, left) / 2**20:,.0f} MB,")
+        raise PlacementError(f"{given} cannot give the {len(on_disk)} ssd tables their row caches, {need / 2**20:,.1f} "
+                             f"MB for the rows one batch can bring (× {MIN_SLOTS_PER_ID}); raise topology.ssd.cache_mb "
+                             f"or lower the batch size")
     rows = allocate(on_disk, left)
     return {name: replace(p, cache_rows=rows[name], cache_share=claims[name].share(rows[name] or 0))
             if name in rows else p for name, p in place.items()}
-
-
-def stacking_blocker(placements: Mapping[str, Placement], tables: Sequence[str], topology: TopologySpec) -> str | None:
-    """Why ``tables``, placed one by one, should not become one stacked table (``model.stack_tables=auto``,
-    :mod:`modules.sharding.table_stacking`); None: stacking gains and loses nothing else. The gain is FBGEMM's CPU
-    backward running once instead of per table; on GPU its kernel already takes all tables at once. A
-    stacked table has one tier and, table-wise, one rank: what the tables get anyway when none is forced
-    in ``topology.table_overrides``, all are in host memory (``ssd`` files are per table), and there is
-    one rank or row-wise sharding may spread the stacked table over the ranks."""
-    if topology.compute_device != "cpu":
-        return "a GPU topology: FBGEMM's GPU kernel takes all tables at once, stacking would only narrow the plan"
-    forced = sorted(t for t in tables if t in topology.table_overrides)
-    if forced:
-        return f"topology.table_overrides names {forced[:3]}"
-    tiers = sorted({placements[t].tier for t in tables})
-    if tiers != ["host"]:
-        return f"the tables are placed on {' and '.join(tiers)}"
-    if topology.world_size > 1 and ShardingType.ROW_WISE.value not in topology.sharding_types:
-        return f"{topology.world_size} ranks and no row_wise in topology.sharding_types {topology.sharding_types}"
-    return None
 
 
 def _existing(path: str) -> str:

@@ -45,6 +45,7 @@ def format_plan(result: PlanResult, optimizer: str, world_size: int, title: str 
             else ",".join(map(str, ranks)) or "all"
         lf = f"{p.cache_load_factor:.3f}" if p.cache_load_factor else ""
         cache = f"{p.cache_rows:,} rows, {p.cache_bytes / 2**20:,.1f} MiB" if p.cache_rows else ""
+        cache += f", ~{p.cache_share:.0%} of lookups" if p.cache_rows and p.cache_share is not None else ""
         lines.append(f"| {name} | {p.rows:,} | {p.dim} | {p.bytes / 2**20:,.1f} MiB | "
                      f"{ps.sharding_type if ps else '?'} | {p.tier} | {p.kernel} | {lf} | {cache} | {rank_text} |")
     total = sum(p.bytes for p in result.placements.values())

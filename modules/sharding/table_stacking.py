@@ -5,7 +5,7 @@ Stacking keeps the model: the same rows, initialised with the same values (drawn
 :mod:`modules.embedding.row_init`), updated the same way. It changes what the planner sees:
 one table instead of one per feature, so FBGEMM's CPU backward runs once instead of once per table
 (≈ 7 % of a DeepFM step at batch 8,192 on CPU, docs/throughput.md). The tables are placed one by one
-first (:func:`modules.sharding.placement.place_tables`); :func:`modules.sharding.placement.stacking_blocker` says when
+first (:func:`modules.sharding.placement.place_tables`); :func:`stacking_blocker` says when
 the stacked table would be placed worse: tables forced in ``topology.table_overrides``, tables on
 different tiers or on a tier sized per table, or several ranks without row-wise sharding.
 """
@@ -13,15 +13,16 @@ different tiers or on a tier sized per table, or several ranks without row-wise 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torchrec import EmbeddingBagCollection
+from torchrec.distributed.types import ShardingType
 
 from modules.embedding.sparse_arch import EMB_PREFIX, FeatureSpec
 from modules.models import ModelConfig, build_model
 from modules.optim.optimizers import OptimizerSpec, is_fusable
-from modules.sharding.placement import PlacementError, place_tables, stacking_blocker
+from modules.sharding.placement import Placement, PlacementError, place_tables
 from modules.sharding.planner import process_bytes, table_infos
 from modules.sharding.topology import TopologySpec
 
@@ -51,3 +52,23 @@ def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec,
         except PlacementError as e:  # the plan of the unstacked model says it again
             why = f"the tables cannot be placed ({e})"
     return replace(cfg, stack_tables=why is None), why or "CPU, host memory, nothing forced, the ranks can share it"
+
+
+def stacking_blocker(placements: Mapping[str, Placement], tables: Sequence[str], topology: TopologySpec) -> str | None:
+    """Why ``tables``, placed one by one, should not become one stacked table (``model.stack_tables=auto``,
+    :mod:`modules.sharding.table_stacking`); None: stacking gains and loses nothing else. The gain is FBGEMM's CPU
+    backward running once instead of per table; on GPU its kernel already takes all tables at once. A
+    stacked table has one tier and, table-wise, one rank: what the tables get anyway when none is forced
+    in ``topology.table_overrides``, all are in host memory (``ssd`` files are per table), and there is
+    one rank or row-wise sharding may spread the stacked table over the ranks."""
+    if topology.compute_device != "cpu":
+        return "a GPU topology: FBGEMM's GPU kernel takes all tables at once, stacking would only narrow the plan"
+    forced = sorted(t for t in tables if t in topology.table_overrides)
+    if forced:
+        return f"topology.table_overrides names {forced[:3]}"
+    tiers = sorted({placements[t].tier for t in tables})
+    if tiers != ["host"]:
+        return f"the tables are placed on {' and '.join(tiers)}"
+    if topology.world_size > 1 and ShardingType.ROW_WISE.value not in topology.sharding_types:
+        return f"{topology.world_size} ranks and no row_wise in topology.sharding_types {topology.sharding_types}"
+    return None
