@@ -83,9 +83,19 @@ def coverage_curve(rows: int, coverage_rows: Mapping[float, int]) -> tuple[tuple
     return tuple(points)
 
 
-def least_bytes(claims: Sequence[Claim]) -> float:
-    """What the tables need at least: whole where that is cheaper than the least cache, else the cache."""
-    return sum(c.host_bytes if c.starts_in_host() else c.cache_cost(min(c.floor, c.rows)) for c in claims)
+def _start(c: Claim, hosted: frozenset[str]) -> int | None:
+    """A table's least option: host memory (None) if asked or cheaper than its least cache, else that cache."""
+    return None if c.starts_in_host() or c.name in hosted else min(c.floor, c.rows)
+
+
+def _cost(c: Claim, r: int | None) -> float:
+    return c.host_bytes if r is None else c.cache_cost(r)
+
+
+def least_bytes(claims: Sequence[Claim], hosted: frozenset[str] = frozenset()) -> float:
+    """What the tables need at least (those in ``hosted`` whole): each whole where that is cheaper than its
+    least cache, else that cache."""
+    return sum(_cost(c, _start(c, hosted)) for c in claims)
 
 
 def allocate(claims: Sequence[Claim], budget: float) -> dict[str, int | None]:
@@ -98,9 +108,8 @@ def allocate(claims: Sequence[Claim], budget: float) -> dict[str, int | None]:
     best = _greedy(claims, budget, frozenset())
     while True:
         hosted = frozenset(name for name, r in best.items() if r is None)
-        trials = [_greedy(claims, budget, hosted | {c.name}) for c in claims if c.may_host and c.name not in hosted
-                  and c.host_bytes + least_bytes([d for d in claims if d.name not in hosted | {c.name}]) +
-                  sum(d.host_bytes for d in claims if d.name in hosted) <= budget]
+        trials = [_greedy(claims, budget, hosted | {c.name}) for c in claims
+                  if c.may_host and c.name not in hosted and least_bytes(claims, hosted | {c.name}) <= budget]
         better = max(trials, key=lambda s: served(claims, s), default=None)
         if better is None or served(claims, better) <= served(claims, best) + 1e-12:
             return best
@@ -115,9 +124,8 @@ def served(claims: Sequence[Claim], state: Mapping[str, int | None]) -> float:
 def _greedy(claims: Sequence[Claim], budget: float, hosted: frozenset[str]) -> dict[str, int | None]:
     """Steps by lookups gained per byte while they fit, the tables in ``hosted`` whole from the start."""
     by_name = {c.name: c for c in claims}
-    state: dict[str, int | None] = {c.name: None if c.starts_in_host() or c.name in hosted else min(c.floor, c.rows)
-                                    for c in claims}
-    left = budget - sum(c.host_bytes if state[c.name] is None else c.cache_cost(state[c.name]) for c in claims)
+    state = {c.name: _start(c, hosted) for c in claims}
+    left = budget - least_bytes(claims, hosted)
     heap: list[tuple[float, int, str, int | None, float]] = []  # (−gain per byte, order, table, rows or None, cost)
     order = 0
 
