@@ -230,10 +230,10 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
             p = max((p for p in place.values() if p.tier == "host" and not p.forced), key=lambda p: p.bytes)
             place[p.table] = replace(p, tier="ssd")
     elif sum(c.host_bytes for c in movable) + least_bytes(fixed) > room and movable:
-        if 0 <= room < least_bytes(movable + fixed) and fusable:  # else said below: tables forced to host overflow, or
-            # tables that need ssd cannot be there
+        least = least_bytes(movable + fixed)  # below: room < 0 (forced host tables overflow) and not fusable
+        if fusable and 0 <= room < least:
             raise PlacementError(
-                f"the tables get no row cache: they need {least_bytes(movable + fixed) / 2**20:,.1f} MB at least (each "
+                f"the tables get no row cache: they need {least / 2**20:,.1f} MB at least (each "
                 f"whole or behind a cache of the rows one batch can bring × {MIN_SLOTS_PER_ID}, whichever is smaller); "
                 f"topology.ddr_cap_gb={topology.ddr_cap_gb:g} × (1 − ddr_reserve) leaves {max(0.0, room) / 2**20:,.0f} "
                 f"MB after tables forced to host and this process's own {process_bytes / 2**20:,.0f} MB per rank. Raise "
