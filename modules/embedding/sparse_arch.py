@@ -227,7 +227,7 @@ class SparseArch(nn.Module):
         if self.ec is not None:
             out.append((self.ec, sequences))
             if self.ec_wide is not None:
-                out.append((self.ec_wide, self._seq_wide_keys(sequences).split([len(self.seq_fields)] * 2)[1]))
+                out.append((self.ec_wide, self._seq_wide_keys(sequences)[1]))
         return out
 
     def _parts(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
@@ -242,9 +242,11 @@ class SparseArch(nn.Module):
             return shifted_keys(features, self._wide_offsets, self._wide_dtype, self.stack, self._wide_keys)
         return features
 
-    def _seq_wide_keys(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        return shifted_keys(features, self._seq_wide_offsets, self._wide_dtype, False,
-                            [WIDE_PREFIX + f for f in self.seq_fields])
+    def _seq_wide_keys(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+        """The sequence keys followed by their first-order keys, and the first-order keys alone (``ec_wide``'s)."""
+        shifted = shifted_keys(features, self._seq_wide_offsets, self._wide_dtype, False,
+                               [WIDE_PREFIX + f for f in self.seq_fields])
+        return shifted, shifted.split([len(self.seq_fields)] * 2)[1]
 
     def _bags(self, features: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         features = self._bag_keys(features)
@@ -266,8 +268,8 @@ class SparseArch(nn.Module):
         emb = torch.cat([rows[f].values() for f in self.seq_fields])
         wide = None
         if self.wide:
-            features = self._seq_wide_keys(features)
-            first_rows = self.ec_wide(features.split([k, k])[1])
+            features, wide_keys = self._seq_wide_keys(features)
+            first_rows = self.ec_wide(wide_keys)
             wide = torch.cat([first_rows[WIDE_PREFIX + f].values() for f in self.seq_fields])
         emb, wide = self.unpooled(emb, wide, features)
         pooled = pool_bags(emb, lengths, self._seq_mean).view(k, b, self.embedding_dim).transpose(0, 1)

@@ -94,7 +94,7 @@ def _ptr(t: torch.Tensor | np.ndarray, dtype: torch.dtype | np.dtype | None = No
 
 def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor, keys: torch.Tensor,
            used: torch.Tensor, uses: torch.Tensor, dirty: torch.Tensor, clock: int, mark_dirty: bool, policy: str,
-           floor_hint: str, hold: int | None = None) -> tuple[torch.Tensor, ...]:
+           floor_hint: str, hold: int) -> tuple[torch.Tensor, ...]:
     """:func:`.set_victims.place` in C (the C file's loop 1), with the same arguments, results and refusal: unique
     ``ids`` (int64, ascending) on the cache's ``keys`` / ``used`` / ``uses`` / ``dirty`` [S, W] (updated in
     place). Returns (slot [n], table [n], the misses' positions in ``ids`` [m], their victims' old keys [m] and
@@ -107,7 +107,6 @@ def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offs
     old_dirty = torch.empty(n, dtype=torch.bool)
     old_used, old_uses = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
     count = ctypes.c_int64(0)
-    hold = clock if hold is None else hold
     key_type = torch.int32 if keys.dtype == torch.int32 else torch.int64  # (anything else is refused by _ptr)
     fn = library().assign_slots_i32 if key_type == torch.int32 else library().assign_slots_i64
     i64, i32 = torch.int64, torch.int32

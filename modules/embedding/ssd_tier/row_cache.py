@@ -113,7 +113,7 @@ class RowCache:
         loop = native_loops.assign if self.native else place  # the same contract, in C or in torch
         slot, table, miss, old, old_dirty = loop(ids, self.first, self.nsets, self.set_offset, self.keys, self.used,
                                                  self.uses, self.dirty, self.clock, dirty, self.policy, TOO_SMALL_HINT,
-                                                 hold=hold)
+                                                 hold=self.clock if hold is None else hold)
         self.stats.lookups += int(ids.numel())
         self.stats.hits += int(ids.numel() - miss.numel())
         if miss.numel():

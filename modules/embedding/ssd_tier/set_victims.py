@@ -93,7 +93,7 @@ def _lowest(score: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
 
 def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor, keys: torch.Tensor,
           used: torch.Tensor, uses: torch.Tensor, dirty: torch.Tensor, clock: int, mark_dirty: bool, policy: str,
-          floor_hint: str, hold: int | None = None) -> tuple[torch.Tensor, ...]:
+          floor_hint: str, hold: int) -> tuple[torch.Tensor, ...]:
     """The torch path of the row cache's per-row loop — :func:`modules.embedding.ssd_tier.native_loops.assign`'s
     contract (``cache_loops.c``'s header), and the reference it is tested against: unique ``ids`` (ascending)
     looked up :data:`LOOKUP_CHUNK` at a time, hits touched, then a victim for each miss (:func:`choose_ways`).
@@ -115,8 +115,7 @@ def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offse
     miss = torch.nonzero(~hit).view(-1)
     order = torch.argsort(sets[miss], stable=True)
     victim = torch.empty_like(miss)
-    victim[order] = choose_ways(sets[miss][order], keys, used, uses, clock if hold is None else hold, policy,
-                                floor_hint)
+    victim[order] = choose_ways(sets[miss][order], keys, used, uses, hold, policy, floor_hint)
     old, old_dirty = keys.view(-1)[victim].long(), dirty.view(-1)[victim].clone()
     keys.view(-1)[victim] = ids[miss].to(keys.dtype)
     used.view(-1)[victim], uses.view(-1)[victim], dirty.view(-1)[victim] = clock, 1, mark_dirty
