@@ -8,6 +8,7 @@ import math
 import threading
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -122,3 +123,42 @@ def test_a_row_cache_whose_runs_outgrow_their_bound_writes_them_home_and_keeps_e
     assert sweeps > 0  # the bound was reached and the runs went home
     cache.flush()
     np.testing.assert_array_equal(table.weights.numpy(), last)
+
+
+def test_rows_overwritten_whole_are_not_read_and_outlive_their_older_records(tmp_path):
+    """Rows that start afresh (a ZCH row changing hands) get slots without a read (``load=False``): among many
+    more distinct rows than slots, some steps update rows, others overwrite rows whole — rows whose older
+    records sit in the runs, in the file or nowhere. Every later read gives the newest value, the overwrites
+    read no row, and after a flush the table holds each row's last value (the reference: a plain array)."""
+    rows, slots = 3_000, 2 * WAYS
+    table = BackingTable(torch.zeros(rows, 2), [torch.zeros(rows)], RowInit(0, 0.0, ((0, rows, 0),)))
+    cache = RowCache([table], [torch.zeros(slots, 2)], [[torch.zeros(slots)]], "lfu", runs=tmp_path / "t")
+    last, state = np.zeros((rows, 2), np.float32), np.zeros(rows, np.float32)
+    rng = np.random.default_rng(3)
+    overwritten_missing = 0
+    for step in range(1, 300):
+        ids = torch.from_numpy(np.unique(rng.integers(0, rows, 20)))
+        if step % 3 == 0:
+            read_before, cached = cache.stats.rows_read, cache.keys.view(-1)[cache.keys.view(-1) >= 0].long()
+            overwritten_missing += int((~torch.isin(ids, cached)).sum())
+            slot, tab = cache.assign(ids, dirty=True, load=False)
+            local = cache.local_slots(slot, tab)
+            cache.weights[0][local] = torch.tensor([-float(step), 0.5])  # the row as it starts afresh
+            cache.states[0][0][local] = 0.0
+            last[ids.numpy()], state[ids.numpy()] = [-step, 0.5], 0.0
+            assert cache.stats.rows_read == read_before  # nothing read for rows about to be overwritten
+            continue
+        slot, tab = cache.assign(ids, dirty=True)
+        local = cache.local_slots(slot, tab)
+        np.testing.assert_array_equal(cache.weights[0][local].numpy(), last[ids.numpy()])
+        np.testing.assert_array_equal(cache.states[0][0][local].numpy(), state[ids.numpy()])
+        cache.weights[0][local] += torch.tensor([1.0, float(step)])
+        cache.states[0][0][local] += 1.0
+        last[ids.numpy()] += [1.0, step]
+        state[ids.numpy()] += 1.0
+    assert overwritten_missing > 500 and cache.stats.rows_read > 0  # both paths ran, past older records
+    cache.flush()
+    np.testing.assert_array_equal(table.weights.numpy(), last)
+    np.testing.assert_array_equal(table.states[0].numpy(), state)
+    with pytest.raises(ValueError, match="dirty=True"):
+        cache.assign(torch.tensor([1]), dirty=False, load=False)

@@ -10,8 +10,8 @@ offset (:func:`table_segments`) — the rows of this rank's shard get
 * zero optimizer state (Adagrad's sum of squares, Adam's moments: a fresh row's).
 
 A table on the ``ssd`` tier is reset through its row cache (:meth:`CachedRowsTBE.rows_for_update`, in chunks
-the cache holds at once): the rows are brought in, overwritten and marked dirty, so the files see them when the
-cache writes them back. Fused kernels only: a data-parallel table's optimizer state lives in a torch optimizer
+the cache holds at once): the rows get slots without being read from the files (they are overwritten whole),
+are overwritten and marked dirty, so the files see them when the cache writes them back. Fused kernels only: a data-parallel table's optimizer state lives in a torch optimizer
 (refused by the caller before training starts).
 """
 
@@ -69,7 +69,7 @@ def reset_rows(model: nn.Module, spec: FeatureSpec, inits: dict[str, Callable], 
                 continue
             if isinstance(emb, CachedRowsTBE):
                 for part in local.split(max(1, emb.cache.slots // (4 * len(weights)))):
-                    w, st, at = emb.rows_for_update(i, part)
+                    w, st, at = emb.rows_for_update(i, part, overwrite=True)
                     _fresh(w, st, at, inits[table.name], part + first_row, table.embedding_dim, first_col)
             else:
                 _fresh(weights[i], states[i], local, inits[table.name], local + first_row, table.embedding_dim,

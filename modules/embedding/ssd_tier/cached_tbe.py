@@ -113,10 +113,12 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         if lin.numel():
             self.ahead.start(lin)
 
-    def rows_for_update(self, table: int, rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    def rows_for_update(self, table: int, rows: torch.Tensor, overwrite: bool = False
+                        ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """(slot weights, slot states, the slots of ``rows`` of ``table``): read and write them in place; the
-        rows are loaded, pinned for this step and marked dirty."""
-        slots, tables = self.ahead.beside(rows + int(self.cache.first[table]), dirty=True)
+        rows are loaded, pinned for this step and marked dirty. ``overwrite``: the caller writes every row
+        whole (weights and state): rows not cached are not read first."""
+        slots, tables = self.ahead.beside(rows + int(self.cache.first[table]), dirty=True, load=not overwrite)
         return self.cache.weights[table], self.cache.states[table], self.cache.local_slots(slots, tables)
 
     def sync_to_file(self) -> None:

@@ -100,14 +100,21 @@ class RowCache:
         return slots - self.set_offset[table] * WAYS
 
     # -- the batch path ----------------------------------------------------------------------------
-    def assign(self, ids: torch.Tensor, dirty: bool, hold: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def assign(self, ids: torch.Tensor, dirty: bool, hold: int | None = None,
+               load: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(global slots, tables) of the linear ``ids`` (int64), loading the missing rows; ``dirty``: the kernel
         will update them (a training forward). A batch's ids arrive unique and ascending, as the loops need
         them; others (rows an optimizer term updates) are made so first. ``hold``: the rows used since that
-        call stay too (a batch still under way: :mod:`.rows_ahead`); by default this call's own."""
+        call stay too (a batch still under way: :mod:`.rows_ahead`); by default this call's own.
+        ``load=False`` (with ``dirty``): the caller overwrites each row whole — weights and state, a row that
+        starts afresh — so a missing row gets a slot but is not read (its slot holds the victim's values until
+        then). Being dirty, the new values outlive any older record of the row: written back, they are the
+        newest in the sorted runs; at a flush, dirty rows go home after the runs. Counted as drawn."""
+        if not load and not dirty:
+            raise ValueError("RowCache.assign(load=False) hands out rows for the caller to overwrite: dirty=True")
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
             unique, inverse = torch.unique(ids, return_inverse=True)
-            slot, table = self.assign(unique, dirty, hold)
+            slot, table = self.assign(unique, dirty, hold, load)
             return slot[inverse], table[inverse]
         self.clock += 1
         loop = native_loops.assign if self.native else place  # the same contract, in C or in torch
@@ -121,7 +128,10 @@ class RowCache:
             back = old_dirty & (old >= 0)
             if bool(back.any()):
                 self._write(old[back], victim[back])
-            self._read(ids[miss], victim)
+            if load:
+                self._read(ids[miss], victim)
+            else:
+                self.stats.rows_drawn += int(miss.numel())
         return slot, table
 
     # -- rows to and from the files -----------------------------------------------------------------

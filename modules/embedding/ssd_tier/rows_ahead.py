@@ -82,16 +82,17 @@ class RowsAhead:
         self._batch_at = self.cache.clock
         return slots, tables, inverse
 
-    def beside(self, ids: torch.Tensor, dirty: bool) -> Slots:
-        """Another use of the cache (the every-row L2's catch-up, a row reset): a pending result's rows are kept
-        — unless they and ``ids``' rows do not fit a set together: then the result is dropped."""
+    def beside(self, ids: torch.Tensor, dirty: bool, load: bool = True) -> Slots:
+        """Another use of the cache (the every-row L2's catch-up, a row reset: ``load`` as in
+        :meth:`RowCache.assign`): a pending result's rows are kept — unless they and ``ids``' rows do not fit a
+        set together: then the result is dropped."""
         hold = self.hold()
         if hold is not None:
             try:
-                return self.cache.assign(ids, dirty, hold=hold)
+                return self.cache.assign(ids, dirty, hold=hold, load=load)
             except CacheTooSmallError:
                 self.drop()
-        return self.cache.assign(ids, dirty)
+        return self.cache.assign(ids, dirty, load=load)
 
     def hold(self) -> int | None:
         """Wait for the thread; the call whose rows another use of the cache must keep (None: its own only)."""
