@@ -21,7 +21,7 @@ from modules.embedding.sparse_arch import FeatureSpec
 from modules.models.dcn import DCN
 from modules.models.deepfm import DeepFM
 from modules.models.wide_deep import WideDeep
-from modules.embedding.zch.remapper import ZchConfig
+from modules.embedding.zch.config import ZchConfig
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "deepfm": DeepFM,

@@ -17,7 +17,7 @@ from modules.models import build_model
 from modules.sharding.plan_report import format_plan
 from modules.sharding.planner import plan_model
 from modules.sharding.table_stacking import decide_stacking
-from modules.embedding.zch.remapper import ZchConfig
+from modules.embedding.zch.config import ZchConfig
 from modules.zipf import zipf_coverage
 from pipeline.commands.args import exit_on_user_error
 from pipeline.config import parse_config, register_configs

@@ -12,7 +12,7 @@ from modules.embedding.sparse_arch import EMB_PREFIX, STACKED_TABLE, WIDE_SEQ_TA
 from pipeline.data.batches import BatchLoader
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import prepare_store, store_dir
-from modules.embedding.zch.remapper import ZchConfig
+from modules.embedding.zch.config import ZchConfig
 from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore, with_table_sizes
 from pipeline.data.vocab_files import read_vocabulary
 

@@ -80,7 +80,7 @@ def has_raw_ids(meta: dict[str, Any]) -> bool:
 
 def with_table_sizes(meta: dict[str, Any], zch: Any) -> dict[str, Any]:
     """A store meta whose ``table_sizes`` are set: a raw store's from ``zch`` (``model.zch``,
-    :meth:`modules.embedding.zch.remapper.ZchConfig.table_sizes`); another store's as they are. Refuses a mismatch."""
+    :meth:`modules.embedding.zch.config.ZchConfig.table_sizes`); another store's as they are. Refuses a mismatch."""
     if not has_raw_ids(meta):
         if zch.enabled:
             raise ValueError(f"model.zch.rows={zch.rows}: the store has a vocabulary or hashed ids; zero-collision "

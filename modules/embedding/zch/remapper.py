@@ -26,6 +26,9 @@ zero (:mod:`modules.embedding.row_reset`). Scores (``model.zch.eviction``):
   or the latest row time trained, ``data.time``): a held id unseen for less than ``ttl_days`` days keeps its row;
   an expired one gives it up to a new id (newest first). Replaying last month's logs evicts as production would.
 
+With ``model.zch.spare_known`` (not with ``ttl``) the held ids the run's stored training split does not hold rank
+below all others, each group in its policy's order (:mod:`modules.embedding.zch.known_ids`).
+
 Between rounds the ids of the steps are kept (:meth:`get_extra_state`), so a checkpoint taken at any step
 resumes exactly. Why not ``HashZchManagedCollisionModule`` (multi-probe ZCH): fbgemm-gpu-cpu 1.9.0's
 ``zero_collision_hash`` CPU kernel is read-only ("Expected readonly to be true"), so it cannot insert ids
@@ -34,7 +37,6 @@ while training on a CPU; MCH is pure PyTorch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,72 +52,22 @@ from torchrec.modules.mc_modules import (
 )
 
 from modules.embedding.zch.admission import ProbationAdmission
+from modules.embedding.zch.config import FIRST_ROW, MISSING_ROW, ZchConfig
 from modules.embedding.zch.global_batch import global_ids
+from modules.embedding.zch.known_ids import SPARING, held_unknown
 from modules.embedding.zch.ttl import SECONDS_A_DAY, TTLPolicy
 
 ADMISSION_PREFIX = "admission."
-MISSING_ROW = 1
-FIRST_ROW = 2
-EVICTIONS = ("lru", "lfu", "distance_lfu", "ttl")
 COUNTS = ("admitted", "evicted", "unknown", "looked_up")  # per table, since the last take_counts
-CLOCKS = ("day", "time")
-
-
-@dataclass
-class ZchConfig:
-    """``model.zch``: tables of ``rows`` rows (``tables``: per-table overrides) whose rows ids take by
-    admission (module docstring). ``rows`` 0: off (the store's vocabulary or hashing sizes the tables)."""
-
-    rows: int = 0
-    tables: dict[str, int] = field(default_factory=dict)
-    eviction: str = "lru"           # lru | lfu | distance_lfu | ttl
-    eviction_interval: int = 16     # training steps between admission rounds
-    ttl_days: float = 7             # eviction=ttl: days an id keeps its row unseen
-    ttl_clock: str = "day"          # eviction=ttl: day (the store's day index) | time (rows' times, data.time)
-    min_count: int = 1              # occurrences before a new id may take a row (modules/embedding/zch/admission.py)
-    probation: float = 4.0          # min_count > 1: new ids counted on probation, × the rows of all tables
-
-    def __post_init__(self) -> None:
-        if self.eviction not in EVICTIONS:
-            raise ValueError(f"model.zch.eviction={self.eviction!r}: expected one of {EVICTIONS}")
-        if self.eviction_interval < 1:
-            raise ValueError(f"model.zch.eviction_interval={self.eviction_interval}: expected a number of steps >= 1")
-        if self.min_count < 1:
-            raise ValueError(f"model.zch.min_count={self.min_count}: expected a number of occurrences >= 1")
-        if self.probation <= 0:
-            raise ValueError(f"model.zch.probation={self.probation}: expected a positive multiple of the tables' rows")
-        if self.ttl_clock not in CLOCKS:
-            raise ValueError(f"model.zch.ttl_clock={self.ttl_clock!r}: expected one of {CLOCKS}")
-        if self.ttl_clock == "time" and self.eviction != "ttl":
-            raise ValueError(f"model.zch.ttl_clock=time: only eviction=ttl reads a clock (eviction={self.eviction})")
-        if self.ttl_days <= 0 or (self.ttl_clock == "day" and self.ttl_days < 1):
-            raise ValueError(f"model.zch.ttl_days={self.ttl_days}: expected a number of days "
-                             f"{'>= 1 (ttl_clock=day counts whole days)' if self.ttl_clock == 'day' else '> 0'}")
-        for name, n in {"rows": self.rows, **{f"tables.{k}": v for k, v in self.tables.items()}}.items():
-            if n < 0 or (n and n < 2):
-                raise ValueError(f"model.zch.{name}={n}: expected 0 (off) or at least 2 rows")
-        if self.tables and not self.rows:
-            raise ValueError("model.zch.tables: per-table rows need model.zch.rows as the default")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rows > 0
-
-    def table_sizes(self, tables: list[str]) -> dict[str, int]:
-        """Rows of each table's embedding table: its ``rows`` and the missing and unused rows."""
-        unknown = sorted(set(self.tables) - set(tables))
-        if unknown:
-            raise ValueError(f"model.zch.tables.{unknown[0]}: no such table (tables: {', '.join(tables)})")
-        return {t: self.tables.get(t, self.rows) + FIRST_ROW for t in tables}
 
 
 def _policy(cfg: ZchConfig) -> MCHEvictionPolicy:
     if cfg.eviction == "lru":
-        return LRU_EvictionPolicy()
+        return (SPARING["lru"] if cfg.spare_known else LRU_EvictionPolicy)()
     if cfg.eviction == "lfu":
-        return LFU_EvictionPolicy()
+        return (SPARING["lfu"] if cfg.spare_known else LFU_EvictionPolicy)()
     if cfg.eviction == "distance_lfu":
-        return DistanceLFU_EvictionPolicy(decay_exponent=1.0)
+        return (SPARING["distance_lfu"] if cfg.spare_known else DistanceLFU_EvictionPolicy)(decay_exponent=1.0)
     return TTLPolicy(cfg.ttl_days * (SECONDS_A_DAY if cfg.ttl_clock == "time" else 1))
 
 
@@ -151,6 +103,16 @@ class ZchRemapper(nn.Module):
         self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
         self.evicted: dict[str, torch.Tensor] = {}
         self.counts = {t: dict.fromkeys(COUNTS, 0) for t in features}
+        self.known: dict[str, torch.Tensor] | None = None  # spare_known: each table's ids in the training data
+
+    def set_known(self, known: dict[str, torch.Tensor]) -> None:
+        """``model.zch.spare_known``: each table's distinct ids in the run's training data, sorted
+        (:func:`modules.embedding.zch.known_ids.distinct_ids`)."""
+        missing = sorted(set(self.features) - set(known))
+        if missing or not all(hasattr(p, "unknown") for p in self.policies.values()):
+            raise ValueError(f"ZchRemapper.set_known: the policies spare known ids (model.zch.spare_known) and every "
+                             f"table has its ids (missing {missing[:3]})")
+        self.known = known
 
     def set_day(self, day: int) -> None:
         """The data's day (``eviction=ttl``, ``ttl_clock=day``): the store's day index (0, or the base's day + 1)."""
@@ -210,6 +172,8 @@ class ZchRemapper(nn.Module):
                 # eviction_interval 1 it is empty between calls)
                 module._input_history_buffer_size = -1
             free_before = int(module.open_slots())
+            if self.known is not None:
+                self.policies[t].unknown = held_unknown(self.known[t], module._mch_sorted_raw_ids)
             module.profile({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})
             evicted = module.evict()
             taken = 0 if evicted is None else len(evicted)
