@@ -9,8 +9,6 @@ model) and is scored on day N + 1 before training it (the next-day AUC):
 * ``vocab``: ``categorical=vocab`` (min_count 2) growing day by day, ``evict_after`` days;
 * ``hash``: ``categorical=hash``, ``--rows`` buckets a table;
 * ``zch-<policy>``: ``categorical=raw`` and ``model.zch.rows = --rows`` (TorchRec's MCH: lru, lfu, distance_lfu, or our ttl);
-* ``zch-<policy>-known``: the same with ``model.zch.spare_known=true`` (held ids the day's training split holds
-  are evicted last: :mod:`modules.embedding.zch.known_ids`);
 
 ``--rows vocab`` (the default) gives every ZCH table the rows of the vocabulary's table on the last day (the
 largest it grew to: ``evict_after`` keeps it bounded) and hashing their mean, so all methods hold about the same
@@ -150,9 +148,6 @@ def main() -> None:
         "hash": ["data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={rows}"],
         **{f"zch-{policy}": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}", f"model.zch.eviction={policy}",
                              f"model.zch.min_count={zch_min}"] for policy in ("lru", "lfu", "distance_lfu")},
-        **{f"zch-{policy}-known": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}",
-                                   f"model.zch.eviction={policy}", f"model.zch.min_count={zch_min}",
-                                   "model.zch.spare_known=true"] for policy in ("lru", "lfu", "distance_lfu")},
         "zch-ttl": ["data.preprocess.categorical=raw", f"model.zch.rows={rows}", "model.zch.eviction=ttl",
                     f"model.zch.ttl_days={args.evict_after}", f"model.zch.min_count={zch_min}"],
     }

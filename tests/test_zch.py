@@ -209,47 +209,6 @@ def test_probation_counts_new_ids_exactly_and_forgets_the_least_recently_seen(ro
         assert probation.counts.tolist() == [ref[x][0] for x in sorted(ref)]
 
 
-def _held_ids(remapper: ZchRemapper, table: str = "t") -> set[int]:
-    return {int(i) for i in remapper.mch[table]._mch_sorted_raw_ids if i != torch.iinfo(torch.int64).max}
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=10), min_size=1, max_size=25), st.integers(3, 12),
-       st.sets(st.integers(1, 40)), st.sampled_from(["lru", "lfu", "distance_lfu"]))
-def test_spare_known_evicts_held_ids_outside_the_data_first_and_otherwise_keeps_the_policys_choice(steps, rows, known,
-                                                                                                   policy):
-    """``spare_known``: in no round does a held id of the known set K lose its row while a held id outside K keeps
-    one (the held ids before and after each round); with K holding every id the mapping after every round is
-    TorchRec's own selection, bit for bit (a remapper without sparing, fed the same steps)."""
-    def remapper(spare: bool) -> ZchRemapper:
-        cfg = ZchConfig(rows=rows, eviction=policy, eviction_interval=1, spare_known=spare)
-        out = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
-        out.train()
-        return out
-
-    spared, everything, plain = remapper(True), remapper(True), remapper(False)
-    spared.set_known({"t": torch.tensor(sorted(known), dtype=torch.int64)})
-    everything.set_known({"t": torch.arange(1, 41)})
-    for ids in steps:
-        before = _held_ids(spared)
-        spared(_kjt({"a": ids}))
-        after = _held_ids(spared)
-        if any(i in known for i in before - after):
-            assert not any(i not in known for i in before & after), (before, after, known)
-        everything(_kjt({"a": ids}))
-        plain(_kjt({"a": ids}))
-        for name, buffer in plain.mch["t"].named_buffers():
-            assert torch.equal(buffer, dict(everything.mch["t"].named_buffers())[name]), name
-
-
-def test_spare_known_is_refused_with_a_ttl_and_without_every_tables_ids():
-    with pytest.raises(ValueError, match="spare_known=true: eviction=ttl"):
-        ZchConfig(rows=10, eviction="ttl", spare_known=True)
-    cfg = ZchConfig(rows=10, spare_known=True)
-    with pytest.raises(ValueError, match=r"missing \['u'\]"):
-        ZchRemapper(cfg, {"t": ["a"], "u": ["b"]}, cfg.table_sizes(["t", "u"])).set_known({"t": torch.tensor([1])})
-
-
 def test_min_count_keeps_an_id_on_the_unknown_row_until_seen_that_often():
     cfg = ZchConfig(rows=10, eviction_interval=1, min_count=3)
     remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
@@ -291,18 +250,6 @@ def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_over
             else:
                 assert pairs.setdefault((j, value), int(row)) == row
     assert len(set(pairs.values())) == len(pairs) and 0 not in pairs.values()
-    # model.zch.spare_known reads each table's distinct ids from the training split: the ids of the file's values
-    from modules.embedding.sparse_arch import FeatureSpec
-    from pipeline.data.store import with_table_sizes
-    from pipeline.training.zch_stage import known_ids
-
-    spec = FeatureSpec.from_store_meta(with_table_sizes(store.meta, cfg.model.zch))
-    expected: dict[str, set[int]] = {}
-    for (j, _), row in pairs.items():
-        expected.setdefault(spec.table_of(store.categorical_names[j]), set()).add(row)
-    known = known_ids(store.split("train"), store.categorical_names, spec)
-    assert {t: set(k.tolist()) for t, k in known.items()} == expected
-    assert all(bool((k[1:] > k[:-1]).all()) for k in known.values())  # sorted: looked up by binary search
 
 
 ZCH_RUN = ["data.preprocess.categorical=raw", "model.zch.rows=3000", "model.zch.eviction_interval=4", "scaling=cowclip",
@@ -397,8 +344,7 @@ def test_zch_run_killed_and_resumed_ends_where_the_straight_run_ends(ckpt_overri
 
 
 def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, tmp_path):
-    """A ZCH run on the generated log (a multi-hot feature too; held ids of its training split spared:
-    ``spare_known``): ``ctr predict`` on the raw rows of its test split —
+    """A ZCH run on the generated log (a multi-hot feature too): ``ctr predict`` on the raw rows of its test split —
     values hashed and mapped read-only with the model folder's mapping (numpy) — gives the AUC training measured on
     them through TorchRec's remap; a value never seen goes to the unknown row and is scored."""
     import pandas as pd
@@ -412,8 +358,7 @@ def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, t
     split = assign_splits(np.arange(len(frame), dtype=np.uint64), len(frame), SplitConfig(valid=0.1, test=0.2, seed=0))
     frame[split == 2].to_csv(tmp_path / "test.csv", index=False)
     _, result = train_cli([*args, f"paths.cache_dir={tmp_path / 'cache'}", "data.preprocess.categorical=raw",
-                           "model.zch.rows=300", "model.zch.min_count=2", "model.zch.spare_known=true"],
-                          tmp_path / "run")
+                           "model.zch.rows=300", "model.zch.min_count=2"], tmp_path / "run")
     model = tmp_path / "run" / "model"
     assert (model / "zch.npz").is_file()
     scores = predict_here(model, tmp_path / "test.csv", tmp_path / "pred.parquet")

@@ -115,8 +115,7 @@ class CTRTask(L.LightningModule):
                                             batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1])
         if self.model_cfg.zch.enabled:
             check_zch_model(self.model)
-            self.zch = ZchStage(self.model_cfg.zch, spec, inits, int(data.store.meta.get("vocabulary_day", 0)),
-                                data.store.split("train"), data.store.categorical_names)
+            self.zch = ZchStage(self.model_cfg.zch, spec, inits, int(data.store.meta.get("vocabulary_day", 0)))
             if self.init_from and not self.resume_from:  # the same ids on the same rows as the source
                 load_mapping_state(self.zch.remapper, read_zch_state(self.init_from))
         if self.init_from and not self.resume_from:  # a resumed run takes its own checkpoint's weights

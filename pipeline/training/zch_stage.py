@@ -4,12 +4,7 @@ change hands start afresh (:func:`modules.embedding.row_reset.reset_rows`; the e
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import Callable, Sequence
-
-import numpy as np
-import torch
+from typing import Callable
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 from torch import nn
@@ -18,13 +13,9 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 from modules.embedding.sparse_arch import FeatureSpec
 from modules.embedding.row_reset import reset_rows
 from modules.embedding.sharded_kernels import kernels
-from modules.embedding.zch.known_ids import distinct_ids
 from modules.embedding.zch.config import ZchConfig
 from modules.embedding.zch.remapper import COUNTS, ZchRemapper
-from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 def table_inits(net: nn.Module) -> dict[str, Callable]:
@@ -47,38 +38,16 @@ def check_zch_model(model: nn.Module) -> None:
                           f"reach; use a fused embedding optimizer (optim.embedding.name=adagrad|rowwise_adagrad)")
 
 
-def known_ids(train: SplitArrays, columns: Sequence[str], spec: FeatureSpec) -> dict[str, torch.Tensor]:
-    """Each table's distinct ids in the training split (``model.zch.spare_known``): its categorical columns and
-    sequences, read once (:func:`modules.embedding.zch.known_ids.distinct_ids`)."""
-    t0 = time.perf_counter()
-    parts: dict[str, list[np.ndarray]] = {}
-    for i, name in enumerate(columns):
-        parts.setdefault(spec.table_of(name), []).append(np.asarray(train.sparse[:, i]))
-    for name, ragged in train.sequences.items():
-        parts.setdefault(spec.table_of(name), []).append(np.asarray(ragged.values))
-    known = {t: distinct_ids(p) for t, p in parts.items()}
-    log.info("model.zch.spare_known: %s distinct ids of %d tables read from the training split in %.1f s",
-             f"{sum(len(k) for k in known.values()):,}", len(known), time.perf_counter() - t0)
-    return known
-
-
 class ZchStage(nn.Module):
     """The remapper of a run and what its evictions need (module docstring)."""
 
-    def __init__(self, cfg: ZchConfig, spec: FeatureSpec, inits: dict[str, Callable], day: int,
-                 train: SplitArrays | None = None, columns: Sequence[str] = ()) -> None:
-        """``train``: the store's training split, whose ids ``model.zch.spare_known`` spares (``columns``: the
-        names of its ``sparse`` columns)."""
+    def __init__(self, cfg: ZchConfig, spec: FeatureSpec, inits: dict[str, Callable], day: int) -> None:
         super().__init__()
         features: dict[str, list[str]] = {}
         for f in spec.sparse:
             features.setdefault(spec.table_of(f), []).append(f)
         self.remapper = ZchRemapper(cfg, features, spec.table_sizes)
         self.remapper.set_day(day)
-        if cfg.spare_known:
-            if train is None:
-                raise ConfigError("model.zch.spare_known=true: the run has no stored training split to read ids from")
-            self.remapper.set_known(known_ids(train, columns, spec))
         self.spec, self.inits = spec, inits
 
     def forward(self, model: nn.Module, kjt: KeyedJaggedTensor, lazy_l2: object | None, time: int = -1) -> KeyedJaggedTensor:

@@ -5,6 +5,5 @@
   table), its state and the read-only lookup serving uses;
 * :mod:`.ttl` — eviction by a TTL in the data's own time (its day, or its rows' times);
 * :mod:`.global_batch` — the global batch's ids (and latest time) that every rank's remapper admits;
-* :mod:`.admission` — admission by frequency (new ids counted exactly on a bounded probation list);
-* :mod:`.known_ids` — eviction that spares the held ids the run's stored training data holds (``spare_known``).
+* :mod:`.admission` — admission by frequency (new ids counted exactly on a bounded probation list).
 """

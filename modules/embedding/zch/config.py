@@ -23,7 +23,6 @@ class ZchConfig:
     ttl_days: float = 7             # eviction=ttl: days an id keeps its row unseen
     ttl_clock: str = "day"          # eviction=ttl: day (the store's day index) | time (rows' times, data.time)
     min_count: int = 1              # occurrences before a new id may take a row (modules/embedding/zch/admission.py)
-    spare_known: bool = False       # held ids the training split holds are evicted last (modules/embedding/zch/known_ids.py)
     probation: float = 4.0          # min_count > 1: new ids counted on probation, × the rows of all tables
 
     def __post_init__(self) -> None:
@@ -45,9 +44,6 @@ class ZchConfig:
         for name, n in {"rows": self.rows, **{f"tables.{k}": v for k, v in self.tables.items()}}.items():
             if n < 0 or (n and n < 2):
                 raise ValueError(f"model.zch.{name}={n}: expected 0 (off) or at least 2 rows")
-        if self.spare_known and self.eviction == "ttl":
-            raise ValueError("model.zch.spare_known=true: eviction=ttl keeps unexpired ids by its own rule; use it "
-                             "with lru, lfu or distance_lfu")
         if self.tables and not self.rows:
             raise ValueError("model.zch.tables: per-table rows need model.zch.rows as the default")
 

@@ -26,9 +26,6 @@ zero (:mod:`modules.embedding.row_reset`). Scores (``model.zch.eviction``):
   or the latest row time trained, ``data.time``): a held id unseen for less than ``ttl_days`` days keeps its row;
   an expired one gives it up to a new id (newest first). Replaying last month's logs evicts as production would.
 
-With ``model.zch.spare_known`` (not with ``ttl``) the held ids the run's stored training split does not hold rank
-below all others, each group in its policy's order (:mod:`modules.embedding.zch.known_ids`).
-
 Between rounds the ids of the steps are kept (:meth:`get_extra_state`), so a checkpoint taken at any step
 resumes exactly. Why not ``HashZchManagedCollisionModule`` (multi-probe ZCH): fbgemm-gpu-cpu 1.9.0's
 ``zero_collision_hash`` CPU kernel is read-only ("Expected readonly to be true"), so it cannot insert ids
@@ -54,7 +51,6 @@ from torchrec.modules.mc_modules import (
 from modules.embedding.zch.admission import ProbationAdmission
 from modules.embedding.zch.config import FIRST_ROW, MISSING_ROW, ZchConfig
 from modules.embedding.zch.global_batch import global_ids
-from modules.embedding.zch.known_ids import SPARING, held_unknown
 from modules.embedding.zch.ttl import SECONDS_A_DAY, TTLPolicy
 
 ADMISSION_PREFIX = "admission."
@@ -63,11 +59,11 @@ COUNTS = ("admitted", "evicted", "unknown", "looked_up")  # per table, since the
 
 def _policy(cfg: ZchConfig) -> MCHEvictionPolicy:
     if cfg.eviction == "lru":
-        return (SPARING["lru"] if cfg.spare_known else LRU_EvictionPolicy)()
+        return LRU_EvictionPolicy()
     if cfg.eviction == "lfu":
-        return (SPARING["lfu"] if cfg.spare_known else LFU_EvictionPolicy)()
+        return LFU_EvictionPolicy()
     if cfg.eviction == "distance_lfu":
-        return (SPARING["distance_lfu"] if cfg.spare_known else DistanceLFU_EvictionPolicy)(decay_exponent=1.0)
+        return DistanceLFU_EvictionPolicy(decay_exponent=1.0)
     return TTLPolicy(cfg.ttl_days * (SECONDS_A_DAY if cfg.ttl_clock == "time" else 1))
 
 
@@ -103,16 +99,6 @@ class ZchRemapper(nn.Module):
         self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
         self.evicted: dict[str, torch.Tensor] = {}
         self.counts = {t: dict.fromkeys(COUNTS, 0) for t in features}
-        self.known: dict[str, torch.Tensor] | None = None  # spare_known: each table's ids in the training data
-
-    def set_known(self, known: dict[str, torch.Tensor]) -> None:
-        """``model.zch.spare_known``: each table's distinct ids in the run's training data, sorted
-        (:func:`modules.embedding.zch.known_ids.distinct_ids`)."""
-        missing = sorted(set(self.features) - set(known))
-        if missing or not all(hasattr(p, "unknown") for p in self.policies.values()):
-            raise ValueError(f"ZchRemapper.set_known: the policies spare known ids (model.zch.spare_known) and every "
-                             f"table has its ids (missing {missing[:3]})")
-        self.known = known
 
     def set_day(self, day: int) -> None:
         """The data's day (``eviction=ttl``, ``ttl_clock=day``): the store's day index (0, or the base's day + 1)."""
@@ -172,8 +158,6 @@ class ZchRemapper(nn.Module):
                 # eviction_interval 1 it is empty between calls)
                 module._input_history_buffer_size = -1
             free_before = int(module.open_slots())
-            if self.known is not None:
-                self.policies[t].unknown = held_unknown(self.known[t], module._mch_sorted_raw_ids)
             module.profile({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})
             evicted = module.evict()
             taken = 0 if evicted is None else len(evicted)
