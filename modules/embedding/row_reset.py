@@ -11,8 +11,8 @@ offset (:func:`table_segments`) — the rows of this rank's shard get
 
 A table on the ``ssd`` tier is reset through its row cache (:meth:`CachedRowsTBE.rows_for_update`, in chunks
 the cache holds at once): the rows get slots without being read from the files (they are overwritten whole),
-are overwritten and marked dirty, so the files see them when the cache writes them back. Fused kernels only: a data-parallel table's optimizer state lives in a torch optimizer
-(refused by the caller before training starts).
+are overwritten and marked dirty, so the files see them when the cache writes them back. Fused kernels only: a
+data-parallel table's optimizer state lives in a torch optimizer (refused by the caller before training starts).
 """
 
 from __future__ import annotations

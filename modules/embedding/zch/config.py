@@ -14,7 +14,8 @@ CLOCKS = ("day", "time")
 @dataclass
 class ZchConfig:
     """``model.zch``: tables of ``rows`` rows (``tables``: per-table overrides) whose rows ids take by
-    admission (:mod:`modules.embedding.zch.remapper`). ``rows`` 0: off (the store's vocabulary or hashing sizes the tables)."""
+    admission (:mod:`modules.embedding.zch.remapper`). ``rows`` 0: off (the store's vocabulary or hashing sizes
+    the tables)."""
 
     rows: int = 0
     tables: dict[str, int] = field(default_factory=dict)
