@@ -66,8 +66,14 @@ class BackingTable:
     def draw(self, rows: torch.Tensor) -> torch.Tensor:
         """The initial values of the shard's ``rows``."""
         dim = self.weights.shape[1]
-        full = self.init.rows(rows + self.row_offset, self.table_dim or dim)
-        return full[:, self.col_offset:self.col_offset + dim]
+        out = torch.empty(len(rows), dim)
+        self.draw_into(out, None, rows)
+        return out
+
+    def draw_into(self, dst: torch.Tensor, dst_rows: torch.Tensor | None, rows: torch.Tensor) -> None:
+        """``dst[dst_rows[i]]`` (a slot table's rows; None: ``dst[i]``) = the initial values of the shard's ``rows[i]``."""
+        self.init.draw_into(dst, dst_rows, rows + self.row_offset, self.table_dim or self.weights.shape[1],
+                            self.col_offset)
 
 
 def records(weights: torch.Tensor, states: list[torch.Tensor]) -> np.ndarray:

@@ -11,85 +11,39 @@ larger than the day, about half a step's rows are met for the first time, and th
 and numpy — a few operations per row, each a pass over the batch — was most of the cache's time
 (docs/scale.md).
 
-The source is compiled once per machine with the system's C compiler (``$CC``, else ``cc``; plain C11, no
-Python or torch headers: well under a second) into ``$XDG_CACHE_HOME/ctr-pipeline`` (else
-``~/.cache/ctr-pipeline``), named by the source's hash, under a temporary name then renamed (ranks
-compiling at once each get a whole library).
+The source is built on first use by :mod:`modules.embedding.native_build`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import subprocess
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from modules.embedding import native_build
+from modules.embedding.native_build import ptr as _ptr
 from modules.embedding.ssd_tier.set_victims import too_small
 
 SOURCE = Path(__file__).with_name("cache_loops.c")
-FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC"]
 MAX_WAYS = 64  # cache_loops.c's MAX_WAYS
-log = logging.getLogger(__name__)
-
-
-class NativeError(RuntimeError):
-    """The C loops could not be built."""
-
-
-def _library_path() -> Path:
-    code = SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode()
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctr-pipeline"
-    return root / f"cache_loops-{hashlib.sha256(code).hexdigest()[:16]}.so"
+NativeError = native_build.NativeError
 
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The compiled loops (built on first use); :class:`NativeError` if no compiler can build them."""
-    path = _library_path()
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        cmd = [os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(temp)]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-        except (OSError, subprocess.CalledProcessError) as e:
-            temp.unlink(missing_ok=True)
-            raise NativeError(f"{' '.join(cmd)}: {getattr(e, 'stderr', '') or e}".strip()) from e
-        os.replace(temp, path)
-    lib = ctypes.CDLL(str(path))
+    lib = native_build.library(SOURCE)
     for name in ("assign_slots_i32", "assign_slots_i64", "paged_find"):
         getattr(lib, name).restype = ctypes.c_int64
     return lib
 
 
-@lru_cache(maxsize=1)
 def available() -> bool:
     """Whether the C loops can be used here (else, once, a warning: the row cache takes its torch path)."""
-    try:
-        library()
-        return True
-    except (NativeError, OSError) as e:
-        log.warning("the row cache's C loops could not be built (%s): it runs its slower torch path", e)
-        return False
-
-
-def _ptr(t: torch.Tensor | np.ndarray, dtype: torch.dtype | np.dtype | None = None) -> ctypes.c_void_p:
-    """The address of ``t``'s first element; refused unless it is contiguous (and of ``dtype``, if given): the C
-    reads and writes it as one flat array of that type."""
-    if isinstance(t, np.ndarray):
-        if not t.flags.c_contiguous or (dtype is not None and t.dtype != dtype):
-            raise ValueError(f"the C loops take contiguous {dtype or t.dtype} arrays (got {t.dtype}, {t.strides})")
-        return ctypes.c_void_p(t.ctypes.data)
-    if not t.is_contiguous() or (dtype is not None and t.dtype != dtype):
-        raise ValueError(f"the C loops take contiguous {dtype or t.dtype} tensors (got {t.dtype}, {t.stride()})")
-    return ctypes.c_void_p(t.data_ptr())
+    return native_build.available(SOURCE, "the row cache runs its slower torch path")
 
 
 def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offset: torch.Tensor, keys: torch.Tensor,

@@ -181,9 +181,9 @@ class RowCache:
                 self.stats.rows_read += int(r.numel())
             if bool(drawn.any()):
                 r, s = rows[drawn], local[drawn]
-                self.weights[t][s] = table.draw(r)
+                table.draw_into(self.weights[t], s, r)  # straight into the slots
                 for cache in self.states[t]:
-                    cache[s] = 0.0
+                    cache.index_fill_(0, s, 0.0)
                 self.stats.rows_drawn += int(r.numel())
 
     def _fill(self, ids: torch.Tensor, slots: torch.Tensor, records: torch.Tensor) -> None:
