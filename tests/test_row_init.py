@@ -61,3 +61,8 @@ def test_scattered_draws_equal_the_rows_drawn_whole_for_stacked_and_sharded_tabl
     dst = torch.ones(4, 3)
     zeros.draw_into(dst, torch.tensor([1, 3]), torch.tensor([5, 29]), 3, 0)
     assert dst.sum().item() == 6.0 and dst[1].abs().sum().item() == 0 == dst[3].abs().sum().item()
+
+
+def test_a_table_on_the_meta_device_is_left_alone():
+    init = RowInit.of_tables(4, 0.1, ["a", "b"], [5, 6])
+    assert init(torch.empty(11, 4, device="meta")).device.type == "meta"  # no draw, no crash

@@ -128,11 +128,13 @@ def draw_into(dst: torch.Tensor, dst_rows: torch.Tensor | None, seed: int, key: 
               table_dim: int, col0: int, std: float) -> None:
     """``dst[dst_rows[i]] = ``the initial values of row ``rows[i]`` of table ``key`` (``table_dim`` wide), columns
     ``col0 …`` (``dst``'s width; ``dst_rows`` None: row i) — in C where it builds, without a temporary."""
+    if dst.device.type == "meta":  # a module built on meta (TorchRec shards it, then draws the shards)
+        return
     rows = rows.contiguous().to(torch.int64)
     cols = dst.shape[1]
     if std == 0.0:
         dst[slice(None) if dst_rows is None else dst_rows] = 0.0
-    elif native() and dst.is_contiguous() and dst.dtype == torch.float32:
+    elif native() and dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == torch.float32:
         at = None if dst_rows is None else dst_rows.contiguous().to(torch.int64)
         native_build.library(SOURCE).draw_rows(
             native_build.ptr(dst), ctypes.c_int64(cols), None if at is None else native_build.ptr(at),
