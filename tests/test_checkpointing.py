@@ -239,10 +239,9 @@ def test_split_and_join_round_trip():
 def test_damaged_newest_checkpoint_is_refused_explicitly_and_skipped_by_auto_resume(ckpt_overrides, straight_run,
                                                                                       tmp_path):
     ckpt = tmp_path / "ckpt"
-    stopped, _ = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", _kill(0, 33)], tmp_path, check=False)
-    assert stopped.returncode != 0
+    shutil.copytree(straight_run[2], ckpt)  # steps 10 … 40 (a killed run's folder: the stop-and-resume tests)
     newest = complete_checkpoints(ckpt)[-1]
-    assert newest.name == "step-000000030" and verify_checkpoint(newest) == []
+    assert newest.name == f"step-{2 * STEPS_PER_EPOCH:09d}" and verify_checkpoint(newest) == []
     shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as fh:  # a shard file cut short, as by a crash of the storage
         fh.truncate(shard.stat().st_size // 2)
@@ -250,8 +249,10 @@ def test_damaged_newest_checkpoint_is_refused_explicitly_and_skipped_by_auto_res
     refused, _ = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", f"trainer.resume={newest}"], tmp_path,
                       check=False)
     assert refused.returncode != 0 and f"{newest} is damaged: {shard}" in refused.stderr
+    older = {p: sorted(f.stat().st_mtime_ns for f in p.iterdir()) for p in complete_checkpoints(ckpt)[:-1]}
     proc, resumed = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path)
     assert f"Skipping damaged checkpoint {newest}" in proc.stdout + proc.stderr  # Hydra logs to stdout
-    # resumed from step 20 instead: exact resume gives the straight run's weights and metrics all the same
+    assert {p: sorted(f.stat().st_mtime_ns for f in p.iterdir()) for p in older} == older  # not a fresh start
+    # resumed from step 30 instead: exact resume gives the straight run's weights and metrics all the same
     _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_run[1], ("state_dict/", "fused_optimizer/"))
     assert (resumed.test_auc, resumed.test_logloss) == (straight_run[0].test_auc, straight_run[0].test_logloss)
