@@ -66,6 +66,7 @@ static inline float cos_2pi_f32(float u)
 }
 
 #define BLOCK 64  /* values of a row computed at once: the float part is one vectorisable loop */
+#define AHEAD 8   /* rows ahead whose destination lines are prefetched */
 
 /* One row's values (module comment); dst_row may be NULL (row i goes to dst row i). */
 void draw_rows(float *dst, int64_t stride, const int64_t *dst_row, const int64_t *rows, int64_t n, uint64_t base,
@@ -73,6 +74,11 @@ void draw_rows(float *dst, int64_t stride, const int64_t *dst_row, const int64_t
 {
     float u1[BLOCK], u2[BLOCK];
     for (int64_t i = 0; i < n; i++) {
+        if (dst_row && i + AHEAD < n) {  /* scattered rows (a cache's slots): their lines asked for ahead */
+            const char *row = (const char *)(dst + dst_row[i + AHEAD] * stride);
+            for (int64_t b = 0; b < cols * (int64_t)sizeof(float); b += 64) __builtin_prefetch(row + b, 1);
+            __builtin_prefetch(row + cols * (int64_t)sizeof(float) - 1, 1);
+        }
         float *out = dst + (dst_row ? dst_row[i] : i) * stride;
         const uint64_t first = (uint64_t)rows[i] * (uint64_t)table_dim + (uint64_t)col0 + 1;
         for (int64_t c0 = 0; c0 < cols; c0 += BLOCK) {
