@@ -65,7 +65,8 @@ def test_the_wheel_trains_predicts_and_exports_from_any_folder(installed, tmp_pa
                                "ctr_conf.__file__)"], cwd=tmp_path, env=installed[1], capture_output=True, text=True)
     assert str(ROOT) not in imported.stdout and str(bin_dir.parent) in imported.stdout, imported.stdout
     native = subprocess.run([str(bin_dir / "python"), "-c", "from modules.embedding.ssd_tier import native_loops as n; "
-                             "from modules.embedding import native_build as b, row_init as r; r.normal_rows(0, 0, [1], 4, 1.0); "
+                             "from modules.embedding import native_build as b, row_init as r; "
+                             "r.normal_rows(0, 0, [1], 4, 1.0); "  # row_init.c ships and builds too
                              "print(n.SOURCE, n.available() and r.native(), b.library_path(n.SOURCE))"],
                             cwd=tmp_path, env={**installed[1], "XDG_CACHE_HOME": str(tmp_path / "xdg")},
                             capture_output=True, text=True)

@@ -19,8 +19,8 @@ order, so that the C loop (``row_init.c``, built by :mod:`modules.embedding.nati
 (:func:`normal_rows_numpy`, where no C compiler is found) give the same bits on any machine:
 
     ln u = e·ln 2 + 2s(1 + z/3 + z²/5 + z³/7 + z⁴/9),  u = m·2^e, m ∈ [√½, √2), s = (m−1)/(m+1), z = s²;
-    cos 2πu = ∓(cos x or sin x), x = 2π·q ≤ π/4 after exact reductions by symmetry (q ≤ ⅛: cos, else sin of ¼ − q),
-              Taylor to x⁸ / x⁹ (error < 3·10⁻⁸; ln's < 2·10⁻⁹ relative).
+    cos 2πu = ∓(cos x or sin x), x = 2π·q ≤ π/4 after exact reductions by symmetry
+              (q ≤ ⅛: cos, else sin of ¼ − q), Taylor to x⁸ / x⁹ (error < 3·10⁻⁸; ln's < 2·10⁻⁹ relative).
 
 (Until 2026-11-27 numpy's float32 ``log`` and ``cos``: their results differ between numpy's SIMD paths, so a C
 loop could not match them. The C draws 3× faster than those and 10× faster than its twin (docs/scale.md): a row

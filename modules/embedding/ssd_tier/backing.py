@@ -71,7 +71,8 @@ class BackingTable:
         return out
 
     def draw_into(self, dst: torch.Tensor, dst_rows: torch.Tensor | None, rows: torch.Tensor) -> None:
-        """``dst[dst_rows[i]]`` (a slot table's rows; None: ``dst[i]``) = the initial values of the shard's ``rows[i]``."""
+        """``dst[dst_rows[i]]`` (a slot table's rows; None: ``dst[i]``) = the initial values of the shard's
+        ``rows[i]``."""
         self.init.draw_into(dst, dst_rows, rows + self.row_offset, self.table_dim or self.weights.shape[1],
                             self.col_offset)
 
