@@ -131,9 +131,9 @@ def draw_into(dst: torch.Tensor, dst_rows: torch.Tensor | None, seed: int, key: 
     if dst.device.type == "meta":  # a module built on meta (TorchRec shards it, then draws the shards)
         return
     rows = rows.contiguous().to(torch.int64)
-    cols = dst.shape[1]
+    cols, where = dst.shape[1], slice(None) if dst_rows is None else dst_rows
     if std == 0.0:
-        dst[slice(None) if dst_rows is None else dst_rows] = 0.0
+        dst[where] = 0.0
     elif native() and dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == torch.float32:
         at = None if dst_rows is None else dst_rows.contiguous().to(torch.int64)
         native_build.library(SOURCE).draw_rows(
@@ -142,7 +142,7 @@ def draw_into(dst: torch.Tensor, dst_rows: torch.Tensor | None, seed: int, key: 
             ctypes.c_int64(table_dim), ctypes.c_int64(col0), ctypes.c_int64(cols), ctypes.c_float(std))
     else:
         values = normal_rows_numpy(seed, key, rows.numpy().astype(np.uint64), table_dim, std)[:, col0:col0 + cols]
-        dst[slice(None) if dst_rows is None else dst_rows] = torch.from_numpy(np.ascontiguousarray(values))
+        dst[where] = torch.from_numpy(np.ascontiguousarray(values))
 
 
 def normal_rows(seed: int, key: int, rows: np.ndarray | torch.Tensor, dim: int, std: float) -> torch.Tensor:

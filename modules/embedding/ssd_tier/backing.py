@@ -63,13 +63,6 @@ class BackingTable:
     def rows(self) -> int:
         return self.weights.shape[0]
 
-    def draw(self, rows: torch.Tensor) -> torch.Tensor:
-        """The initial values of the shard's ``rows``."""
-        dim = self.weights.shape[1]
-        out = torch.empty(len(rows), dim)
-        self.draw_into(out, None, rows)
-        return out
-
     def draw_into(self, dst: torch.Tensor, dst_rows: torch.Tensor | None, rows: torch.Tensor) -> None:
         """``dst[dst_rows[i]]`` (a slot table's rows; None: ``dst[i]``) = the initial values of the shard's
         ``rows[i]``."""

@@ -81,20 +81,20 @@ int64_t NAME(const int64_t *ids, int64_t n, const int64_t *first, const int64_t 
             __builtin_prefetch(dirty + ahead, 1);                                                              \
         }                                                                                                      \
         const int64_t i = miss_out[m], base = slot_out[i];                                                     \
-        int64_t score[MAX_WAYS], low = INT64_MAX, best = -1;  /* branch-free scores, then the first least */ \
-        for (int64_t w = 0; w < ways && best < 0; w++)  /* an empty way wins outright: its set's keys only */ \
+        int64_t best = -1;  /* an empty way wins outright, found from the keys alone (read by the lookup) */   \
+        for (int64_t w = 0; w < ways && best < 0; w++)                                                         \
             if (keys[base + w] < 0) best = w;                                                                  \
-        if (best >= 0) low = -1;                                                                               \
-        else for (int64_t w = 0; w < ways; w++) {                                                              \
-            const int64_t s = base + w;                                                                        \
-            const int64_t v = lfu ? ((int64_t)uses[s] << USE_BITS) | used[s] : (int64_t)used[s];               \
-            score[w] = keys[s] < 0 ? -1 : used[s] >= hold ? INT64_MAX : v;  /* an empty way holds nothing */   \
-            low = score[w] < low ? score[w] : low;                                                             \
-        }                                                                                                      \
-        if (low != -1)                                                                                         \
-            for (int64_t w = ways - 1; w >= 0; w--)                                                            \
+        if (best < 0) {  /* else branch-free scores of the unpinned ways, then the first least */              \
+            int64_t score[MAX_WAYS], low = INT64_MAX;                                                          \
+            for (int64_t w = 0; w < ways; w++) {                                                               \
+                const int64_t s = base + w;                                                                    \
+                const int64_t v = lfu ? ((int64_t)uses[s] << USE_BITS) | used[s] : (int64_t)used[s];           \
+                score[w] = used[s] >= hold ? INT64_MAX : v;                                                    \
+                low = score[w] < low ? score[w] : low;                                                         \
+            }                                                                                                  \
+            for (int64_t w = ways - 1; w >= 0 && low != INT64_MAX; w--)                                        \
                 best = score[w] == low ? w : best;                                                             \
-        if (low == INT64_MAX) best = -1;                                                                       \
+        }                                                                                                      \
         if (best < 0) {  /* every way pinned: undo the misses admitted so far */                               \
             for (int64_t k = m - 1; k >= 0; k--) {                                                             \
                 const int64_t s = slot_out[miss_out[k]];                                                       \

@@ -29,12 +29,12 @@ from modules.embedding.ssd_tier.set_victims import too_small
 
 SOURCE = Path(__file__).with_name("cache_loops.c")
 MAX_WAYS = 64  # cache_loops.c's MAX_WAYS
-NativeError = native_build.NativeError
 
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
-    """The compiled loops (built on first use); :class:`NativeError` if no compiler can build them."""
+    """The compiled loops (built on first use); :class:`modules.embedding.native_build.NativeError` if no compiler
+    can build them."""
     lib = native_build.library(SOURCE)
     for name in ("assign_slots_i32", "assign_slots_i64", "paged_find"):
         getattr(lib, name).restype = ctypes.c_int64

@@ -267,7 +267,7 @@ class RowCache:
                     rows = torch.arange(a, min(table.rows, a + BLOCK_ROWS))
                     fresh = rows[~self._is_written(rows + self.first[t])]
                     if fresh.numel():
-                        table.weights[fresh] = table.draw(fresh)
+                        table.draw_into(table.weights, fresh, fresh)
         self.written[:] = 0xFF
 
     def invalidate(self) -> None:
