@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,8 @@ from hypothesis import strategies as st
 from torchrec import JaggedTensor, KeyedJaggedTensor
 
 from modules.embedding.zch.config import FIRST_ROW, MISSING_ROW, ZchConfig
-from modules.embedding.zch.remapper import ZchRemapper, load_mapping_state, lookup_rows, mapping_state
+from modules.embedding.zch.mapping import load_mapping_state, lookup_rows, mapping_state
+from modules.embedding.zch.remapper import ZchRemapper
 from pipeline.checkpoint.discovery import complete_checkpoints
 from tests.test_checkpointing import _assert_same, _kill, _run, _run_id_of, _tensors
 
@@ -155,9 +158,11 @@ def test_counts_are_kept_per_table():
     remapper.train()
     remapper(_kjt({"a": [5, 6, 7], "b": [8, 8, 0], "c": [9, 0, 0]}))  # t: 3 new ids for 2 rows, one turned away
     remapper(_kjt({"a": [10, 10, 10], "b": [8, 9, 8], "c": [0, 0, 0]}))  # t: 10 evicts one; u: both held
-    assert remapper.take_counts() == {"t": {"admitted": 3, "evicted": 1, "unknown": 1, "looked_up": 6},
-                                      "u": {"admitted": 2, "evicted": 0, "unknown": 0, "looked_up": 6}}
-    assert remapper.take_counts()["t"] == dict.fromkeys(("admitted", "evicted", "unknown", "looked_up"), 0)
+    assert remapper.take_counts() == {"t": {"admitted": 3, "evicted": 1, "unknown": 1, "looked_up": 6, "occupancy": 1.0},
+                                      "u": {"admitted": 2, "evicted": 0, "unknown": 0, "looked_up": 6, "occupancy": 1.0}}
+    # counts start again; occupancy is the tables' state: t holds 2 ids in 2 rows
+    assert remapper.take_counts()["t"] == {**dict.fromkeys(("admitted", "evicted", "unknown", "looked_up"), 0),
+                                           "occupancy": 1.0}
 
 
 def test_distance_lfu_keeps_a_frequent_id_until_its_count_over_the_rounds_since_seen_falls_behind():
@@ -221,7 +226,72 @@ def test_min_count_keeps_an_id_on_the_unknown_row_until_seen_that_often():
     state = mapping_state(remapper)  # the counts travel with the mapping (init_from continues them)
     again = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
     load_mapping_state(again, state)
-    assert torch.equal(again.admission.counts, remapper.admission.counts)
+    assert torch.equal(again.admission["t"].counts, remapper.admission["t"].counts)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=12), min_size=1, max_size=20),
+       st.integers(2, 3), st.integers(2, 6), st.integers(1, 2))
+def test_a_bucketed_table_maps_each_id_as_its_buckets_own_table_would(steps, buckets, rows, min_count):
+    """``model.zch.buckets = B``: an id of bucket b = id mod B gets the row a table of its own over that bucket's
+    rows gives it (fed only that bucket's ids: one B = 1 remapper per bucket), shifted by b · rows; ids not held
+    read the table's last row; the read-only lookup of the mapping agrees."""
+    cfg = ZchConfig(rows=rows * buckets, eviction_interval=1, buckets=buckets, min_count=min_count)
+    remapper = ZchRemapper(cfg, {"t": ["a"]}, cfg.table_sizes(["t"]))
+    one = ZchConfig(rows=rows, eviction_interval=1, min_count=min_count)
+    alone = [ZchRemapper(one, {"t": ["a"]}, one.table_sizes(["t"])) for _ in range(buckets)]
+    for m in (remapper, *alone):
+        m.train()
+    unknown = rows * buckets + 1
+    for ids in steps:
+        got = remapper(_kjt({"a": ids})).values().tolist()
+        for b, m in enumerate(alone):
+            mine = [i for i in ids if i and i % buckets == b]
+            expected = m(_kjt({"a": [0, *mine]})).values().tolist()[1:]  # 0: every bucket sees every step
+            assert [g for i, g in zip(ids, got) if i and i % buckets == b] == \
+                [unknown if r == rows + 1 else r + b * rows for r in expected]
+        assert all(g == MISSING_ROW for i, g in zip(ids, got) if i == 0)
+    remapper.eval()
+    seen = sorted({i for ids in steps for i in ids} | {1_000_001})
+    assert lookup_rows(mapping_state(remapper), "t", np.array(seen)).tolist() == remapper(_kjt({"a": seen})).values().tolist()
+
+
+def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], buckets: int, out: str) -> None:
+    """Each rank remaps its half of every global batch (keys a, b on table t, c on u); saves its rows, and on rank
+    0 the gathered mapping and the counts."""
+    cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
+    remapper = ZchRemapper(cfg, {"t": ["a", "b"], "u": ["c"]}, cfg.table_sizes(["t", "u"]))
+    remapper.train()
+    assert len(remapper.mch) == len(remapper.units) // 2  # half the units each: 2 tables × buckets over 2 ranks
+    rows = []
+    for step in steps:
+        half = len(step["a"]) // world
+        rows.append(remapper(_kjt({k: v[rank * half:(rank + 1) * half] for k, v in step.items()})).values())
+    mapping, counts = mapping_state(remapper), remapper.take_counts()
+    torch.save({"rows": rows, "mapping": mapping, "counts": counts}, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.parametrize("buckets", [1, 2])
+def test_two_ranks_build_the_mapping_of_one_process_each_holding_half(buckets, tmp_path):
+    """2 gloo processes, each remapping half of every global batch and holding the units (tables, or tables'
+    buckets) dealt to it: every rank's rows, the mapping gathered on rank 0 (bit for bit, probation lists too)
+    and the counts equal one process remapping the global batches."""
+    from tests.dist_utils import run_workers
+
+    rng = np.random.default_rng(7)
+    steps = [{k: rng.integers(0, 25, 8).tolist() for k in ("a", "b", "c")} for _ in range(9)]
+    run_workers(_ranks_remap, 2, steps, buckets, str(tmp_path))
+    cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
+    single = ZchRemapper(cfg, {"t": ["a", "b"], "u": ["c"]}, cfg.table_sizes(["t", "u"]))
+    single.train()
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for i, step in enumerate(steps):
+        rows = single(_kjt(step)).values().view(3, 8)  # keys a, b, c
+        assert torch.equal(torch.cat([ranks[0]["rows"][i].view(3, 4), ranks[1]["rows"][i].view(3, 4)], 1), rows)
+    mapping = mapping_state(single)
+    assert sorted(ranks[0]["mapping"]) == sorted(mapping)
+    assert all(np.array_equal(ranks[0]["mapping"][k], v) for k, v in mapping.items())
+    assert ranks[0]["counts"] == ranks[1]["counts"] == single.take_counts()
 
 
 def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_overrides, tmp_path):
@@ -270,10 +340,10 @@ def zch_straight(ckpt_overrides, tmp_path_factory):
     return result, _tensors(complete_checkpoints(tmp / "ckpt")[-1])
 
 
-def _killed_and_resumed(ckpt_overrides, tmp_path, nproc: int):
+def _killed_and_resumed(ckpt_overrides, tmp_path, nproc: int, zch_run: list[str] = ZCH_RUN):
     """Every table on the ssd tier behind a row cache (evicted ids' rows are reset through it), killed at step 13."""
     ckpt = tmp_path / "ckpt"
-    args = [*ckpt_overrides, *ZCH_RUN, f"trainer.checkpoint.dir={ckpt}", f"topology.ssd.path={tmp_path}/ssd",
+    args = [*ckpt_overrides, *zch_run, f"trainer.checkpoint.dir={ckpt}", f"topology.ssd.path={tmp_path}/ssd",
             "topology.ddr_cap_gb=1e-12", "topology.ssd.cache_mb=40"]
     stopped, _ = _run([*args, _kill(nproc - 1, 13)], tmp_path, nproc=nproc, check=False)
     assert stopped.returncode != 0 and complete_checkpoints(ckpt)[-1].name == "step-000000010"
@@ -309,26 +379,33 @@ def _replayed_mapping(overrides: list[str]) -> dict[str, torch.Tensor]:
 
 
 def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(ckpt_overrides, tmp_path):
-    """2 ranks, tables on the ssd tier, rank 1 SIGKILLed at step 13, resume=auto from step 10 (between admission
-    rounds: the pending ids come from the checkpoint): every table's mapping — ids held, their rows, LRU state — equals bit for bit the one
-    the run's global batches build when replayed through a remapper in this process (each rank admits the global
-    batch's ids, in any order); tables filled up, so ids were evicted on the way."""
-    resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=2)
+    """2 ranks, every table in 2 buckets (52 mappings, each rank holding 26), tables on the ssd tier, rank 1
+    SIGKILLed at step 13, resume=auto from step 10 (between admission rounds: the pending ids come from each rank's
+    checkpoint): every bucket's mapping — ids held, their rows, LRU state, probation counts — equals bit for bit
+    the one the run's global batches build when replayed through a remapper in this process; tables filled up, so
+    ids were evicted on the way."""
+    zch_run = [*ZCH_RUN, "model.zch.buckets=2", "logger.log_model=true"]  # the model folder: written by 2 ranks
+    resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=2, zch_run=zch_run)
     assert len(list((tmp_path / "ssd").glob("rank[01]/*.weights.f32"))) == 2
     mapping = _mapping(tensors)
-    _assert_same(mapping, _replayed_mapping([*ckpt_overrides, *ZCH_RUN]), ("state_dict/zch.",))
-    held = [int((v != torch.iinfo(torch.int64).max).sum()) for k, v in mapping.items()
-            if k.endswith("_mch_sorted_raw_ids")]
-    assert len(held) == 26 and held.count(2999) >= 5
+    _assert_same(mapping, _replayed_mapping([*ckpt_overrides, *zch_run]), ("state_dict/zch.",))
+    held: dict[str, int] = {}  # ids held per table, over its 2 buckets of 1,500 rows (1,499 ids each)
+    for k, v in mapping.items():
+        if k.endswith("_mch_sorted_raw_ids"):
+            table = k.split(".")[3].split("@")[0]
+            held[table] = held.get(table, 0) + int((v != torch.iinfo(torch.int64).max).sum())
+    assert len(held) == 26 and list(held.values()).count(2998) >= 5
     assert resumed.test_auc is not None
     # the model folder exported from the checkpoint keeps the same mapping and admission counts
     from pipeline.serving.export import export_model
 
-    folder = export_model(complete_checkpoints(tmp_path / "ckpt")[-1], tmp_path / "exported")
-    with np.load(folder / "zch.npz") as saved:
-        assert sorted(saved.files) == sorted(k[len("state_dict/zch.remapper."):] for k in mapping)
-        for k, v in mapping.items():
-            assert np.array_equal(saved[k[len("state_dict/zch.remapper."):]], v.numpy()), k
+    # and so does the run's own model folder (the ranks' mappings gathered on rank 0 at the end of the run)
+    for folder in (export_model(complete_checkpoints(tmp_path / "ckpt")[-1], tmp_path / "exported"),
+                   Path(resumed.output_dir) / "model"):
+        with np.load(folder / "zch.npz") as saved:
+            assert sorted(saved.files) == sorted(k[len("state_dict/zch.remapper."):] for k in mapping)
+            for k, v in mapping.items():
+                assert np.array_equal(saved[k[len("state_dict/zch.remapper."):]], v.numpy()), k
 
 
 @pytest.mark.slow

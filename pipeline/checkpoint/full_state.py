@@ -25,15 +25,21 @@ def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
     With ``table_dir``, embedding tables are read into files there (:func:`modules.embedding.ssd_tier.files.mapped_file`):
     DCP reads them chunk by chunk, so no table is whole in memory."""
     path = Path(path)
-    skeleton = json.loads((path / STATE_FILE.format(rank=0)).read_text())
+    # every rank's tensors (rank 0's where ranks share a key): state one rank alone holds is in its file only
+    # (model.zch's mapping is split over the ranks)
+    found: dict[str, dict[str, Any]] = {}
+    rank = 0
+    while (path / STATE_FILE.format(rank=rank)).is_file():
+        for p in placeholders(json.loads((path / STATE_FILE.format(rank=rank)).read_text())):
+            found.setdefault(p["__tensor__"], p)
+        rank += 1
 
     def target(key: str, shape: list[int], dtype: str) -> torch.Tensor:
         if table_dir is not None and is_table_parameter(key) and len(shape) == 2 and dtype == "float32":
             return mapped_file(table_dir / f"{key[len(prefix):]}.f32", shape[0] * shape[1]).view(*shape)
         return torch.empty(shape, dtype=getattr(torch, dtype))
 
-    tensors = {p["__tensor__"]: target(p["__tensor__"], p["shape"], p["dtype"])
-               for p in placeholders(skeleton) if p["__tensor__"].startswith(prefix)}
+    tensors = {k: target(k, p["shape"], p["dtype"]) for k, p in found.items() if k.startswith(prefix)}
     with warnings.catch_warnings():  # DCP says it reads without a process group: that is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))

@@ -8,7 +8,7 @@
                               model.json): written in row blocks, memory-mapped for scoring; ``.u8``: its rows
                               quantized (``quantize`` in model.json: int8, int4 or fp16; :mod:`.quantize`)
     <dir>/vocab/<t>.parquet   each table's vocabulary (key uint64, training count), as in the store
-    <dir>/zch.npz             ``model.zch`` models: each table's mapping of raw ids to rows (:func:`modules.embedding.zch.remapper.mapping_state`)
+    <dir>/zch.npz             ``model.zch`` models: each table's mapping of raw ids to rows (:func:`modules.embedding.zch.mapping.mapping_state`)
 
 Written to ``<dir>.tmp-<pid>`` and renamed into place. :class:`pipeline.serving.scorer.Scorer` turns raw rows — exactly as the
 training files hold them — into probabilities: the same readers, feature extraction, vocabulary

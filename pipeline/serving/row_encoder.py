@@ -1,7 +1,7 @@
 """Raw rows → the store's encoding, as preprocessing does it: the declaration's readers and feature
 extraction, the tables' vocabularies (unseen → OOV, missing → the missing id) or hashing, the numeric
 transforms with the training ranges (:mod:`pipeline.data.encoding`). Raw ids (``model.zch``) are mapped to
-rows read-only with the model's mapping (:func:`modules.embedding.zch.remapper.lookup_rows`; unseen → the unknown row)."""
+rows read-only with the model's mapping (:func:`modules.embedding.zch.mapping.lookup_rows`; unseen → the unknown row)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from modules.embedding.sparse_arch import FeatureSpec
-from modules.embedding.zch.remapper import lookup_rows
+from modules.embedding.zch.mapping import lookup_rows
 from pipeline.checkpoint.run_description import declaration_from
 from pipeline.data.dataset import DataConfig
 from pipeline.data.encoding import encode_ids, hashed_ids, ids_of, raw_ids, transform_dense
@@ -40,7 +40,7 @@ class RowEncoder:
         self.meta, self.data, self.vocab_root = meta, data, vocab_root
         self.spec = FeatureSpec.from_store_meta(meta)
         self.hash_buckets = int(meta["preprocess"]["hash_buckets"])
-        self.zch = zch  # raw ids: the model.zch mapping (modules.embedding.zch.remapper.mapping_state)
+        self.zch = zch  # raw ids: the model.zch mapping (modules.embedding.zch.mapping.mapping_state)
         if has_raw_ids(meta) and zch is None:
             raise BundleError("the model reads raw ids (data.preprocess.categorical=raw) but came without its "
                               "model.zch mapping (zch.npz)")

@@ -63,7 +63,7 @@ ZCH_FILE = "zch.npz"
 
 
 def read_zch_state(source: ModelSource) -> dict[str, np.ndarray] | None:
-    """The ``model.zch`` mapping of a model folder (``zch.npz``) or checkpoint (:func:`modules.embedding.zch.remapper.mapping_state`);
+    """The ``model.zch`` mapping of a model folder (``zch.npz``) or checkpoint (:func:`modules.embedding.zch.mapping.mapping_state`);
     None for a model without one."""
     if not source.model_cfg.zch.enabled:
         return None

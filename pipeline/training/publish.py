@@ -13,7 +13,7 @@ from mlflow.exceptions import MlflowException
 
 from modules.embedding.ssd_tier.cached_tbe import sync_tables
 from modules.sharding.plan_report import format_plan
-from modules.embedding.zch.remapper import mapping_state
+from modules.embedding.zch.mapping import mapping_state
 from pipeline.config import RunConfig
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import example_rows
@@ -49,11 +49,12 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
     try:
         sync_tables(task.model)  # the ssd tier's files hold every row (tables are read from them)
         weights = unsharded_state(task.model, scratch)
+        zch_state = mapping_state(task.zch.remapper) if task.zch is not None else None  # every rank sends its units'
         if weights is None:
             return None
         store = datamodule.store
         return write_bundle(output_dir / "model", weights, task.model_cfg, run_cfg.data, datamodule.meta,
-                            store.root / "vocab", run_id, zch_state=mapping_state(task.zch.remapper) if task.zch is not None else None)
+                            store.root / "vocab", run_id, zch_state=zch_state)
     finally:
         if global_rank() == 0:
             shutil.rmtree(scratch, ignore_errors=True)

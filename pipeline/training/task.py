@@ -30,7 +30,7 @@ from modules.optim.scaling_rules import auto_caveat, scale_hyperparameters
 from modules.sharding.planner import PlanResult, shard_model
 from modules.sharding.table_stacking import decide_stacking
 from modules.sharding.topology import TopologySpec
-from modules.embedding.zch.remapper import load_mapping_state
+from modules.embedding.zch.mapping import load_mapping_state
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap

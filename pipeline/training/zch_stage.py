@@ -58,15 +58,16 @@ class ZchStage(nn.Module):
         return rows
 
     def metrics(self) -> dict[str, float]:
-        """Since the last call, over all tables and per table (``zch/<name>/<table>``): ids admitted and evicted,
-        share of looked-up ids on the unknown row (new ids waiting for a round or turned away: MCH's fallback);
-        occupancy now."""
+        """Since the last call, over all tables and per table (``zch/<name>/<table>``), over every rank (every
+        rank calls it): ids admitted and evicted, share of looked-up ids on the unknown row (new ids waiting for a
+        round or turned away: MCH's fallback); occupancy now."""
         per_table = self.remapper.take_counts()
-        occupancy = self.remapper.occupancy()
         out = {}
-        for t, c in [("", {k: sum(c[k] for c in per_table.values()) for k in COUNTS}), *per_table.items()]:
+        total = {k: sum(c[k] for c in per_table.values()) for k in COUNTS}
+        total["occupancy"] = sum(c["occupancy"] for c in per_table.values()) / max(1, len(per_table))
+        for t, c in [("", total), *per_table.items()]:
             at = f"/{t}" if t else ""
             out.update({f"zch/admitted{at}": float(c["admitted"]), f"zch/evicted{at}": float(c["evicted"]),
                         f"zch/unknown_share{at}": c["unknown"] / max(1, c["looked_up"]),
-                        f"zch/occupancy{at}": occupancy[t] if t else sum(occupancy.values()) / max(1, len(occupancy))})
+                        f"zch/occupancy{at}": float(c["occupancy"])})
         return out

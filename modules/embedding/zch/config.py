@@ -25,6 +25,7 @@ class ZchConfig:
     ttl_clock: str = "day"          # eviction=ttl: day (the store's day index) | time (rows' times, data.time)
     min_count: int = 1              # occurrences before a new id may take a row (modules/embedding/zch/admission.py)
     probation: float = 4.0          # min_count > 1: new ids counted on probation, × the rows of all tables
+    buckets: int = 1                # mappings per table, each an LRU/TTL over rows / buckets (modules/embedding/zch/exchange.py)
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTIONS:
@@ -42,9 +43,14 @@ class ZchConfig:
         if self.ttl_days <= 0 or (self.ttl_clock == "day" and self.ttl_days < 1):
             raise ValueError(f"model.zch.ttl_days={self.ttl_days}: expected a number of days "
                              f"{'>= 1 (ttl_clock=day counts whole days)' if self.ttl_clock == 'day' else '> 0'}")
+        if self.buckets < 1:
+            raise ValueError(f"model.zch.buckets={self.buckets}: expected a number of buckets >= 1")
         for name, n in {"rows": self.rows, **{f"tables.{k}": v for k, v in self.tables.items()}}.items():
             if n < 0 or (n and n < 2):
                 raise ValueError(f"model.zch.{name}={n}: expected 0 (off) or at least 2 rows")
+            if n and (n % self.buckets or n // self.buckets < 2):
+                raise ValueError(f"model.zch.{name}={n}: expected a multiple of model.zch.buckets={self.buckets} "
+                                 f"with at least 2 rows a bucket (each bucket holds an equal share of the rows)")
         if self.tables and not self.rows:
             raise ValueError("model.zch.tables: per-table rows need model.zch.rows as the default")
 

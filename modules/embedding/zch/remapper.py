@@ -26,6 +26,11 @@ zero (:mod:`modules.embedding.row_reset`). Scores (``model.zch.eviction``):
   or the latest row time trained, ``data.time``): a held id unseen for less than ``ttl_days`` days keeps its row;
   an expired one gives it up to a new id (newest first). Replaying last month's logs evicts as production would.
 
+With ``model.zch.buckets = B`` each table is B such modules, one per bucket of ids, each over N/B rows and
+with its own admission and probation list; each lives on one rank, which maps the ids of every rank's batch
+(:mod:`modules.embedding.zch.exchange`: the mapping is split over the ranks). With B > 1, rows
+FIRST_ROW + b·N/B − 1 of buckets b < B stay unused (each module's last row; the table's last is the unknown row).
+
 Between rounds the ids of the steps are kept (:meth:`get_extra_state`), so a checkpoint taken at any step
 resumes exactly. Why not ``HashZchManagedCollisionModule`` (multi-probe ZCH): fbgemm-gpu-cpu 1.9.0's
 ``zero_collision_hash`` CPU kernel is read-only ("Expected readonly to be true"), so it cannot insert ids
@@ -36,7 +41,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torchrec import JaggedTensor, KeyedJaggedTensor
@@ -50,10 +54,11 @@ from torchrec.modules.mc_modules import (
 
 from modules.embedding.zch.admission import ProbationAdmission
 from modules.embedding.zch.config import FIRST_ROW, MISSING_ROW, ZchConfig
-from modules.embedding.zch.global_batch import global_ids
+from modules.embedding.zch.exchange import Exchange, bucket_of
 from modules.embedding.zch.ttl import SECONDS_A_DAY, TTLPolicy
 
 ADMISSION_PREFIX = "admission."
+HELD, ROWS = "_mch_sorted_raw_ids", "_mch_remapped_ids_mapping"  # TorchRec MCH buffers: ids held (sorted), their rows
 COUNTS = ("admitted", "evicted", "unknown", "looked_up")  # per table, since the last take_counts
 
 
@@ -77,24 +82,30 @@ def held_rows(held: torch.Tensor, rows: torch.Tensor, unknown_row: int, raw: tor
 
 class ZchRemapper(nn.Module):
     """Raw ids → rows of each table (module docstring). ``features``: table → the KJT keys that read it;
-    ``table_sizes``: rows of each table (:meth:`ZchConfig.table_sizes`)."""
+    ``table_sizes``: rows of each table (:meth:`ZchConfig.table_sizes`). On several ranks, this rank's modules are
+    those of the units it owns (:mod:`modules.embedding.zch.exchange`)."""
 
     def __init__(self, cfg: ZchConfig, features: dict[str, list[str]], table_sizes: dict[str, int]) -> None:
         super().__init__()
-        self.interval = cfg.eviction_interval
+        self.interval, self.buckets = cfg.eviction_interval, cfg.buckets
         self.features = {t: list(f) for t, f in features.items()}
         self.table_of = {k: t for t, keys in self.features.items() for k in keys}
-        self.policies = {t: _policy(cfg) for t in features}
+        # units: (table, bucket, name, rows); bucket b's output rows start at FIRST_ROW + b · rows
+        self.units = [(t, b, unit_name(t, b, cfg.buckets), (table_sizes[t] - FIRST_ROW) // cfg.buckets)
+                      for t in features for b in range(cfg.buckets)]
+        self.exchange = Exchange([u[3] for u in self.units])
+        mine = [self.units[u] for u in self.exchange.mine]
+        self.policies = {name: _policy(cfg) for _, _, name, _ in mine}
         self.clock_from_time = cfg.eviction == "ttl" and cfg.ttl_clock == "time"
         self.latest = -1  # the latest row time trained so far (ttl_clock=time)
-        # output rows FIRST_ROW … FIRST_ROW + rows − 1; the last is MCH's row of unmatched ids
-        self.mch = nn.ModuleDict({t: MCHManagedCollisionModule(
-            zch_size=table_sizes[t] - FIRST_ROW, device=torch.device("cpu"), eviction_policy=self.policies[t],
-            eviction_interval=1, output_global_offset=FIRST_ROW, name=t) for t in features})
+        # each module's last output row is MCH's row of unmatched ids (unused: held_rows maps them to the unknown row)
+        self.mch = nn.ModuleDict({name: MCHManagedCollisionModule(
+            zch_size=n, device=torch.device("cpu"), eviction_policy=self.policies[name], eviction_interval=1,
+            output_global_offset=FIRST_ROW + b * n, name=name) for t, b, name, n in mine})
         self.unknown_row = {t: table_sizes[t] - 1 for t in features}
-        rows = sum(table_sizes[t] - FIRST_ROW for t in features)
-        self.admission = ProbationAdmission(cfg.min_count, int(cfg.probation * rows)) if cfg.min_count > 1 else None
-        self.pending: dict[str, list[torch.Tensor]] = {t: [] for t in features}
+        self.admission = nn.ModuleDict({name: ProbationAdmission(cfg.min_count, int(cfg.probation * n))
+                                        for _, _, name, n in mine}) if cfg.min_count > 1 else None
+        self.pending: dict[str, list[torch.Tensor]] = {name: [] for _, _, name, _ in mine}
         self.pending_steps = 0
         self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
         self.evicted: dict[str, torch.Tensor] = {}
@@ -110,144 +121,148 @@ class ZchRemapper(nn.Module):
     def forward(self, kjt: KeyedJaggedTensor, time: int = -1) -> KeyedJaggedTensor:
         """The batch's raw ids as rows (int64), keys and lengths unchanged. Training: the ids join the next
         admission round, which runs first when this step completes its interval; ``time``: the batch's latest
-        row time (``ttl_clock=time``)."""
+        row time (``ttl_clock=time``). Every rank calls it at every step (the ids go to their units' ranks)."""
         values = kjt.values().to(torch.int64)
         per_key = dict(zip(kjt.keys(), torch.split(values, kjt.length_per_key())))
+        per_table = {t: torch.cat([per_key[k] for k in keys]) for t, keys in self.features.items()}
+        sent, places = self._by_unit(per_table)
+        received, latest = self.exchange.to_owners(sent, time)
         if self.training:
-            step = {t: torch.cat([per_key[k] for k in keys]) for t, keys in self.features.items()}
-            step, latest = global_ids(step, time)
             self.latest = max(self.latest, latest)
-            for t, ids in step.items():
-                self.pending[t].append(ids[ids != 0])
+            for u, ids in zip(self.exchange.mine, received):
+                self.pending[self.units[u][2]].append(ids[ids != 0])
             self.pending_steps += 1
             if self.pending_steps >= min(self.interval, 1 << self.rounds):
                 self._admit()
-        out = torch.empty_like(values)
-        start = 0
-        for k, n in zip(kjt.keys(), kjt.length_per_key()):
-            t, present = self.table_of[k], per_key[k] != 0
-            out[start:start + n] = rows = self._remap(t, per_key[k])
-            self.counts[t]["unknown"] += int(((rows == self.unknown_row[t]) & present).sum())
+        rows = []
+        for u, ids in zip(self.exchange.mine, received):
+            t, name = self.units[u][0], self.units[u][2]
+            rows.append(self._remap(name, ids))
+            present = ids != 0
+            self.counts[t]["unknown"] += int(((rows[-1] == self.unknown_row[t]) & present).sum())
             self.counts[t]["looked_up"] += int(present.sum())
-            start += n
+        back, of_key = iter(self.exchange.back(rows)), {}
+        for t, keys in self.features.items():
+            of_key.update(zip(keys, torch.split(self._in_order(len(per_table[t]), places[t], back),
+                                                [len(per_key[k]) for k in keys])))
+        out = torch.cat([of_key[k] for k in kjt.keys()]) if kjt.keys() else values.clone()
         out[values == 0] = MISSING_ROW
         return KeyedJaggedTensor(keys=kjt.keys(), values=out, lengths=kjt.lengths(), stride=kjt.stride(),
                                  length_per_key=kjt.length_per_key(), offset_per_key=kjt.offset_per_key())
 
-    def _remap(self, table: str, raw: torch.Tensor) -> torch.Tensor:
-        module = self.mch[table]
-        return held_rows(module._mch_sorted_raw_ids, module._mch_remapped_ids_mapping, self.unknown_row[table], raw)
+    def _by_unit(self, per_table: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
+        """Every unit's ids of ``per_table`` (units in order), and per table the order that groups its ids by bucket
+        (None with one bucket)."""
+        sent, places = [], {}
+        for t, ids in per_table.items():
+            if self.buckets == 1:
+                sent.append(ids)
+                places[t] = None
+                continue
+            bucket = bucket_of(ids, self.buckets)
+            order = torch.argsort(bucket, stable=True)
+            sent.extend(torch.split(ids[order], torch.bincount(bucket, minlength=self.buckets).tolist()))
+            places[t] = order
+        return sent, places
+
+    def _in_order(self, n: int, order: torch.Tensor | None, back: Any) -> torch.Tensor:
+        """A table's rows in the order of its ids, from its units' rows (``back``: the units' rows in order)."""
+        if order is None:
+            return next(back)
+        out = torch.empty(n, dtype=torch.int64)
+        out[order] = torch.cat([next(back) for _ in range(self.buckets)])
+        return out
+
+    def _remap(self, name: str, raw: torch.Tensor) -> torch.Tensor:
+        module = self.mch[name]
+        return held_rows(getattr(module, HELD), getattr(module, ROWS), self.unknown_row[self.table_of_unit(name)], raw)
+
+    def table_of_unit(self, name: str) -> str:
+        return name.split(BUCKET_MARK)[0]
 
     def _admit(self) -> None:
-        round_ids = {t: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64) for t, parts in self.pending.items()}
-        for parts in self.pending.values():
+        for name, parts in self.pending.items():
+            ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
             parts.clear()
-        if self.clock_from_time:
-            if self.latest < 0:
-                raise ValueError("model.zch.ttl_clock=time: the training batches carry no row times (data.time)")
-            for policy in self.policies.values():
-                policy.now = self.latest + 1
-        new = self._admitted(round_ids) if self.admission is not None else {}
-        for t, ids in round_ids.items():
-            if not len(ids):
-                continue
-            module = self.mch[t]
-            if module._input_history_buffer_size < len(ids):
-                # TorchRec sizes the history buffer at its first call (1.25 × that call's ids) and drops what
-                # overflows it later; rounds differ in size (the first ones come sooner): let it size anew (at
-                # eviction_interval 1 it is empty between calls)
-                module._input_history_buffer_size = -1
-            free_before = int(module.open_slots())
-            module.profile({t: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})
-            evicted = module.evict()
-            taken = 0 if evicted is None else len(evicted)
-            self.counts[t]["admitted"] += taken
-            self.counts[t]["evicted"] += taken - (free_before - int(module.open_slots()))  # free rows taken evict nobody
-            if evicted is not None and taken:
-                self.evicted[t] = evicted if t not in self.evicted else torch.unique(torch.cat([self.evicted[t], evicted]))
-        if self.admission is not None:  # new ids that took a row leave probation
-            entered = [n[self._remap(t, n) != self.unknown_row[t]] for t, n in new.items()]
-            self.admission.forget(torch.sort(torch.cat(entered)).values if entered else torch.zeros(0, dtype=torch.int64))
-            self.admission.trim()
+            if self.clock_from_time:
+                if self.latest < 0:
+                    raise ValueError("model.zch.ttl_clock=time: the training batches carry no row times (data.time)")
+                self.policies[name].now = self.latest + 1
+            new = self._admitted(name, ids) if self.admission is not None else None
+            if new is not None:
+                ids = new[0]
+            if len(ids):
+                self._profile(name, ids)
+            if new is not None:  # new ids that took a row leave probation
+                self.admission[name].forget(new[1][self._remap(name, new[1]) != self.unknown_row[self.table_of_unit(name)]])
+                self.admission[name].trim()
+        if self.exchange.world > 1:  # every rank resets the rows it holds
+            mine, self.evicted = self.evicted, {}
+            for part in self.exchange.everyone(mine):
+                for t, rows in part.items():
+                    self.evicted[t] = rows if t not in self.evicted else torch.unique(torch.cat([self.evicted[t], rows]))
         self.pending_steps = 0
         self.rounds += 1
 
-    def _admitted(self, round_ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``min_count``: drop from ``round_ids`` (in place) the occurrences of new ids not yet seen ``min_count``
-        times; every table's new ids go through the probation list at once (the ids are table-salted). Returns
-        each table's new ids of the round that may now take a row."""
-        per_table = {}
-        for t, ids in round_ids.items():
-            distinct, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
-            per_table[t] = (distinct, inverse, occurrences, self._remap(t, distinct) == self.unknown_row[t])
-        new = torch.cat([d[m] for d, _, _, m in per_table.values()]) if per_table else torch.zeros(0, dtype=torch.int64)
-        order = torch.argsort(new)
-        occurrences = torch.cat([o[m] for _, _, o, m in per_table.values()]) if per_table else torch.zeros(0, dtype=torch.int64)
-        ok = torch.empty(len(new), dtype=torch.bool)
-        ok[order] = self.admission.admitted(new[order], occurrences[order], self.rounds)
-        out, start = {}, 0
-        for t, (distinct, inverse, _, is_new) in per_table.items():
-            keep = ~is_new
-            keep[is_new] = ok[start:start + int(is_new.sum())]
-            start += int(is_new.sum())
-            round_ids[t] = round_ids[t][keep[inverse]]
-            out[t] = distinct[is_new][keep[is_new]]
-        return out
+    def _profile(self, name: str, ids: torch.Tensor) -> None:
+        """One admission round of a unit over its round's ``ids`` (TorchRec's profile and evict)."""
+        module, t = self.mch[name], self.table_of_unit(name)
+        if module._input_history_buffer_size < len(ids):
+            # TorchRec sizes the history buffer at its first call (1.25 × that call's ids) and drops what
+            # overflows it later; rounds differ in size (the first ones come sooner): let it size anew (at
+            # eviction_interval 1 it is empty between calls)
+            module._input_history_buffer_size = -1
+        free_before = int(module.open_slots())
+        module.profile({name: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})
+        evicted = module.evict()
+        taken = 0 if evicted is None else len(evicted)
+        self.counts[t]["admitted"] += taken
+        self.counts[t]["evicted"] += taken - (free_before - int(module.open_slots()))  # free rows taken evict nobody
+        if evicted is not None and taken:
+            self.evicted[t] = evicted if t not in self.evicted else torch.unique(torch.cat([self.evicted[t], evicted]))
+
+    def _admitted(self, name: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``min_count``: (the round's ``ids`` without the occurrences of new ids not yet seen ``min_count`` times,
+        the unit's new ids of the round that may now take a row — sorted)."""
+        distinct, inverse, occurrences = torch.unique(ids, return_inverse=True, return_counts=True)
+        is_new = self._remap(name, distinct) == self.unknown_row[self.table_of_unit(name)]
+        keep = ~is_new
+        keep[is_new] = self.admission[name].admitted(distinct[is_new], occurrences[is_new], self.rounds)
+        return ids[keep[inverse]], distinct[is_new & keep]
 
     def take_evicted(self) -> dict[str, torch.Tensor]:
         """Rows that changed hands since the last call (table → rows): to start afresh."""
         out, self.evicted = self.evicted, {}
         return out
 
-    def occupancy(self) -> dict[str, float]:
-        """Share of each table's admission rows that hold an id."""
-        return {t: 1.0 - int(m.open_slots()) / max(1, m.output_size() - 1) for t, m in self.mch.items()}
-
-    def take_counts(self) -> dict[str, dict[str, int]]:
-        """Per table, since the last call: ids admitted, ids evicted (admitted into a held row), looked-up ids
-        on the unknown row, looked-up ids (missing values aside)."""
-        out, self.counts = self.counts, {t: dict.fromkeys(COUNTS, 0) for t in self.counts}
-        return out
+    def take_counts(self) -> dict[str, dict[str, float]]:
+        """Per table, since the last call, over every rank: ids admitted, ids evicted (admitted into a held row),
+        looked-up ids on the unknown row, looked-up ids (missing values aside); and ``occupancy`` now: the share
+        of the table's admission rows that hold an id. Every rank calls it."""
+        slots = {t: [0, 0] for t in self.features}  # open, admission rows
+        for name, m in self.mch.items():
+            slots[self.table_of_unit(name)][0] += int(m.open_slots())
+            slots[self.table_of_unit(name)][1] += m.output_size() - 1
+        table = torch.tensor([[*(self.counts[t][c] for c in COUNTS), *slots[t]] for t in self.features], dtype=torch.int64)
+        table = self.exchange.summed(table).tolist()
+        self.counts = {t: dict.fromkeys(COUNTS, 0) for t in self.counts}
+        return {t: {**dict(zip(COUNTS, row[:len(COUNTS)])), "occupancy": 1.0 - row[-2] / max(1, row[-1])}
+                for t, row in zip(self.features, table)}
 
     def get_extra_state(self) -> dict[str, Any]:
         """The ids waiting for the next admission round (a checkpoint between rounds resumes exactly)."""
         return {"pending_steps": self.pending_steps, "rounds": self.rounds, "latest": self.latest,
-                "pending": {t: torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for t, p in self.pending.items()}}
+                "pending": {u: torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for u, p in self.pending.items()}}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.pending_steps, self.rounds = int(state["pending_steps"]), int(state["rounds"])
         self.latest = int(state.get("latest", -1))
-        self.pending = {t: [state["pending"][t]] if len(state["pending"][t]) else [] for t in self.features}
+        self.pending = {u: [state["pending"][u]] if len(state["pending"][u]) else [] for u in self.pending}
 
 
-def mapping_state(remapper: ZchRemapper) -> dict[str, np.ndarray]:
-    """The mapping of every table: the remapper's state dict without the ids waiting for a round — TorchRec's
-    buffers ``mch.<table>.<buffer>`` (ids held, sorted, their rows, the policy's metadata, the round count) and
-    the probation list ``admission.ids`` / ``.counts`` / ``.last`` if any. What a model folder keeps to score, and a next day continues from; a
-    checkpoint holds the same keys under ``state_dict/zch.remapper.``."""
-    return {k: v.numpy().copy() for k, v in remapper.state_dict().items() if isinstance(v, torch.Tensor)}
+BUCKET_MARK = "@"
 
 
-def load_mapping_state(remapper: ZchRemapper, state: dict[str, np.ndarray] | None) -> None:
-    """Continue from :func:`mapping_state` (``trainer.init_from``): same ids on the same rows; the probation list
-    where both runs keep one."""
-    if not state:
-        raise ValueError("trainer.init_from: the source model has no model.zch mapping (it was trained on a "
-                         "vocabulary or hashed ids); start this raw-id run afresh")
-    result = remapper.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=False)
-    missing = [k for k in result.missing_keys if k.startswith("mch.")]
-    unexpected = [k for k in result.unexpected_keys if not k.startswith(ADMISSION_PREFIX)]
-    if missing or unexpected:
-        raise ValueError(f"trainer.init_from: the source's model.zch mapping does not fit this run's tables "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-
-
-def lookup_rows(state: dict[str, np.ndarray], table: str, raw: np.ndarray) -> np.ndarray:
-    """Read-only remap of raw ids (int64) with a table's :func:`mapping_state`, as training remaps
-    (:func:`held_rows`); missing (0) → row 1; the unknown row is the table's last."""
-    held = torch.from_numpy(state[f"mch.{table}._mch_sorted_raw_ids"])
-    raw = torch.from_numpy(np.asarray(raw, dtype=np.int64))
-    out = held_rows(held, torch.from_numpy(state[f"mch.{table}._mch_remapped_ids_mapping"]), FIRST_ROW + len(held) - 1,
-                    raw)
-    out[raw == 0] = MISSING_ROW
-    return out.numpy()
+def unit_name(table: str, bucket: int, buckets: int) -> str:
+    """A unit's name (its modules' key): the table's with one bucket, ``<table>@<bucket>`` with more."""
+    return table if buckets == 1 else f"{table}{BUCKET_MARK}{bucket}"
