@@ -237,7 +237,8 @@ def to_typed(node: DictConfig, key: str = "") -> Any:
                 for i, item in enumerate(child):
                     if isinstance(item, DictConfig) and OmegaConf.get_type(item) not in (dict, None):
                         to_typed(item, f"{key}.{k}[{i}]" if key else f"{k}[{i}]")
-        raise ConfigError(f"{key}.{e}" if key else str(e)) from None
+        message = str(e)  # a config class may name its keys in full already (model.zch.rows=...)
+        raise ConfigError(f"{key}.{message}" if key and not message.startswith(f"{key}.") else message) from None
 
 
 def parse_config(cfg: DictConfig) -> RunConfig:

@@ -256,6 +256,24 @@ def test_a_bucketed_table_maps_each_id_as_its_buckets_own_table_would(steps, buc
     assert lookup_rows(mapping_state(remapper), "t", np.array(seen)).tolist() == remapper(_kjt({"a": seen})).values().tolist()
 
 
+def test_buckets_that_cannot_split_the_rows_are_refused_and_a_mapping_continues_only_with_its_buckets():
+    with pytest.raises(ValueError, match=r"model.zch.rows=1001: expected a multiple of model.zch.buckets=2"):
+        ZchConfig(rows=1001, buckets=2)
+    with pytest.raises(ValueError, match=r"model.zch.tables.C3=6: expected a multiple of model.zch.buckets=4"):
+        ZchConfig(rows=8, buckets=4, tables={"C3": 6})
+    with pytest.raises(ValueError, match=r"model.zch.rows=4: .* at least 2 rows a bucket"):
+        ZchConfig(rows=4, buckets=4)
+    from pipeline.config import compose_run_config
+    from pipeline.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model\.zch\.rows=1001: expected a multiple"):  # the key named once
+        compose_run_config(["data.preprocess.categorical=raw", "model.zch.rows=1001", "model.zch.buckets=2"])
+    one, two = ZchConfig(rows=8), ZchConfig(rows=8, buckets=2)
+    source = ZchRemapper(one, {"t": ["a"]}, one.table_sizes(["t"]))
+    with pytest.raises(ValueError, match=r"does not fit this run's tables .*model.zch.buckets must be the source's"):
+        load_mapping_state(ZchRemapper(two, {"t": ["a"]}, two.table_sizes(["t"])), mapping_state(source))
+
+
 def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], buckets: int, out: str) -> None:
     """Each rank remaps its half of every global batch (keys a, b on table t, c on u); saves its rows, and on rank
     0 the gathered mapping and the counts."""
