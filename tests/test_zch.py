@@ -447,7 +447,6 @@ def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, t
     from pipeline.data.pass1 import assign_splits
     from pipeline.data.preprocess_config import SplitConfig
     from tests.conftest import train_cli
-    from tests.test_model_use import predict_here
 
     folder, _, args, _, frame, _ = own_data_run
     split = assign_splits(np.arange(len(frame), dtype=np.uint64), len(frame), SplitConfig(valid=0.1, test=0.2, seed=0))
@@ -456,7 +455,18 @@ def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, t
                            "model.zch.rows=300", "model.zch.min_count=2"], tmp_path / "run")
     model = tmp_path / "run" / "model"
     assert (model / "zch.npz").is_file()
-    scores = predict_here(model, tmp_path / "test.csv", tmp_path / "pred.parquet")
+    from pipeline.data.store import ColumnarStore
+    from pipeline.serving.prediction import PredictArgs, run
+
+    prediction = run(PredictArgs(checkpoint=str(model), input=str(tmp_path / "test.csv"), output=str(tmp_path / "pred.parquet")))
+    scores = pd.read_parquet(tmp_path / "pred.parquet")["probability"].to_numpy()
+    # the count of raw ids scored on the unknown row: the test split's stored raw ids not held by the mapping
+    store = ColumnarStore(next((tmp_path / "cache").rglob("meta.json")).parent).split("test")
+    ids = np.concatenate([np.asarray(store.sparse).ravel(), *(np.asarray(r.values) for r in store.sequences.values())])
+    ids = ids[ids != 0]
+    with np.load(model / "zch.npz") as mapping:
+        held = np.concatenate([mapping[k] for k in mapping.files if k.endswith("_mch_sorted_raw_ids")])
+    assert prediction.unseen == (int((~np.isin(ids, held)).sum()), len(ids))
     from torchmetrics.functional.classification import binary_auroc
 
     labels = torch.from_numpy(frame[split == 2]["clicked"].to_numpy().astype(np.int64))
@@ -464,7 +474,9 @@ def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, t
     odd = frame[split == 2].head(2).drop(columns=["clicked"]).copy()
     odd.loc[odd.index[0], "user_id"] = "never-seen"
     odd.to_csv(tmp_path / "odd.csv", index=False)
-    assert len(predict_here(model, tmp_path / "odd.csv", tmp_path / "odd.out.csv")) == 2
+    odd_prediction = run(PredictArgs(checkpoint=str(model), input=str(tmp_path / "odd.csv"), output=str(tmp_path / "odd.out.csv")))
+    assert odd_prediction.rows == 2
+    assert prediction.unseen[0] == 0 and odd_prediction.unseen[0] == 1  # every test value is held, "never-seen" is not
     assert len(pd.read_csv(tmp_path / "odd.out.csv")) == 2
 
 

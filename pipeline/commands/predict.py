@@ -25,6 +25,10 @@ def cli(cfg: DictConfig) -> None:
     if result is not None:
         scores = f"; AUC {result.auc:.6f}, logloss {result.logloss:.6f}" if result.auc is not None else ""
         print(f"Wrote {result.rows} predictions to {result.output}{scores}", flush=True)
+        if result.unseen is not None:
+            unseen, looked_up = result.unseen
+            print(f"model.zch: {unseen:,} of {looked_up:,} raw ids ({unseen / max(1, looked_up):.2%}) were not held "
+                  f"at training and read the unknown row", flush=True)
 
 
 if __name__ == "__main__":

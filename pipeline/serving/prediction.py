@@ -6,7 +6,8 @@
 
 ``checkpoint`` is a model folder (a run's ``<output>/model``, or :mod:`pipeline.commands.export`'s), a sharded
 checkpoint directory, or a folder of checkpoints (a run's ``trainer.checkpoint.dir``: its newest intact
-one). The layout, vocabularies (unseen values → OOV, missing → the missing id),
+one). The layout, vocabularies (unseen values → OOV, missing → the missing id; raw ids through the ``model.zch``
+mapping, ids not held at training → the unknown row, their count printed),
 numeric transforms and model come from it; the input rows are exactly like the training files, with
 or without the label column. The input is read block by block (bounded memory, a progress bar);
 the output has the column ``probability`` (and ``label`` when the input has one) and is written
@@ -65,6 +66,7 @@ class Prediction:
     auc: float | None
     logloss: float | None
     output: Path
+    unseen: tuple[int, int] | None = None  # model.zch: (raw ids not held at training: the unknown row, raw ids)
 
 
 def has_label(data: DataConfig, path: Path) -> bool:
@@ -146,7 +148,7 @@ def predict(model: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None]
         auc = float(binary_auroc(torch.from_numpy(p), torch.from_numpy(y.astype(np.int64))))
         q = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
         logloss = float(-np.mean(y * np.log(q) + (1 - y) * np.log1p(-q)))
-    return Prediction(rows, auc, logloss, output)
+    return Prediction(rows, auc, logloss, output, (model.unseen, model.raw_values) if model.zch is not None else None)
 
 
 def input_files(spec: str, data: DataConfig) -> list[Path]:

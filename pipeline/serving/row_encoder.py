@@ -41,6 +41,7 @@ class RowEncoder:
         self.spec = FeatureSpec.from_store_meta(meta)
         self.hash_buckets = int(meta["preprocess"]["hash_buckets"])
         self.zch = zch  # raw ids: the model.zch mapping (modules.embedding.zch.mapping.mapping_state)
+        self.unseen = self.raw_values = 0  # raw ids encoded so far (missing aside), and those on the unknown row
         if has_raw_ids(meta) and zch is None:
             raise BundleError("the model reads raw ids (data.preprocess.categorical=raw) but came without its "
                               "model.zch mapping (zch.npz)")
@@ -121,7 +122,12 @@ class RowEncoder:
 
     def _rows(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Table rows of encoded ids: raw ids through the model.zch mapping, others as they are."""
-        return ids if self.zch is None else lookup_rows(self.zch, table, ids)
+        if self.zch is None:
+            return ids
+        rows, present = lookup_rows(self.zch, table, ids), ids != 0
+        self.unseen += int(((rows == self.meta["table_sizes"][table] - 1) & present).sum())
+        self.raw_values += int(present.sum())
+        return rows
 
     def columns_block(self, columns: Columns, rows: int) -> FeatureBlock:
         """The features of raw rows given column by column, as a training file holds them (no label needed):
