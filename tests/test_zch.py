@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from hypothesis import given, settings
@@ -418,12 +419,29 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
     from pipeline.serving.export import export_model
 
     # and so does the run's own model folder (the ranks' mappings gathered on rank 0 at the end of the run)
-    for folder in (export_model(complete_checkpoints(tmp_path / "ckpt")[-1], tmp_path / "exported"),
-                   Path(resumed.output_dir) / "model"):
+    exported = export_model(complete_checkpoints(tmp_path / "ckpt")[-1], tmp_path / "exported")
+    for folder in (exported, Path(resumed.output_dir) / "model"):
         with np.load(folder / "zch.npz") as saved:
             assert sorted(saved.files) == sorted(k[len("state_dict/zch.remapper."):] for k in mapping)
             for k, v in mapping.items():
                 assert np.array_equal(saved[k[len("state_dict/zch.remapper."):]], v.numpy()), k
+    # 2 ranks scoring the checkpoint, each mapping ids through its buckets only, against one process scoring the
+    # export with the whole mapping: the same probabilities and the same count of ids on the unknown row
+    from tests.test_model_use import command
+
+    cache = Path(next(o.split("=", 1)[1] for o in ckpt_overrides if o.startswith("paths.cache_dir=")))
+    rows = tmp_path / "rows.tsv"
+    with next(cache.rglob("raw/*.tsv")).open() as f:
+        rows.write_text("".join(line for _, line in zip(range(3000), f)))
+    printed, scores = {}, {}
+    for name, source, launcher in (("one", exported, None),
+                                   ("sharded", tmp_path / "ckpt", ["-m", "torch.distributed.run", "--nproc_per_node=2"])):
+        proc = command("pipeline.commands.predict", f"checkpoint={source}", f"input={rows}",
+                       f"output={tmp_path / name}.parquet", launcher=launcher)
+        printed[name] = [line for line in proc.stdout.splitlines() if line.startswith("model.zch:")]
+        scores[name] = pd.read_parquet(tmp_path / f"{name}.parquet")["probability"].to_numpy()
+    assert len(scores["one"]) == 3000 and printed["one"] == printed["sharded"] and len(printed["one"]) == 1
+    np.testing.assert_allclose(scores["sharded"], scores["one"], atol=1e-6)
 
 
 @pytest.mark.slow
@@ -442,7 +460,6 @@ def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, t
     """A ZCH run on the generated log (a multi-hot feature too): ``ctr predict`` on the raw rows of its test split —
     values hashed and mapped read-only with the model folder's mapping (numpy) — gives the AUC training measured on
     them through TorchRec's remap; a value never seen goes to the unknown row and is scored."""
-    import pandas as pd
 
     from pipeline.data.pass1 import assign_splits
     from pipeline.data.preprocess_config import SplitConfig
@@ -499,7 +516,6 @@ def test_a_replay_in_file_order_evicts_by_the_rows_own_times(own_data_run, tmp_p
     rows' times (``data.time``): the store keeps each row's time (against pandas' parse of the file), and the model
     folder's mapping is the one its training batches build through a remapper in this process, told each
     batch's latest time — ids changed hands as the clock passed their TTL."""
-    import pandas as pd
 
     from mlflow.tracking import MlflowClient
 

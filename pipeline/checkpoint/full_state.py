@@ -7,7 +7,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,12 +18,13 @@ from pipeline.checkpoint.safe_reader import SafeFileSystemReader
 from pipeline.checkpoint.skeleton import STATE_FILE, placeholders
 
 
-def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
-                     table_dir: Path | None = None) -> dict[str, torch.Tensor]:
+def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.", table_dir: Path | None = None,
+                     keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict from a checkpoint as full tensors, in this process, whatever number of
-    processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``.
-    With ``table_dir``, embedding tables are read into files there (:func:`modules.embedding.ssd_tier.files.mapped_file`):
-    DCP reads them chunk by chunk, so no table is whole in memory."""
+    processes wrote it (DCP reads every shard of a table into the whole table). Keys without ``prefix``;
+    ``keep``: only the keys (without ``prefix``) it accepts. With ``table_dir``, embedding tables are read into
+    files there (:func:`modules.embedding.ssd_tier.files.mapped_file`): DCP reads them chunk by chunk, so no
+    table is whole in memory."""
     path = Path(path)
     # every rank's tensors (rank 0's where ranks share a key): state one rank alone holds is in its file only
     # (model.zch's mapping is split over the ranks)
@@ -39,7 +40,8 @@ def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
             return mapped_file(table_dir / f"{key[len(prefix):]}.f32", shape[0] * shape[1]).view(*shape)
         return torch.empty(shape, dtype=getattr(torch, dtype))
 
-    tensors = {k: target(k, p["shape"], p["dtype"]) for k, p in found.items() if k.startswith(prefix)}
+    tensors = {k: target(k, p["shape"], p["dtype"]) for k, p in found.items()
+               if k.startswith(prefix) and (keep is None or keep(k[len(prefix):]))}
     with warnings.catch_warnings():  # DCP says it reads without a process group: that is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeFileSystemReader(str(path)))

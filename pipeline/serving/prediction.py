@@ -148,7 +148,7 @@ def predict(model: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None]
         auc = float(binary_auroc(torch.from_numpy(p), torch.from_numpy(y.astype(np.int64))))
         q = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
         logloss = float(-np.mean(y * np.log(q) + (1 - y) * np.log1p(-q)))
-    return Prediction(rows, auc, logloss, output, (model.unseen, model.raw_values) if model.zch is not None else None)
+    return Prediction(rows, auc, logloss, output, (model.unseen, model.raw_values) if model.raw else None)
 
 
 def input_files(spec: str, data: DataConfig) -> list[Path]:

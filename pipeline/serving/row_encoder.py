@@ -36,13 +36,14 @@ class RowEncoder:
     ``vocab_root``: the folder whose ``vocab/`` holds the vocabularies."""
 
     def __init__(self, meta: dict[str, Any], data: DataConfig, vocab_root: Path,
-                 zch: dict[str, np.ndarray] | None = None) -> None:
+                 zch: dict[str, np.ndarray] | None = None, keep_raw: bool = False) -> None:
         self.meta, self.data, self.vocab_root = meta, data, vocab_root
         self.spec = FeatureSpec.from_store_meta(meta)
         self.hash_buckets = int(meta["preprocess"]["hash_buckets"])
         self.zch = zch  # raw ids: the model.zch mapping (modules.embedding.zch.mapping.mapping_state)
         self.unseen = self.raw_values = 0  # raw ids encoded so far (missing aside), and those on the unknown row
-        if has_raw_ids(meta) and zch is None:
+        self.raw = has_raw_ids(meta)  # keep_raw: raw ids stay raw (a remapper maps them later: the sharded scorer)
+        if self.raw and zch is None and not keep_raw:
             raise BundleError("the model reads raw ids (data.preprocess.categorical=raw) but came without its "
                               "model.zch mapping (zch.npz)")
         hashed = meta["preprocess"]["categorical"] in ("hash", "raw")
@@ -85,7 +86,7 @@ class RowEncoder:
         for values, table in zip(block.sparse, tables):
             codes, distinct = factorized_string_keys(values)
             ids.append(self._rows(table, encode_ids(distinct, codes, self.index.get(table), self.hash_buckets,
-                                                    table if self.zch is not None else None)))
+                                                    table if self.raw else None)))
         n_cat = len(self.spec.categorical)
         sparse = np.stack(ids[:n_cat], axis=1) if n_cat else np.zeros((block.rows, 0), np.int32)
         sequences = {f: Ragged(ids[n_cat + j], np.concatenate([[0], np.cumsum(block.lengths[n_cat + j])]))
@@ -108,7 +109,7 @@ class RowEncoder:
         sources = list(dict.fromkeys(f.source for f in categorical))
         codes, distinct = factorized_string_keys(_strings([v for c in sources for v in columns[c]]))
         keys = distinct[codes].reshape(len(sources), rows)[[sources.index(f.source) for f in categorical]].ravel()
-        if self.zch is not None:
+        if self.raw:
             ids = np.concatenate([self._rows(t, raw_ids(part, t)) for part, t in
                                   zip(keys.reshape(len(categorical), rows), (self.spec.table_of(f.name) for f in categorical))])
         elif self.joint is None:
@@ -121,7 +122,7 @@ class RowEncoder:
         return SplitArrays(np.zeros(rows, np.int8), dense, sparse, {})
 
     def _rows(self, table: str, ids: np.ndarray) -> np.ndarray:
-        """Table rows of encoded ids: raw ids through the model.zch mapping, others as they are."""
+        """Table rows of encoded ids: raw ids through the model.zch mapping (if given), others as they are."""
         if self.zch is None:
             return ids
         rows, present = lookup_rows(self.zch, table, ids), ids != 0

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pandas as pd
 import torch
+from torchrec import KeyedJaggedTensor
 
 from modules.embedding.sparse_arch import FeatureSpec, is_table_parameter
 from modules.models import build_model
@@ -22,16 +24,19 @@ from pipeline.serving.weights import read_weights, read_zch_state
 
 
 def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays, batch_size: int = 65536,
-                  rows: np.ndarray | None = None) -> np.ndarray:
+                  rows: np.ndarray | None = None,
+                  remap: Callable[[KeyedJaggedTensor], KeyedJaggedTensor] | None = None) -> np.ndarray:
     """Click probabilities of ``rows`` of ``arrays`` (default: every row), in that order (the model in eval
-    mode, no gradients; a sharded model's collectives need autograd-aware tensors: no inference mode here)."""
+    mode, no gradients; a sharded model's collectives need autograd-aware tensors: no inference mode here).
+    ``remap``: each batch's ids through it first (raw ids → rows)."""
     rows = np.arange(len(arrays)) if rows is None else rows
     out = np.empty(len(rows), np.float32)
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
             part = rows[start:start + batch_size]
             batch = make_batch(arrays, part, spec.kjt_keys, categorical=spec.categorical)
-            out[start:start + len(part)] = torch.sigmoid(model(batch.dense_features, batch.sparse_features)).float().numpy()
+            sparse = batch.sparse_features if remap is None else remap(batch.sparse_features)
+            out[start:start + len(part)] = torch.sigmoid(model(batch.dense_features, sparse)).float().numpy()
     return out
 
 

@@ -43,10 +43,7 @@ class ZchStage(nn.Module):
 
     def __init__(self, cfg: ZchConfig, spec: FeatureSpec, inits: dict[str, Callable], day: int) -> None:
         super().__init__()
-        features: dict[str, list[str]] = {}
-        for f in spec.sparse:
-            features.setdefault(spec.table_of(f), []).append(f)
-        self.remapper = ZchRemapper(cfg, features, spec.table_sizes)
+        self.remapper = ZchRemapper.of(cfg, spec)
         self.remapper.set_day(day)
         self.spec, self.inits = spec, inits
 

@@ -52,6 +52,7 @@ from torchrec.modules.mc_modules import (
     MCHManagedCollisionModule,
 )
 
+from modules.embedding.feature_spec import FeatureSpec
 from modules.embedding.zch.admission import ProbationAdmission
 from modules.embedding.zch.config import FIRST_ROW, MISSING_ROW, ZchConfig
 from modules.embedding.zch.exchange import Exchange, bucket_of
@@ -110,6 +111,14 @@ class ZchRemapper(nn.Module):
         self.rounds = 0  # admission rounds run (the first ones come sooner: module docstring)
         self.evicted: dict[str, torch.Tensor] = {}
         self.counts = {t: dict.fromkeys(COUNTS, 0) for t in features}
+
+    @classmethod
+    def of(cls, cfg: ZchConfig, spec: FeatureSpec) -> "ZchRemapper":
+        """The remapper of a model's features (``spec``: each feature's table, the tables' sizes)."""
+        features: dict[str, list[str]] = {}
+        for f in spec.sparse:
+            features.setdefault(spec.table_of(f), []).append(f)
+        return cls(cfg, features, spec.table_sizes)
 
     def set_day(self, day: int) -> None:
         """The data's day (``eviction=ttl``, ``ttl_clock=day``): the store's day index (0, or the base's day + 1)."""
