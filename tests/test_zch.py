@@ -275,13 +275,17 @@ def test_buckets_that_cannot_split_the_rows_are_refused_and_a_mapping_continues_
         load_mapping_state(ZchRemapper(two, {"t": ["a"]}, two.table_sizes(["t"])), mapping_state(source))
 
 
-def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], buckets: int, out: str) -> None:
-    """Each rank remaps its half of every global batch (keys a, b on table t, c on u); saves its rows, and on rank
-    0 the gathered mapping and the counts."""
+TWO_TABLES, ONE_TABLE = {"t": ["a", "b"], "u": ["c"]}, {"t": ["a", "b", "c"]}
+
+
+def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], features: dict[str, list[str]],
+                 buckets: int, out: str) -> None:
+    """Each rank remaps its half of every global batch (keys a, b, c); saves its rows, and on rank 0 the
+    gathered mapping and the counts."""
     cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
-    remapper = ZchRemapper(cfg, {"t": ["a", "b"], "u": ["c"]}, cfg.table_sizes(["t", "u"]))
+    remapper = ZchRemapper(cfg, features, cfg.table_sizes(list(features)))
     remapper.train()
-    assert len(remapper.mch) == len(remapper.units) // 2  # half the units each: 2 tables × buckets over 2 ranks
+    assert len(remapper.mch) == (len(remapper.units) + 1 - rank) // 2  # units dealt evenly (one unit: rank 0's)
     rows = []
     for step in steps:
         half = len(step["a"]) // world
@@ -290,18 +294,19 @@ def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], bucke
     torch.save({"rows": rows, "mapping": mapping, "counts": counts}, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("buckets", [1, 2])
-def test_two_ranks_build_the_mapping_of_one_process_each_holding_half(buckets, tmp_path):
+@pytest.mark.parametrize("features, buckets", [(TWO_TABLES, 1), (TWO_TABLES, 2), (ONE_TABLE, 1)])
+def test_two_ranks_build_the_mapping_of_one_process_each_holding_half(features, buckets, tmp_path):
     """2 gloo processes, each remapping half of every global batch and holding the units (tables, or tables'
-    buckets) dealt to it: every rank's rows, the mapping gathered on rank 0 (bit for bit, probation lists too)
-    and the counts equal one process remapping the global batches."""
+    buckets) dealt to it — with one table and one bucket, rank 1 holds none and only sends and receives: every
+    rank's rows, the mapping gathered on rank 0 (bit for bit, probation lists too) and the counts equal one
+    process remapping the global batches."""
     from tests.dist_utils import run_workers
 
     rng = np.random.default_rng(7)
     steps = [{k: rng.integers(0, 25, 8).tolist() for k in ("a", "b", "c")} for _ in range(9)]
-    run_workers(_ranks_remap, 2, steps, buckets, str(tmp_path))
+    run_workers(_ranks_remap, 2, steps, features, buckets, str(tmp_path))
     cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
-    single = ZchRemapper(cfg, {"t": ["a", "b"], "u": ["c"]}, cfg.table_sizes(["t", "u"]))
+    single = ZchRemapper(cfg, features, cfg.table_sizes(list(features)))
     single.train()
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for i, step in enumerate(steps):
