@@ -278,44 +278,47 @@ def test_buckets_that_cannot_split_the_rows_are_refused_and_a_mapping_continues_
 TWO_TABLES, ONE_TABLE = {"t": ["a", "b"], "u": ["c"]}, {"t": ["a", "b", "c"]}
 
 
-def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], features: dict[str, list[str]],
-                 buckets: int, out: str) -> None:
-    """Each rank remaps its half of every global batch (keys a, b, c); saves its rows, and on rank 0 the
-    gathered mapping and the counts."""
-    cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
-    remapper = ZchRemapper(cfg, features, cfg.table_sizes(list(features)))
-    remapper.train()
-    assert len(remapper.mch) == (len(remapper.units) + 1 - rank) // 2  # units dealt evenly (one unit: rank 0's)
-    rows = []
-    for step in steps:
-        half = len(step["a"]) // world
-        rows.append(remapper(_kjt({k: v[rank * half:(rank + 1) * half] for k, v in step.items()})).values())
-    mapping, counts = mapping_state(remapper), remapper.take_counts()
-    torch.save({"rows": rows, "mapping": mapping, "counts": counts}, f"{out}/rank{rank}.pt")
+CASES = (({"t": ["a", "b"], "u": ["c"]}, 1), ({"t": ["a", "b"], "u": ["c"]}, 2), ({"t": ["a", "b", "c"]}, 1))
 
 
-@pytest.mark.parametrize("features, buckets", [(TWO_TABLES, 1), (TWO_TABLES, 2), (ONE_TABLE, 1)])
-def test_two_ranks_build_the_mapping_of_one_process_each_holding_half(features, buckets, tmp_path):
+def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], out: str) -> None:
+    """For each case (tables, buckets), each rank remaps its half of every global batch (keys a, b, c); saves its
+    rows, and on rank 0 the gathered mapping and the counts."""
+    for case, (features, buckets) in enumerate(CASES):
+        cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
+        remapper = ZchRemapper(cfg, features, cfg.table_sizes(list(features)))
+        remapper.train()
+        assert len(remapper.mch) == (len(remapper.units) + 1 - rank) // 2  # dealt evenly (one unit: rank 0's)
+        rows = []
+        for step in steps:
+            half = len(step["a"]) // world
+            rows.append(remapper(_kjt({k: v[rank * half:(rank + 1) * half] for k, v in step.items()})).values())
+        mapping, counts = mapping_state(remapper), remapper.take_counts()
+        torch.save({"rows": rows, "mapping": mapping, "counts": counts}, f"{out}/case{case}-rank{rank}.pt")
+
+
+def test_two_ranks_build_the_mapping_of_one_process_each_holding_half(tmp_path):
     """2 gloo processes, each remapping half of every global batch and holding the units (tables, or tables'
-    buckets) dealt to it — with one table and one bucket, rank 1 holds none and only sends and receives: every
-    rank's rows, the mapping gathered on rank 0 (bit for bit, probation lists too) and the counts equal one
-    process remapping the global batches."""
+    buckets) dealt to it — two tables in one and in two buckets, and one table in one bucket (rank 1 holds none
+    and only sends and receives): every rank's rows, the mapping gathered on rank 0 (bit for bit, probation lists
+    too) and the counts equal one process remapping the global batches."""
     from tests.dist_utils import run_workers
 
     rng = np.random.default_rng(7)
     steps = [{k: rng.integers(0, 25, 8).tolist() for k in ("a", "b", "c")} for _ in range(9)]
-    run_workers(_ranks_remap, 2, steps, features, buckets, str(tmp_path))
-    cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
-    single = ZchRemapper(cfg, features, cfg.table_sizes(list(features)))
-    single.train()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for i, step in enumerate(steps):
-        rows = single(_kjt(step)).values().view(3, 8)  # keys a, b, c
-        assert torch.equal(torch.cat([ranks[0]["rows"][i].view(3, 4), ranks[1]["rows"][i].view(3, 4)], 1), rows)
-    mapping = mapping_state(single)
-    assert sorted(ranks[0]["mapping"]) == sorted(mapping)
-    assert all(np.array_equal(ranks[0]["mapping"][k], v) for k, v in mapping.items())
-    assert ranks[0]["counts"] == ranks[1]["counts"] == single.take_counts()
+    run_workers(_ranks_remap, 2, steps, str(tmp_path))
+    for case, (features, buckets) in enumerate(CASES):
+        cfg = ZchConfig(rows=6, eviction_interval=2, buckets=buckets, min_count=2)
+        single = ZchRemapper(cfg, features, cfg.table_sizes(list(features)))
+        single.train()
+        ranks = [torch.load(tmp_path / f"case{case}-rank{r}.pt", weights_only=False) for r in range(2)]
+        for i, step in enumerate(steps):
+            rows = single(_kjt(step)).values().view(3, 8)  # keys a, b, c
+            assert torch.equal(torch.cat([ranks[0]["rows"][i].view(3, 4), ranks[1]["rows"][i].view(3, 4)], 1), rows)
+        mapping = mapping_state(single)
+        assert sorted(ranks[0]["mapping"]) == sorted(mapping)
+        assert all(np.array_equal(ranks[0]["mapping"][k], v) for k, v in mapping.items())
+        assert ranks[0]["counts"] == ranks[1]["counts"] == single.take_counts()
 
 
 def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_overrides, tmp_path):
@@ -408,7 +411,7 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
     checkpoint): every bucket's mapping — ids held, their rows, LRU state, probation counts — equals bit for bit
     the one the run's global batches build when replayed through a remapper in this process; tables filled up, so
     ids were evicted on the way."""
-    zch_run = [*ZCH_RUN, "model.zch.buckets=2", "logger.log_model=true"]  # the model folder: written by 2 ranks
+    zch_run = [*ZCH_RUN, "model.zch.buckets=2"]
     resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=2, zch_run=zch_run)
     assert len(list((tmp_path / "ssd").glob("rank[01]/*.weights.f32"))) == 2
     mapping = _mapping(tensors)
@@ -423,30 +426,28 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
     # the model folder exported from the checkpoint keeps the same mapping and admission counts
     from pipeline.serving.export import export_model
 
-    # and so does the run's own model folder (the ranks' mappings gathered on rank 0 at the end of the run)
+    # (the model folder a 2-rank run writes gathers the ranks' mappings with mapping_state, tested with 2 processes above)
     exported = export_model(complete_checkpoints(tmp_path / "ckpt")[-1], tmp_path / "exported")
-    for folder in (exported, Path(resumed.output_dir) / "model"):
-        with np.load(folder / "zch.npz") as saved:
-            assert sorted(saved.files) == sorted(k[len("state_dict/zch.remapper."):] for k in mapping)
-            for k, v in mapping.items():
-                assert np.array_equal(saved[k[len("state_dict/zch.remapper."):]], v.numpy()), k
+    with np.load(exported / "zch.npz") as saved:
+        assert sorted(saved.files) == sorted(k[len("state_dict/zch.remapper."):] for k in mapping)
+        for k, v in mapping.items():
+            assert np.array_equal(saved[k[len("state_dict/zch.remapper."):]], v.numpy()), k
     # 2 ranks scoring the checkpoint, each mapping ids through its buckets only, against one process scoring the
     # export with the whole mapping: the same probabilities and the same count of ids on the unknown row
+    from pipeline.serving.prediction import PredictArgs, run
     from tests.test_model_use import command
 
     cache = Path(next(o.split("=", 1)[1] for o in ckpt_overrides if o.startswith("paths.cache_dir=")))
     rows = tmp_path / "rows.tsv"
     with next(cache.rglob("raw/*.tsv")).open() as f:
         rows.write_text("".join(line for _, line in zip(range(3000), f)))
-    printed, scores = {}, {}
-    for name, source, launcher in (("one", exported, None),
-                                   ("sharded", tmp_path / "ckpt", ["-m", "torch.distributed.run", "--nproc_per_node=2"])):
-        proc = command("pipeline.commands.predict", f"checkpoint={source}", f"input={rows}",
-                       f"output={tmp_path / name}.parquet", launcher=launcher)
-        printed[name] = [line for line in proc.stdout.splitlines() if line.startswith("model.zch:")]
-        scores[name] = pd.read_parquet(tmp_path / f"{name}.parquet")["probability"].to_numpy()
-    assert len(scores["one"]) == 3000 and printed["one"] == printed["sharded"] and len(printed["one"]) == 1
-    np.testing.assert_allclose(scores["sharded"], scores["one"], atol=1e-6)
+    one = run(PredictArgs(checkpoint=str(exported), input=str(rows), output=str(tmp_path / "one.parquet")))
+    proc = command("pipeline.commands.predict", f"checkpoint={tmp_path / 'ckpt'}", f"input={rows}",
+                   f"output={tmp_path / 'sharded.parquet'}", launcher=["-m", "torch.distributed.run", "--nproc_per_node=2"])
+    assert one.rows == 3000 and one.unseen[0] > 0
+    assert f"model.zch: {one.unseen[0]:,} of {one.unseen[1]:,} raw ids" in proc.stdout
+    np.testing.assert_allclose(pd.read_parquet(tmp_path / "sharded.parquet")["probability"].to_numpy(),
+                               pd.read_parquet(tmp_path / "one.parquet")["probability"].to_numpy(), atol=1e-6)
 
 
 @pytest.mark.slow
