@@ -10,7 +10,7 @@ import torch
 
 from modules.embedding.zch.config import FIRST_ROW, MISSING_ROW
 from modules.embedding.zch.exchange import bucket_of
-from modules.embedding.zch.remapper import HELD, ROWS, ZchRemapper, held_rows, unit_name
+from modules.embedding.zch.remapper import BUCKET_MARK, HELD, ROWS, ZchRemapper, held_rows
 
 
 def mapping_state(remapper: ZchRemapper) -> dict[str, np.ndarray] | None:
@@ -44,7 +44,7 @@ def lookup_rows(state: dict[str, np.ndarray], table: str, raw: np.ndarray) -> np
     """Read-only remap of raw ids (int64) with a table's :func:`mapping_state`, as training remaps
     (:func:`held_rows`, in the id's bucket); missing (0) → row 1; the unknown row is the table's last."""
     names = [table] if f"mch.{table}.{HELD}" in state else \
-        list(takewhile(lambda n: f"mch.{n}.{HELD}" in state, (unit_name(table, b, 2) for b in count())))
+        list(takewhile(lambda n: f"mch.{n}.{HELD}" in state, (f"{table}{BUCKET_MARK}{b}" for b in count())))
     if not names:
         raise ValueError(f"the model.zch mapping holds no table {table!r}")
     held = [torch.from_numpy(state[f"mch.{n}.{HELD}"]) for n in names]
