@@ -28,8 +28,9 @@ zero (:mod:`modules.embedding.row_reset`). Scores (``model.zch.eviction``):
 
 With ``model.zch.buckets = B`` each table is B such modules, one per bucket of ids, each over N/B rows and
 with its own admission and probation list; each lives on one rank, which maps the ids of every rank's batch
-(:mod:`modules.embedding.zch.exchange`: the mapping is split over the ranks). With B > 1, rows
-FIRST_ROW + b·N/B − 1 of buckets b < B stay unused (each module's last row; the table's last is the unknown row).
+(:mod:`modules.embedding.zch.exchange`: the mapping is split over the ranks). Bucket b's rows are
+FIRST_ROW + b·N/B … FIRST_ROW + (b + 1)·N/B − 1; the last of them is its module's row of unmatched ids: unused for
+b < B − 1, the table's unknown row for the last bucket (so N − B ids hold rows at most).
 
 Between rounds the ids of the steps are kept (:meth:`get_extra_state`), so a checkpoint taken at any step
 resumes exactly. Why not ``HashZchManagedCollisionModule`` (multi-probe ZCH): fbgemm-gpu-cpu 1.9.0's
@@ -187,6 +188,7 @@ class ZchRemapper(nn.Module):
         return held_rows(getattr(module, HELD), getattr(module, ROWS), self.unknown_row[self.table_of_unit(name)], raw)
 
     def table_of_unit(self, name: str) -> str:
+        """The table of a unit (a table, or ``<table>@<bucket>``)."""
         return name.split(BUCKET_MARK)[0]
 
     def _admit(self) -> None:
