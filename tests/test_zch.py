@@ -294,7 +294,8 @@ def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], out: 
             half = len(step["a"]) // world
             rows.append(remapper(_kjt({k: v[rank * half:(rank + 1) * half] for k, v in step.items()})).values())
         mapping, counts = mapping_state(remapper), remapper.take_counts()
-        torch.save({"rows": rows, "mapping": mapping, "counts": counts}, f"{out}/case{case}-rank{rank}.pt")
+        held = (remapper.mapping_bytes(), remapper.exchange.largest(remapper.mapping_bytes()))
+        torch.save({"rows": rows, "mapping": mapping, "counts": counts, "bytes": held}, f"{out}/case{case}-rank{rank}.pt")
 
 
 def test_two_ranks_build_the_mapping_of_one_process_each_holding_half(tmp_path):
@@ -319,6 +320,9 @@ def test_two_ranks_build_the_mapping_of_one_process_each_holding_half(tmp_path):
         assert sorted(ranks[0]["mapping"]) == sorted(mapping)
         assert all(np.array_equal(ranks[0]["mapping"][k], v) for k, v in mapping.items())
         assert ranks[0]["counts"] == ranks[1]["counts"] == single.take_counts()
+        # the mapping's bytes: the ranks' shares add up to one process's (the gathered arrays' bytes), the largest known to both
+        assert ranks[0]["bytes"][0] + ranks[1]["bytes"][0] == single.mapping_bytes() == sum(v.nbytes for v in mapping.values())
+        assert ranks[0]["bytes"][1] == ranks[1]["bytes"][1] == max(ranks[0]["bytes"][0], ranks[1]["bytes"][0])
 
 
 def test_raw_store_holds_one_id_per_table_and_value_and_no_vocabulary(small_overrides, tmp_path):
@@ -411,7 +415,7 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
     checkpoint): every bucket's mapping — ids held, their rows, LRU state, probation counts — equals bit for bit
     the one the run's global batches build when replayed through a remapper in this process; tables filled up, so
     ids were evicted on the way."""
-    zch_run = [*ZCH_RUN, "model.zch.buckets=2"]
+    zch_run = [*ZCH_RUN, "model.zch.buckets=2", "trainer.log_every_n_steps=5"]
     resumed, tensors = _killed_and_resumed(ckpt_overrides, tmp_path, nproc=2, zch_run=zch_run)
     assert len(list((tmp_path / "ssd").glob("rank[01]/*.weights.f32"))) == 2
     mapping = _mapping(tensors)
@@ -422,6 +426,13 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
             table = k.split(".")[3].split("@")[0]
             held[table] = held.get(table, 0) + int((v != torch.iinfo(torch.int64).max).sum())
     assert len(held) == 26 and list(held.values()).count(2998) >= 5
+    # MLflow: the counts over both ranks, and the largest rank's share of the mapping — about half of it
+    from mlflow import MlflowClient
+
+    logged = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(resumed.mlflow_run_id).data.metrics
+    total = sum(v.numel() * v.element_size() for v in mapping.values())
+    assert 0.45 <= logged["zch/mapping_mb"] * 1e6 / total <= 0.6, (logged["zch/mapping_mb"], total)
+    assert 0 < logged["zch/occupancy"] <= 1 and 0 <= logged["zch/unknown_share"] < 1 and logged["zch/admitted"] >= 0
     assert resumed.test_auc is not None
     # the model folder exported from the checkpoint keeps the same mapping and admission counts
     from pipeline.serving.export import export_model

@@ -57,9 +57,10 @@ class ZchStage(nn.Module):
     def metrics(self) -> dict[str, float]:
         """Since the last call, over all tables and per table (``zch/<name>/<table>``), over every rank (every
         rank calls it): ids admitted and evicted, share of looked-up ids on the unknown row (new ids waiting for a
-        round or turned away: MCH's fallback); occupancy now."""
+        round or turned away: MCH's fallback); occupancy now; and ``zch/mapping_mb``: the largest rank's share of
+        the mapping."""
         per_table = self.remapper.take_counts()
-        out = {}
+        out = {"zch/mapping_mb": self.remapper.exchange.largest(self.remapper.mapping_bytes()) / 1e6}
         total = {k: sum(c[k] for c in per_table.values()) for k in COUNTS}
         total["occupancy"] = sum(c["occupancy"] for c in per_table.values()) / max(1, len(per_table))
         for t, c in [("", total), *per_table.items()]:

@@ -97,6 +97,14 @@ class Exchange:
             dist.all_reduce(values)
         return values
 
+    def largest(self, value: int) -> int:
+        """The largest of the ranks' ``value`` (every rank calls it)."""
+        if self.world == 1:
+            return value
+        out = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out)
+
     def everyone(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, rank 0's first (every rank calls it)."""
         if self.world == 1:

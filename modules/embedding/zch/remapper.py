@@ -260,6 +260,11 @@ class ZchRemapper(nn.Module):
         return {t: {**dict(zip(COUNTS, row[:len(COUNTS)])), "occupancy": 1.0 - row[-2] / max(1, row[-1])}
                 for t, row in zip(self.features, table)}
 
+    def mapping_bytes(self) -> int:
+        """Bytes of this rank's mapping as checkpoints hold it: its units' MCH buffers and probation lists (the
+        ids of a round and TorchRec's history buffer aside)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values() if isinstance(t, torch.Tensor))
+
     def get_extra_state(self) -> dict[str, Any]:
         """The ids waiting for the next admission round (a checkpoint between rounds resumes exactly)."""
         return {"pending_steps": self.pending_steps, "rounds": self.rounds, "latest": self.latest,
