@@ -80,10 +80,6 @@ def batches(args: argparse.Namespace) -> list[np.ndarray]:
     return out
 
 
-def mapping_bytes(remapper: ZchRemapper) -> int:
-    return sum(v.numel() * v.element_size() for v in remapper.state_dict().values() if isinstance(v, torch.Tensor))
-
-
 def run(remapper: ZchRemapper, steps: list[np.ndarray], rank: int, world: int, keys: list[str]) -> tuple[list[float], list[torch.Tensor]]:
     remapper.train()
     times, rows = [], []
@@ -122,7 +118,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, steps: li
             times, rows = run(remapper, steps, rank, world, keys)
             if name == BASELINE and reference is None:
                 reference = rows
-            held = [torch.tensor([mapping_bytes(remapper)], dtype=torch.int64) for _ in range(world)]
+            held = [torch.tensor([remapper.mapping_bytes()], dtype=torch.int64) for _ in range(world)]
             dist.all_gather(held, held[rank].clone())
             results[name][0].append(float(np.mean(times[args.warmup:])) * 1e3)
             results[name][1] = [int(h) for h in held]

@@ -58,9 +58,10 @@ def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Calla
         n = len(arrays)
         share = max(1, math.ceil(n / world))
         rows = np.arange(rank * share, (rank + 1) * share)
-        rows = np.where(rows < n, rows, n)  # padding rows keep every rank's step count equal: all values missing
-        local = score_batches(dmp, spec, SplitArrays.concat([arrays, _missing_row(arrays)]), batch_size, rows,
-                              remapper)
+        padded = (rank + 1) * share > n  # padding rows keep every rank's step count equal: all values missing
+        rows = np.where(rows < n, rows, n)
+        local = score_batches(dmp, spec, SplitArrays.concat([arrays, _missing_row(arrays)]) if padded else arrays,
+                              batch_size, rows, remapper)
         if remapper is not None:  # raw ids not held at training, over the ranks (padding rows have none)
             counts = remapper.take_counts().values()
             encoder.unseen += sum(c["unknown"] for c in counts)

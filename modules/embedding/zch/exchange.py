@@ -55,7 +55,8 @@ class Exchange:
         self.rank, self.world = _world()
         self.owners = owners = deal(rows, self.world)
         self.mine = [u for u, r in enumerate(owners) if r == self.rank]
-        self._sent_order = sorted(range(len(owners)), key=lambda u: (owners[u], u))
+        self._units_of = [[u for u, o in enumerate(owners) if o == r] for r in range(self.world)]
+        self._sent_order = [u for units in self._units_of for u in units]  # by owner, then unit
         self._sizes = torch.zeros(0)
 
     def to_owners(self, per_unit: list[torch.Tensor], time: int = -1) -> tuple[list[torch.Tensor], int]:
@@ -123,7 +124,7 @@ class Exchange:
 
     def _per_owner(self, sizes: torch.Tensor) -> list[int]:
         """Ids of ``sizes`` (per unit) going to each rank."""
-        return [int(sizes[[u for u in range(len(self.owners)) if self.owners[u] == r]].sum()) for r in range(self.world)]
+        return [int(sizes[units].sum()) for units in self._units_of]
 
     def _from_each(self, sizes: torch.Tensor) -> list[int]:
         """Ids of my units each rank sends (``sizes``: [source rank, unit])."""
