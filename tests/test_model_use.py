@@ -184,6 +184,8 @@ def test_quantized_tables_score_like_float_at_a_fraction_of_the_size(trained, tm
                 bare.predict(rows.drop(columns=["tags"]))
 
 
+@pytest.mark.slow  # the 2-rank path (train, export, 2 ranks scoring a checkpoint = one process scoring its export) runs in
+# CI in test_zch's 2-rank kill-and-resume test and test_checkpointing's 2-rank ssd test; this adds the vocabulary encoder
 def test_two_process_checkpoint_exports_and_predicts_in_one_process(trained, tmp_path):
     folder, _, args, _, _ = trained
     ckpt = tmp_path / "ckpt"

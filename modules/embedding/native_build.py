@@ -24,8 +24,7 @@ import torch
 
 # -ffp-contract=off: no a·b + c fused into one rounding, so float code rounds as its numpy twin does;
 # -fno-trapping-math: both sides of a float select may be computed (vectorised), the same values
-# -pthread: cache_loops.c reads a step's pages with several threads
-FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 log = logging.getLogger(__name__)
 
 

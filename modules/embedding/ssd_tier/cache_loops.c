@@ -23,20 +23,11 @@
  * 3. paged_find — keys in a sorted run's records file, one page read per key (twin and layout:
  *    paged_records.py): each key's page from the fences, the pages asked of the kernel at once
  *    (madvise WILLNEED, runs of adjacent pages as one call), a binary search of the page's inline keys.
- *    paged_find_direct — the same from a descriptor opened with O_DIRECT: the distinct pages, CHUNK_PAGES at
- *    a time, read by up to READERS threads with pread(2) into an aligned buffer, then the same search. The
- *    pages bypass the page cache (a row is not cached twice: once in the row cache, once as its 4 KiB page
- *    in the page cache, which a memory cgroup counts), and the reads take less CPU than page faults:
- *    benchmarks/page_reads.py, docs/scale.md.
  */
-#define _GNU_SOURCE
-#include <errno.h>
-#include <pthread.h>
-#include <stdlib.h>
+#define _DEFAULT_SOURCE
 #include <string.h>
 #include <sys/mman.h>
 #include <stdint.h>
-#include <unistd.h>
 
 #define USE_BITS 40
 #define MAX_WAYS 64  /* the row cache's W (32) at most */
@@ -172,8 +163,14 @@ static inline int64_t record_key(const float *flat, int64_t word)
     return key;
 }
 
-static void pages_of(const int64_t *fences, int64_t n_fences, const int64_t *keys, int64_t n, int64_t *page_of)
+/* found[j] = whether keys[j] (ascending) is among the run's n_records records; the found keys' records
+ * (width floats each) are written to out one after the other. Returns how many were found. */
+int64_t paged_find(const float *flat, int64_t n_records, int64_t width, int64_t per_page, int64_t page_words,
+                   const int64_t *fences, int64_t n_fences, const int64_t *keys, int64_t n, int64_t *page_of,
+                   uint8_t *found, float *out)
 {
+    const int64_t stride = 2 + width;
+    const long page_bytes = (long)page_words * 4;
     for (int64_t j = 0; j < n; j++) {  /* the page: the last fence <= key (−1: before the first page) */
         int64_t lo = 0, hi = n_fences;
         while (lo < hi) {
@@ -182,33 +179,6 @@ static void pages_of(const int64_t *fences, int64_t n_fences, const int64_t *key
         }
         page_of[j] = lo - 1;
     }
-}
-
-/* The record of `key` in a page (`page`: its first word; `count` records of stride 2 + width) copied to out:
- * 1 if the page holds it, else 0. */
-static int find_in_page(const float *page, int64_t count, int64_t width, int64_t key, float *out)
-{
-    const int64_t stride = 2 + width;
-    int64_t lo = 0, hi = count;  /* the first record whose key >= key */
-    while (lo < hi) {
-        const int64_t mid = (lo + hi) >> 1;
-        if (record_key(page, mid * stride) < key) lo = mid + 1; else hi = mid;
-    }
-    if (lo < count && record_key(page, lo * stride) == key) {
-        memcpy(out, page + lo * stride + 2, (size_t)width * sizeof(float));
-        return 1;
-    }
-    return 0;
-}
-
-/* found[j] = whether keys[j] (ascending) is among the run's n_records records; the found keys' records
- * (width floats each) are written to out one after the other. Returns how many were found. */
-int64_t paged_find(const float *flat, int64_t n_records, int64_t width, int64_t per_page, int64_t page_words,
-                   const int64_t *fences, int64_t n_fences, const int64_t *keys, int64_t n, int64_t *page_of,
-                   uint8_t *found, float *out)
-{
-    const long page_bytes = (long)page_words * 4;
-    pages_of(fences, n_fences, keys, n, page_of);
     for (int64_t j = 0; j < n;) {  /* keys ascending: pages nondecreasing; adjacent pages in one call */
         if (page_of[j] < 0) { j++; continue; }
         const int64_t first = page_of[j];
@@ -218,105 +188,21 @@ int64_t paged_find(const float *flat, int64_t n_records, int64_t width, int64_t 
     }
     int64_t hits = 0;
     for (int64_t j = 0; j < n; j++) {
+        found[j] = 0;
         const int64_t page = page_of[j];
-        const int64_t count = n_records - page * per_page < per_page ? n_records - page * per_page : per_page;
-        found[j] = page >= 0 && find_in_page(flat + page * page_words, count, width, keys[j], out + hits * width);
-        hits += found[j];
-    }
-    return hits;
-}
-
-#define CHUNK_PAGES 4096   /* pages read at once by paged_find_direct (16 MiB of buffer) */
-#define READERS 32         /* threads reading them: the disk serves that many requests in parallel */
-#define MAX_READERS 256
-#define PAGES_A_READER 8   /* fewer pages than READERS × this: fewer threads */
-
-typedef struct {
-    int fd;
-    const int64_t *pages;
-    int64_t n, page_bytes;
-    char *out;
-    int failed;  /* errno of the first read that failed (EIO: a short read), else 0 */
-} reader_t;
-
-static void *read_pages_of(void *arg)
-{
-    reader_t *r = (reader_t *)arg;
-    for (int64_t i = 0; i < r->n && !r->failed; i++) {
-        const ssize_t got = pread(r->fd, r->out + i * r->page_bytes, (size_t)r->page_bytes,
-                                  (off_t)(r->pages[i] * r->page_bytes));
-        if (got != (ssize_t)r->page_bytes) r->failed = got < 0 ? errno : EIO;
-    }
-    return NULL;
-}
-
-/* Pages `pages[0..n)` of fd into out (n × page_bytes), each of up to `readers` threads (at most MAX_READERS, at
- * least PAGES_A_READER pages each) its contiguous share. Returns 0, or the errno of a read that failed.
- * (Also called by benchmarks/page_reads.py.) */
-int read_pages(int fd, const int64_t *pages, int64_t n, int64_t page_bytes, char *out, int64_t readers)
-{
-    int64_t threads = (n + PAGES_A_READER - 1) / PAGES_A_READER;
-    readers = readers > MAX_READERS ? MAX_READERS : readers;
-    threads = threads < 1 ? 1 : threads > readers ? readers : threads;
-    pthread_t tid[MAX_READERS];
-    int started[MAX_READERS];
-    reader_t r[MAX_READERS];
-    const int64_t per = (n + threads - 1) / threads;
-    int failed = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        const int64_t a = t * per < n ? t * per : n, b = a + per < n ? a + per : n;
-        r[t] = (reader_t){fd, pages + a, b - a, page_bytes, out + a * page_bytes, 0};
-        started[t] = t > 0 && pthread_create(&tid[t], NULL, read_pages_of, &r[t]) == 0;
-    }
-    for (int64_t t = 0; t < threads; t++) {  /* share 0, and any share whose thread did not start, here */
-        if (!started[t]) read_pages_of(&r[t]);
-    }
-    for (int64_t t = 0; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        if (!failed) failed = r[t].failed;
-    }
-    return failed;
-}
-
-/* paged_find from a descriptor (O_DIRECT: page-aligned reads into an aligned buffer). Returns how many were
- * found, or −errno if a page could not be read, INT64_MIN if no buffer could be allocated. */
-int64_t paged_find_direct(int fd, int64_t n_records, int64_t width, int64_t per_page, int64_t page_words,
-                          const int64_t *fences, int64_t n_fences, const int64_t *keys, int64_t n, int64_t *page_of,
-                          uint8_t *found, float *out)
-{
-    const int64_t page_bytes = page_words * 4;
-    pages_of(fences, n_fences, keys, n, page_of);
-    char *buf = NULL;
-    int64_t *pages = malloc(sizeof(int64_t) * CHUNK_PAGES);
-    if (!pages || posix_memalign((void **)&buf, 4096, (size_t)(CHUNK_PAGES * page_bytes)) != 0) {
-        free(pages);
-        return INT64_MIN;
-    }
-    int64_t hits = 0;
-    for (int64_t j = 0; j < n;) {  /* keys ascending: pages nondecreasing; a chunk's distinct pages, then its keys */
-        const int64_t from = j;
-        int64_t m = 0;
-        for (; j < n; j++) {
-            if (page_of[j] < 0 || (m && pages[m - 1] == page_of[j])) continue;
-            if (m == CHUNK_PAGES) break;
-            pages[m++] = page_of[j];
+        if (page < 0) continue;
+        const int64_t base = page * page_words, count = n_records - page * per_page < per_page
+                                                         ? n_records - page * per_page : per_page;
+        int64_t lo = 0, hi = count;  /* the first record whose key >= keys[j] */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi) >> 1;
+            if (record_key(flat, base + mid * stride) < keys[j]) lo = mid + 1; else hi = mid;
         }
-        const int failed = m ? read_pages(fd, pages, m, page_bytes, buf, READERS) : 0;
-        if (failed) {
-            free(pages); free(buf);
-            return -(int64_t)failed;
-        }
-        for (int64_t k = from, at = 0; k < j; k++) {
-            found[k] = 0;
-            if (page_of[k] < 0) continue;
-            while (pages[at] != page_of[k]) at++;
-            const int64_t page = page_of[k];
-            const int64_t count = n_records - page * per_page < per_page ? n_records - page * per_page : per_page;
-            found[k] = (uint8_t)find_in_page((const float *)(buf + at * page_bytes), count, width, keys[k],
-                                             out + hits * width);
-            hits += found[k];
+        if (lo < count && record_key(flat, base + lo * stride) == keys[j]) {
+            found[j] = 1;
+            memcpy(out + hits * width, flat + base + lo * stride + 2, (size_t)width * sizeof(float));
+            hits++;
         }
     }
-    free(pages); free(buf);
     return hits;
 }

@@ -3,8 +3,7 @@
 * :func:`assign` — a batch's unique ids to slots: lookup, victims, the slots' bookkeeping, in one pass
   instead of some twenty torch operations over [ids, W] temporaries (twin: :func:`.set_victims.place`);
 * :func:`bloom_add`, :func:`bloom_may_hold` — a sorted run's Bloom filter (twin: :mod:`.bloom`);
-* :func:`paged_find` — keys in a sorted run's records file (twin: :meth:`.paged_records.PagedRecords.find`);
-  :func:`paged_find_direct` the same read with ``O_DIRECT`` by several threads, past the page cache.
+* :func:`paged_find` — keys in a sorted run's records file (twin: :meth:`.paged_records.PagedRecords.find`).
 
 Each twin computes the same thing in torch or numpy: it is the reference the tests compare the C with
 (tests/test_native_loops.py) and what runs where no C compiler is found. Why: on a frequency-ordered table
@@ -18,7 +17,6 @@ The source is built on first use by :mod:`modules.embedding.native_build`.
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,7 +29,6 @@ from modules.embedding.ssd_tier.set_victims import too_small
 
 SOURCE = Path(__file__).with_name("cache_loops.c")
 MAX_WAYS = 64  # cache_loops.c's MAX_WAYS
-NO_BUFFER = -2**63  # paged_find_direct's answer when it cannot allocate its buffer
 
 
 @lru_cache(maxsize=1)
@@ -39,7 +36,7 @@ def library() -> ctypes.CDLL:
     """The compiled loops (built on first use); :class:`modules.embedding.native_build.NativeError` if no compiler
     can build them."""
     lib = native_build.library(SOURCE)
-    for name in ("assign_slots_i32", "assign_slots_i64", "paged_find", "paged_find_direct"):
+    for name in ("assign_slots_i32", "assign_slots_i64", "paged_find"):
         getattr(lib, name).restype = ctypes.c_int64
     return lib
 
@@ -108,22 +105,4 @@ def paged_find(flat: np.ndarray, n_records: int, width: int, per_page: int, page
                                 ctypes.c_int64(per_page), ctypes.c_int64(page_words), _ptr(fences),
                                 ctypes.c_int64(len(fences)), _ptr(keys), ctypes.c_int64(n), _ptr(page), _ptr(found),
                                 _ptr(out))
-    return found, out[:hits]
-
-
-def paged_find_direct(fd: int, path: str, n_records: int, width: int, per_page: int, page_words: int,
-                      fences: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`paged_find` from ``fd``, the run's records file (``path``) opened with ``O_DIRECT``: each distinct page
-    the keys need read once, past the page cache. :class:`OSError` naming ``path`` if a page cannot be read."""
-    keys, fences = np.ascontiguousarray(keys, dtype=np.int64), np.ascontiguousarray(fences, dtype=np.int64)
-    n = len(keys)
-    found, out, page = np.empty(n, dtype=bool), np.empty((n, width), dtype=np.float32), np.empty(n, dtype=np.int64)
-    hits = library().paged_find_direct(ctypes.c_int(fd), ctypes.c_int64(n_records), ctypes.c_int64(width),
-                                       ctypes.c_int64(per_page), ctypes.c_int64(page_words), _ptr(fences),
-                                       ctypes.c_int64(len(fences)), _ptr(keys), ctypes.c_int64(n), _ptr(page),
-                                       _ptr(found), _ptr(out))
-    if hits == NO_BUFFER:
-        raise MemoryError(f"{path}: no buffer for the pages of a lookup")
-    if hits < 0:  # −errno of the read that failed
-        raise OSError(-hits, f"a page of a sorted run could not be read: {os.strerror(-hits)}", path)
     return found, out[:hits]

@@ -7,13 +7,8 @@ A record never straddles two pages, and a page says which keys it holds, so a ke
 run's fences, each page's first key) is the only read a lookup makes; keys and records in two files
 cost a page of keys and a page of records instead. (Measured on the 2× benchmark: the same step time
 either way — the disk's queue, not the bytes, set the pace — so this halves the bytes read, not the
-time.) Lookups read their pages with ``O_DIRECT`` where the file system allows it (:func:`direct`): the
-distinct pages a step needs, read by several threads at once (``pread``), bypass the page cache — a row is not
-cached twice, once in the row cache and once as its page, which a memory cgroup counts — and cost less CPU than
-page faults. Where ``O_DIRECT`` is refused (tmpfs), and for the numpy reference, the pages are asked of the
-kernel in parallel (``madvise(WILLNEED)``: :func:`prefetch`, and :func:`prefetch_rows` for rows of the table
-files) and read through the mapping, which takes no read-around. Measured: ``benchmarks/page_reads.py``,
-docs/scale.md.
+time.) Pages are asked of the kernel in parallel (``madvise(WILLNEED)``: :func:`prefetch`, and
+:func:`prefetch_rows` for rows of the table files) and the file is mapped without read-around.
 """
 
 from __future__ import annotations
@@ -21,8 +16,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-import os
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -38,18 +31,13 @@ class PagedRecords:
     two float32 words) then its ``width`` floats, K = ⌊PAGE / record⌋, the rest of the page zeros — so a
     record never straddles two pages, and a page says which keys it holds. ``[a:b]``: the records (without
     their keys) of positions a … b − 1, read in order. ``native``: :meth:`find` in C (:mod:`.native_loops`),
-    else in numpy (the reference); ``path`` (with ``native``): the file, whose lookups then read with
-    ``O_DIRECT`` where its file system allows (:func:`direct`)."""
+    else in numpy (the reference)."""
 
-    def __init__(self, mapped: mmap.mmap | None, n: int, width: int, native: bool = False,
-                 path: Path | None = None) -> None:
+    def __init__(self, mapped: mmap.mmap | None, n: int, width: int, native: bool = False) -> None:
         self.n, self.width, self.stride, self.native = n, width, 2 + width, native
         self.per_page = per_page(width)
         self.flat = np.frombuffer(mapped, dtype=np.float32) if mapped is not None else np.zeros(0, np.float32)
-        self.map, self.path = mapped, path
-        self.fd = direct(path) if native and path is not None and n else None
-        if self.fd is not None:
-            weakref.finalize(self, os.close, self.fd)
+        self.map = mapped
 
     def __len__(self) -> int:
         return self.n
@@ -69,8 +57,6 @@ class PagedRecords:
         key's page, whose pages are asked of the kernel at once; a binary search of the page's inline keys
         (all keys at once, ⌈log₂ K⌉ halvings) gives its place. One page read per key."""
         k, words = self.per_page, PAGE // 4
-        if self.fd is not None:
-            return native_loops.paged_find_direct(self.fd, str(self.path), self.n, self.width, k, words, fences, keys)
         if self.native and self.n:
             return native_loops.paged_find(self.flat, self.n, self.width, k, words, fences, keys)
         page = np.searchsorted(fences, keys, side="right") - 1
@@ -115,18 +101,6 @@ def paged(keys: np.ndarray, records: np.ndarray, width: int) -> np.ndarray:
     if rest:
         out[full, :rest, :2], out[full, :rest, 2:] = words[full * k:], records[full * k:]
     return buf
-
-
-def direct(path: Path) -> int | None:
-    """``path`` opened for reading with ``O_DIRECT`` (reads past the page cache, in whole aligned pages), or None
-    where the file system refuses it (tmpfs) or the platform has no such flag."""
-    flag = getattr(os, "O_DIRECT", None)
-    if flag is None:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | flag)
-    except OSError:
-        return None
 
 
 def mapped(path: Path, at_random: bool) -> mmap.mmap:

@@ -26,9 +26,8 @@ Cost: a record is rewritten once per tier, about log_F(records since the flush /
 hold the evicted rows on disk until the flush (with the duplicates of tiers not yet merged), at most
 16 records a cache slot; a lookup reads one page in the run that holds the key (and in about 2 % of the
 others: the filters' false positives; a record never straddles two pages: :class:`PagedRecords`);
-the pages all rows of a lookup need are read at once — by 32 threads with ``O_DIRECT`` past the page
-cache where the file system allows it, else asked of the kernel (``madvise(WILLNEED)``) — so the disk
-reads them in parallel where page faults would read them one at a time; the mappings take no
+the pages all rows of a lookup need are asked of the kernel at once (``madvise(WILLNEED)``), so the
+disk reads them in parallel where page faults would read them one at a time; the mappings take no
 read-around (``MADV_RANDOM``). Memory: the filters (8 bits a record), the fences (8 bytes per page of
 records), the memtable and one merge block (F × :data:`BLOCK` records) — per cache slot, counted by
 placement (:func:`modules.embedding.ssd_tier.backing.slot_bytes`); the runs are memory-mapped (page
@@ -240,8 +239,8 @@ class SortedRuns:
         keys_map, records_map = mapped(paths[0], at_random=False), mapped(paths[1], at_random=True)
         keys = np.frombuffer(keys_map, dtype=np.int64)
         bloom = BloomFilter(keys, self.native)  # the keys just written: still in the page cache
-        return Run(keys, PagedRecords(records_map, n, self.width, self.native, paths[1]), np.concatenate(fences), bloom,
-                   tier, paths)
+        return Run(keys, PagedRecords(records_map, n, self.width, self.native), np.concatenate(fences), bloom, tier,
+                   paths)
 
     def _delete(self, run: Run) -> None:
         """The run's files unlinked; views of it a lookup still holds stay valid (its maps close with them)."""
