@@ -11,12 +11,12 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
-from pipeline.runtime.process_exit import leave_process_group
+from pipeline.runtime.process_exit import exit_now, leave_process_group
 from pipeline.serving.prediction import PredictArgs, run
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="predict")
-def cli(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
     args = command_args(cfg, PredictArgs)
     try:
         result = exit_on_user_error(lambda: run(args))
@@ -29,6 +29,12 @@ def cli(cfg: DictConfig) -> None:
             unseen, looked_up = result.unseen
             print(f"model.zch: {unseen:,} of {looked_up:,} raw ids ({unseen / max(1, looked_up):.2%}) were not held "
                   f"at training and read the unknown row", flush=True)
+
+
+def cli() -> None:
+    """``ctr predict`` / ``python -m pipeline.commands.predict``."""
+    main()
+    exit_now(0)  # no interpreter teardown: under torchrun a gloo worker may still be ending (pipeline.runtime.process_exit)
 
 
 if __name__ == "__main__":
