@@ -114,7 +114,7 @@ def measure(name: str, reader, path: Path, steps: list[np.ndarray], check: list[
     read, close = reader
     buf = mmap.mmap(-1, max(len(s) for s in steps) * PAGE)  # page-aligned, as O_DIRECT needs
     out_all = np.frombuffer(buf, dtype=np.uint8).reshape(-1, PAGE)
-    rates, cpu, cached = [], 0.0, []
+    rates, cpu, cached, out = [], 0.0, [], None
     try:
         for i, pages in enumerate(steps):
             drop(path)
