@@ -276,9 +276,7 @@ def test_buckets_that_cannot_split_the_rows_are_refused_and_a_mapping_continues_
 
 
 TWO_TABLES, ONE_TABLE = {"t": ["a", "b"], "u": ["c"]}, {"t": ["a", "b", "c"]}
-
-
-CASES = (({"t": ["a", "b"], "u": ["c"]}, 1), ({"t": ["a", "b"], "u": ["c"]}, 2), ({"t": ["a", "b", "c"]}, 1))
+CASES = ((TWO_TABLES, 1), (TWO_TABLES, 2), (ONE_TABLE, 1))  # (tables, buckets) of the 2-process remapper test
 
 
 def _ranks_remap(rank: int, world: int, steps: list[dict[str, list[int]]], out: str) -> None:
