@@ -53,7 +53,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BYTES_PER_HASH_ROW = 26 * (4 * (16 + 1) + 4 * (4 + 1))  # all tables, dim 16 + wide 4, row-wise Adagrad state
+
+
+def bytes_per_row(dim: int) -> int:
+    """A table row with its row-wise Adagrad state, and its first-order (wide, 4 columns) row: float32."""
+    return 4 * (dim + 1) + 4 * (4 + 1)
 
 
 def measured(cmd: list[str], cgroup: Path | None = None, env: dict | None = None) -> dict:
@@ -210,20 +214,20 @@ def table_scale(args: argparse.Namespace) -> None:
     try:
         for fraction in args.fractions:
             common = [f"paths.cache_dir={work / 'cache'}", "logger.log_model=false", f"trainer.batch_size={args.batch_size}",
+                      f"model.embedding_dim={args.dim}",
                       f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}", "trainer.max_epochs=1"]
             if args.vocab_rows:
                 data = [f"data.synthetic.rows={args.vocab_rows}", *args.set]
                 sizes = prepare(data, rebuild=False)["table_sizes"]
-                gib = sum(n * 4 * (16 + 1) for n in sizes.values()) / 2**30 + \
-                    sum(sizes.values()) * 4 * (4 + 1) / 2**30  # tables + the first-order table, row-wise state
+                gib = sum(sizes.values()) * bytes_per_row(args.dim) / 2**30
                 limit = gib / fraction
                 common += [*data, f"trainer.max_steps={args.max_steps}"]
             else:
-                buckets = int(fraction * args.limit_gb * 2**30 / BYTES_PER_HASH_ROW)
+                buckets = int(fraction * args.limit_gb * 2**30 / (26 * bytes_per_row(args.dim)))
                 data = [f"data.synthetic.rows={args.rows}", "data.preprocess.categorical=hash",
                         f"data.preprocess.hash_buckets={buckets}", *args.set]
                 prepare(data, rebuild=False)
-                gib, limit = buckets * BYTES_PER_HASH_ROW / 2**30, args.limit_gb
+                gib, limit = buckets * 26 * bytes_per_row(args.dim) / 2**30, args.limit_gb
                 common += data
             (group / "memory.limit_in_bytes").write_text(str(int((args.cgroup_gb or limit) * 2**30)))
             if host is None or not args.vocab_rows:  # the vocab model is the same at every fraction
@@ -273,6 +277,7 @@ def main() -> None:
     t.add_argument("--rows", type=int, default=2_000_000)
     t.add_argument("--vocab-rows", type=int, default=None, help="size by this log's vocabulary instead of hashing")
     t.add_argument("--max-steps", type=int, default=1000)
+    t.add_argument("--dim", type=int, default=16, help="model.embedding_dim (the tables are sized with it)")
     t.add_argument("--cgroup-gb", type=float, default=None, help="the ssd run's cgroup limit (default: the limit "
                    "placement is told): more room than the run is told, to see whether memory pressure binds it")
     t.add_argument("--ssd-set", nargs="*", default=[], help="overrides for the ssd run only, e.g. "

@@ -6,11 +6,12 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from modules.embedding.ssd_tier.backing import ROW_INDEX_BYTES
 from modules.sharding.cache_allocation import Claim, allocate, coverage_curve, least_bytes
-from modules.sharding.placement import TableInfo, place_tables
+from modules.sharding.placement import PlacementError, TableInfo, cache_floor, place_tables
 from modules.sharding.topology import GB, SsdSpec, TopologySpec
 
 
@@ -127,3 +128,21 @@ def test_a_whole_table_that_fits_is_not_grown_as_slots_instead(tmp_path):
     # with room for both tables whole, both stay in host memory (as before)
     roomy = place_tables([BIG, small], _cpu((1_200_000 * ROW + 1) / 0.75 / GB, tmp_path), "rowwise_adagrad")
     assert {p.tier for p in roomy.values()} == {"host"}
+
+
+def test_a_table_of_few_distinct_values_needs_a_cache_of_those_not_of_the_batch(tmp_path):
+    # a hashed table: 1,460 values over 1M buckets; a batch of 16,384 ids meets at most those rows (× 2 for values
+    # new in the evaluation splits, + each feature's missing and OOV rows), so its least cache is 4 × 2 × 1,462
+    # rows, not 4 × 16,384; without the distinct count (share 1.0) the floor stays the batch's
+    levels = {0.5: 20, 0.8: 200, 0.9: 500, 0.95: 860, 0.99: 1_300}
+    hashed, unmeasured = TableInfo("hashed", 1_000_000, 16, {**levels, 1.0: 1_460}), TableInfo("hashed", 1_000_000, 16, levels)
+    assert cache_floor(hashed, 16_384) == 4 * 2 * (1_460 + 2) < cache_floor(unmeasured, 16_384) == 4 * 16_384
+    assert cache_floor(hashed, 100) == 4 * 100 and cache_floor(hashed, 0) == FLOOR  # the batch binds; no batch
+    wide = TableInfo("wide", 10**6, 4, {0.99: 10, 1.0: 12}, features=26)  # each feature's missing and OOV rows
+    assert cache_floor(wide, 1_000) == 4 * 2 * (12 + 2 * 26)
+    budget = 2_000_000 * ROW_INDEX_BYTES + (4 * 16_384 + cache_floor(hashed, 16_384) + 100) * SLOT
+    placed = place_tables([BIG, hashed], _cpu(budget / 0.75 / GB, tmp_path), "rowwise_adagrad", batch_rows=16_384)
+    assert placed["hashed"].tier == placed["big"].tier == "ssd"
+    assert placed["hashed"].cache_rows >= 4 * 2 * 1_462 and placed["big"].cache_rows >= 4 * 16_384
+    with pytest.raises(PlacementError, match="no row cache"):
+        place_tables([BIG, unmeasured], _cpu(budget / 0.75 / GB, tmp_path), "rowwise_adagrad", batch_rows=16_384)

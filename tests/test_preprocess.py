@@ -133,3 +133,22 @@ def test_split_leaving_no_training_rows_gives_empty_vocabularies(tmp_path):
     assert all(n == 2 for n in store.table_sizes.values())  # OOV and missing rows only
     for split in ("valid", "test"):
         assert (np.asarray(store.split(split).sparse) <= 1).all()
+
+
+def test_hashed_tables_meet_no_more_rows_than_their_distinct_values(tmp_path, dac):
+    """Placement sizes a hashed table's least row cache by its distinct training values (coverage share 1.0),
+    not by the batch: the rows the training split meets are at most those values and the missing row."""
+    from pipeline.data.datamodule import CTRDataModule
+
+    cfg = PreprocessConfig(categorical="hash", hash_buckets=1 << 20, split=SplitConfig(method="random", valid=0.0, test=0.2))
+    data = builtin_layout("criteo", cfg)
+    module = CTRDataModule(data, tmp_path, 1024, 1024, 0)
+    module.store = preprocess([dac], data, tmp_path / "store")
+    df = pd.read_csv(dac, sep="\t", header=None, names=list(CRITEO.columns), dtype={c: str for c in CRITEO.categorical})
+    train = module.store.split("train")
+    assert module.store.meta["splits"]["train"] == len(train.label) < len(df)
+    for j, c in enumerate(CRITEO.categorical):
+        coverage = module.coverage[c]
+        met = np.unique(train.sparse[:, j])
+        assert coverage[1.0] == module.store.meta["stats"][c]["distinct_train"] >= coverage[0.99], c
+        assert len(met) - 1 <= coverage[1.0] <= df[c].nunique(), c  # at most the missing row besides the values

@@ -63,6 +63,7 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
+UNSEEN_MARGIN = 2        # a batch's distinct rows ≤ this × the training split's: values new in evaluation splits
 UNMEASURED_ZIPF_EXPONENT = 1.0  # the ids of a table without statistics (raw ids): Zipf's law, for its cache's share
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
@@ -86,6 +87,10 @@ class TableInfo:
     def bytes(self, optimizer: str) -> int:
         per, per_col = OPTIMIZER_STATE_PER_ROW.get(optimizer, (2, True))
         return self.rows * 4 * (self.dim + (per * self.dim if per_col else per))
+
+    def distinct_rows(self) -> int | None:
+        """The rows the training data meets at all (the statistics' share 1.0), if measured."""
+        return min(self.rows, int(self.coverage_rows[1.0])) if 1.0 in self.coverage_rows else None
 
     def rows_covering(self, share: float) -> int:
         if not self.coverage_rows:
@@ -198,6 +203,19 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
     return place
 
 
+def cache_floor(t: TableInfo, batch_rows: int) -> int:
+    """An ``ssd`` table's least row cache, at most the table: :data:`MIN_SLOTS_PER_ID` slots per distinct row one
+    batch can bring, ``min(batch_rows · features, UNSEEN_MARGIN · (distinct training values + 2 · features))`` — a
+    hashed table of 1,460 values meets those rows, each feature's missing and OOV rows and an evaluation split's new
+    values (the margin), however many ids a batch holds; :data:`MIN_CACHE_ROWS` when the batch size is not known."""
+    if not batch_rows:
+        return min(t.rows, MIN_CACHE_ROWS)
+    distinct, per_batch = t.distinct_rows(), batch_rows * t.features
+    if distinct is not None:
+        per_batch = min(per_batch, UNSEEN_MARGIN * (distinct + 2 * t.features))
+    return min(t.rows, MIN_SLOTS_PER_ID * per_batch)
+
+
 def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
                   fusable: bool, process_bytes: float, batch_rows: int) -> dict[str, Placement]:
     """CPU tiers: host memory, or files (``ssd``) behind a row cache, by the lookups each byte of the host
@@ -215,8 +233,7 @@ def _place_on_cpu(tables: Sequence[TableInfo], topology: TopologySpec, optimizer
     # host memory not described: nothing moves on its own
     budget["host"] = budget["host"] - topology.world_size * process_bytes if topology.ddr_cap_gb > 0 else math.inf
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
-    floors = {t.name: min(t.rows, MIN_SLOTS_PER_ID * batch_rows * t.features if batch_rows else MIN_CACHE_ROWS)
-              for t in tables}  # each ssd table's least row cache (rows one batch can bring)
+    floors = {t.name: cache_floor(t, batch_rows) for t in tables}
     claims = {t.name: Claim(t.name, t.rows, float(t.features),
                             coverage_curve(t.rows, t.coverage_rows or zipf_coverage(t.rows, UNMEASURED_ZIPF_EXPONENT)),
                             place[t.name].row_bytes, place[t.name].slot_bytes, t.rows * ROW_INDEX_BYTES, floors[t.name],

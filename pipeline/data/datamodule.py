@@ -52,9 +52,11 @@ class CTRDataModule(L.LightningDataModule):
 
     @property
     def coverage(self) -> dict[str, dict[float, int]]:
-        """Per table: how many of the hottest ids carry each share of the training occurrences."""
+        """Per table: how many of the hottest ids carry each share of the training occurrences; all of them
+        (share 1.0) the table's distinct training values."""
         assert self.store is not None, "setup() first"
-        return {f: {float(q): int(n) for q, n in s.get("coverage_rows", {}).items()}
+        return {f: {**{float(q): int(n) for q, n in s.get("coverage_rows", {}).items()},
+                    **({1.0: int(s["distinct_train"])} if "distinct_train" in s and s.get("coverage_rows") else {})}
                 for f, s in self.store.meta["stats"].items()}
 
     def row_buckets(self) -> RowBuckets:
