@@ -152,3 +152,8 @@ def test_hashed_tables_meet_no_more_rows_than_their_distinct_values(tmp_path, da
         met = np.unique(train.sparse[:, j])
         assert coverage[1.0] == module.store.meta["stats"][c]["distinct_train"] >= coverage[0.99], c
         assert len(met) - 1 <= coverage[1.0] <= df[c].nunique(), c  # at most the missing row besides the values
+    # a sequential split's evaluation rows may meet values training never did: no count to size caches by
+    sequential = builtin_layout("criteo", PreprocessConfig(categorical="hash", split=SplitConfig(method="sequential")))
+    module = CTRDataModule(sequential, tmp_path, 1024, 1024, 0)
+    module.store = preprocess([dac], sequential, tmp_path / "sequential")
+    assert all(1.0 not in levels and levels for levels in module.coverage.values())

@@ -63,7 +63,7 @@ TIER_OF_KERNEL = {v: k for k, v in KERNELS.items() if k != "host"}
 CPU_TIERS = ("host", "ssd")
 DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_cap_gb is not described
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
-UNSEEN_MARGIN = 2        # a batch's distinct rows ≤ this × the training split's: values new in evaluation splits
+UNSEEN_MARGIN = 2        # a batch's distinct rows ≤ this × the training split's (random splits: values new in evaluation)
 UNMEASURED_ZIPF_EXPONENT = 1.0  # the ids of a table without statistics (raw ids): Zipf's law, for its cache's share
 OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
     "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),

@@ -53,10 +53,14 @@ class CTRDataModule(L.LightningDataModule):
     @property
     def coverage(self) -> dict[str, dict[float, int]]:
         """Per table: how many of the hottest ids carry each share of the training occurrences; all of them
-        (share 1.0) the table's distinct training values."""
+        (share 1.0) the table's distinct training values — given only where the splits were drawn at random
+        from the same rows: a sequential or given split's evaluation rows may meet values training never did,
+        and placement sizes the least row caches by this count (:func:`modules.sharding.placement.cache_floor`)."""
         assert self.store is not None, "setup() first"
+        drawn = self.store.meta.get("preprocess", {}).get("split", {}).get("method") == "random"
         return {f: {**{float(q): int(n) for q, n in s.get("coverage_rows", {}).items()},
-                    **({1.0: int(s["distinct_train"])} if "distinct_train" in s and s.get("coverage_rows") else {})}
+                    **({1.0: int(s["distinct_train"])} if drawn and "distinct_train" in s and s.get("coverage_rows")
+                       else {})}
                 for f, s in self.store.meta["stats"].items()}
 
     def row_buckets(self) -> RowBuckets:
