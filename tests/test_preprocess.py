@@ -138,6 +138,7 @@ def test_split_leaving_no_training_rows_gives_empty_vocabularies(tmp_path):
 def test_hashed_tables_meet_no_more_rows_than_their_distinct_values(tmp_path, dac):
     """Placement sizes a hashed table's least row cache by its distinct training values (coverage share 1.0),
     not by the batch: the rows the training split meets are at most those values and the missing row."""
+    from modules.sharding.placement import UNSEEN_MARGIN
     from pipeline.data.datamodule import CTRDataModule
 
     cfg = PreprocessConfig(categorical="hash", hash_buckets=1 << 20, split=SplitConfig(method="random", valid=0.0, test=0.2))
@@ -145,13 +146,16 @@ def test_hashed_tables_meet_no_more_rows_than_their_distinct_values(tmp_path, da
     module = CTRDataModule(data, tmp_path, 1024, 1024, 0)
     module.store = preprocess([dac], data, tmp_path / "store")
     df = pd.read_csv(dac, sep="\t", header=None, names=list(CRITEO.columns), dtype={c: str for c in CRITEO.categorical})
-    train = module.store.split("train")
+    train, test = module.store.split("train"), module.store.split("test")
     assert module.store.meta["splits"]["train"] == len(train.label) < len(df)
     for j, c in enumerate(CRITEO.categorical):
         coverage = module.coverage[c]
         met = np.unique(train.sparse[:, j])
         assert coverage[1.0] == module.store.meta["stats"][c]["distinct_train"] >= coverage[0.99], c
         assert len(met) - 1 <= coverage[1.0] <= df[c].nunique(), c  # at most the missing row besides the values
+        # the margin for values new in a random evaluation split (UNSEEN_MARGIN), on real data: the whole test
+        # split (a fifth of the sample, one evaluation batch) meets no more rows than it allows
+        assert len(np.unique(test.sparse[:, j])) <= UNSEEN_MARGIN * (coverage[1.0] + 2), c
     # a sequential split's evaluation rows may meet values training never did: no count to size caches by
     sequential = builtin_layout("criteo", PreprocessConfig(categorical="hash", split=SplitConfig(method="sequential")))
     module = CTRDataModule(sequential, tmp_path, 1024, 1024, 0)
