@@ -223,11 +223,12 @@ def table_scale(args: argparse.Namespace) -> None:
                 limit = gib / fraction
                 common += [*data, f"trainer.max_steps={args.max_steps}"]
             else:
-                buckets = int(fraction * args.limit_gb * 2**30 / (26 * bytes_per_row(args.dim)))
+                bucket_bytes = 26 * bytes_per_row(args.dim)  # a bucket of each of the 26 categorical fields' tables
+                buckets = int(fraction * args.limit_gb * 2**30 / bucket_bytes)
                 data = [f"data.synthetic.rows={args.rows}", "data.preprocess.categorical=hash",
                         f"data.preprocess.hash_buckets={buckets}", *args.set]
                 prepare(data, rebuild=False)
-                gib, limit = buckets * 26 * bytes_per_row(args.dim) / 2**30, args.limit_gb
+                gib, limit = buckets * bucket_bytes / 2**30, args.limit_gb
                 common += data
             (group / "memory.limit_in_bytes").write_text(str(int((args.cgroup_gb or limit) * 2**30)))
             if host is None or not args.vocab_rows:  # the vocab model is the same at every fraction
