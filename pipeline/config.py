@@ -126,8 +126,11 @@ class TrainerConfig:
     init_from_optimizer: str = "none"   # also carry a checkpoint's optimizer state: none | embedding | dense | all
     nonfinite: str = "stop"
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
+    collective_timeout_s: float = 600.0  # a collective (or the process group's start) waiting longer fails the run
 
     def __post_init__(self) -> None:
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s}: expected a positive number of seconds")
         for key in ("batch_size", "eval_batch_size", "max_epochs", "plateau_patience"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)!r}: expected a positive integer")

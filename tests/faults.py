@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -16,14 +18,23 @@ from lightning.pytorch.callbacks import Callback
 
 class KillRank(Callback):
     """Global rank ``rank`` SIGKILLs itself after training step ``step`` — in a run that did not resume
-    from a checkpoint (so a restarted torchrun attempt, which resumes, lives)."""
+    from a checkpoint (so a restarted torchrun attempt, which resumes, lives). With ``record`` (a JSON file's
+    path), it first writes there the step and the newest complete checkpoint in ``checkpoint_dir`` with its
+    MLflow run: what a resume must continue, read before any restart can write."""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, record: str | None = None, checkpoint_dir: str | None = None) -> None:
+        self.rank, self.step, self.record, self.checkpoint_dir = rank, step, record, checkpoint_dir
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank and trainer.ckpt_path is None:
+            if self.record:
+                from pipeline.checkpoint.discovery import complete_checkpoints, read_rank0_state
+
+                last = complete_checkpoints(self.checkpoint_dir)[-1]
+                Path(self.record).write_text(json.dumps({
+                    "step": trainer.global_step, "checkpoint": last.name,
+                    "mlflow_run_id": read_rank0_state(last)["pipeline"]["mlflow_run_id"]}))
             os.kill(os.getpid(), signal.SIGKILL)
 
 

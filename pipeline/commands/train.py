@@ -72,6 +72,10 @@ def cli() -> None:
         if global_rank() == 0:
             print(f"Exiting with status {status}, {stopped.guard.seconds_since_signal():.1f} s after the signal",
                   file=sys.stderr, flush=True)
+    except SystemExit as stopped:  # Hydra's exit after an error, or a user error's: also left without teardown,
+        status = stopped.code if isinstance(stopped.code, int) else (0 if stopped.code is None else 1)  # which
+        if isinstance(stopped.code, str):                                # can wait on a lost peer's sockets
+            print(stopped.code, file=sys.stderr, flush=True)
     stop_worker_pools()
     exit_now(status)  # no interpreter teardown (see pipeline.runtime.process_exit)
 

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from modules.sharding.topology import TopologySpec
+from pipeline.checkpoint.discovery import complete_checkpoints
 from pipeline.checkpoint.resume import resume_checkpoint
 from pipeline.config import RunConfig, check_runnable, parse_config
 from pipeline.data.datamodule import CTRDataModule
@@ -24,6 +25,7 @@ from pipeline.runtime.hydra_job import output_dir as job_output_dir
 from pipeline.runtime.hydra_job import threads_per_job
 from pipeline.runtime.launch import world_from_env
 from pipeline.runtime.numa import bind_to_gpu_numa_node
+from pipeline.runtime.peers import collective_failure, is_lost_peer
 from pipeline.runtime.signals import Preempted, SignalGuard
 from pipeline.tracking.store import logging_run, start_logger
 from pipeline.tracking.sweeps import sweep_job_tags
@@ -53,13 +55,19 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     callbacks = build_callbacks(run_cfg, topology, guard, [hydra.utils.instantiate(c) for c in cfg.trainer.callbacks])
     trainer = build_trainer(run_cfg, topology, callbacks, logger, output_dir)
     bundle = None
-    with guard, logging_run(logger, run_cfg.logger, output_dir) as undelivered:
-        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
-        if guard.signum is None:  # a signal during test or publishing is acted on when that work ends
-            test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
-            bundle = publish(run_cfg, params, task, trainer, datamodule, output_dir, logger)
-        if guard.signum is not None:
-            raise Preempted(guard, trainer.global_step, t.checkpoint.dir)
+    try:
+        with guard, logging_run(logger, run_cfg.logger, output_dir) as undelivered:
+            trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
+            if guard.signum is None:  # a signal during test or publishing is acted on when that work ends
+                test = trainer.test(task, datamodule=datamodule, verbose=False)[0]
+                bundle = publish(run_cfg, params, task, trainer, datamodule, output_dir, logger)
+            if guard.signum is not None:
+                raise Preempted(guard, trainer.global_step, t.checkpoint.dir)
+    except Exception as e:
+        if not is_lost_peer(e):
+            raise
+        found = complete_checkpoints(t.checkpoint.dir) if t.checkpoint.dir else []
+        raise collective_failure(e, trainer.strategy.peers, t.collective_timeout_s, found[-1] if found else None) from e
     register_model(run_cfg, logger, bundle, undelivered)
     return run_result(trainer, test, logger, output_dir)
 

@@ -7,16 +7,13 @@ or broadcast rank 0's parameters before evaluation (the embedding shards differ 
 Checkpoints are written by every rank (each holds its own shards; see
 :mod:`pipeline.checkpoint.dcp_io`), not by rank 0 alone.
 
-Under ``torchrun --max-restarts``, the agent keeps one TCP store for every attempt and the
-process group's keys carry no attempt prefix, so a restarted rank can read the address of a
-peer from the killed attempt and fail to connect (a race: it works only if the new peer
-publishes first). The process group here gets its own ``attempt_<TORCHELASTIC_RESTART_COUNT>``
-namespace in that store.
+Under ``torchrun`` the process group is made in a store of its own for each start of the workers
+(:mod:`pipeline.runtime.start_store`: torchrun's one store for the whole job would hand a restarted
+rank the addresses of the killed start's peers). Collectives, and that store, wait at most
+``trainer.collective_timeout_s``.
 """
 
 from __future__ import annotations
-
-import os
 
 import lightning as L
 import torch.distributed as dist
@@ -27,10 +24,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from modules.embedding.ssd_tier.cached_tbe import reload_tables
 from pipeline.checkpoint.full_state import without_doubled_prefix
+from pipeline.runtime.peers import Peers
+from pipeline.runtime.start_store import agent_store_used, start_store
 
 
 class TorchRecStrategy(DDPStrategy):
     strategy_name = "torchrec_ddp"
+    peers: Peers | None = None
 
     def setup(self, trainer: "L.Trainer") -> None:
         assert self.accelerator is not None
@@ -43,15 +43,13 @@ class TorchRecStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def setup_distributed(self) -> None:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not dist.is_initialized():
+        if agent_store_used() and not dist.is_initialized():
             self.set_world_ranks()
-            agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                        is_master=False, timeout=self._timeout)
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             _init_dist_connection(self.cluster_environment, self._get_process_group_backend(), timeout=self._timeout,
                                   device_id=self.root_device if self.root_device.type != "cpu" else None,
-                                  store=dist.PrefixStore(f"attempt_{attempt}/", agent_store))
+                                  store=start_store(self.global_rank, self._timeout))
         super().setup_distributed()  # seeds and ranks; Lightning's own process group if none was made above
+        self.peers = Peers.exchange()  # to name a lost peer if a collective fails (pipeline/runtime/peers.py)
 
     def model_to_device(self) -> None:
         """The LightningModule builds its DMP on ``root_device`` in ``configure_model``."""

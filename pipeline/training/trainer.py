@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -49,7 +50,8 @@ def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Call
     t = cfg.trainer
     return L.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=topology.ranks_per_node, num_nodes=world // topology.ranks_per_node,
-        strategy=TorchRecStrategy(process_group_backend="nccl" if cuda else "gloo"),
+        strategy=TorchRecStrategy(process_group_backend="nccl" if cuda else "gloo",
+                                  timeout=timedelta(seconds=t.collective_timeout_s)),
         max_epochs=t.max_epochs, max_steps=t.max_steps, precision=t.precision, logger=logger, callbacks=callbacks,
         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,

@@ -1,0 +1,161 @@
+"""Training across nodes with a network between them: two network namespaces on one bridge, links shaped
+by ``tc tbf`` (benchmarks/netns_cluster.py), one ``torchrun`` agent per node.
+
+- A node's worker SIGKILLed: ``--max-restarts=1`` re-forms the job across both nodes (each node's process
+  group made in a store of its start, pipeline/runtime/start_store.py), ``trainer.resume=auto`` continues
+  it in the same MLflow run, and it ends at the test AUC of the same job run over loopback.
+- A link cut for longer than ``trainer.collective_timeout_s``: every rank exits non-zero with a message
+  naming the key and the peer that does not answer; the last checkpoint is intact and a restart resumes it.
+- Node 0 (the rendezvous host) lost: the other node's rank and agent stop with a message, no hang.
+
+Needs root for the namespaces: skipped with the reason elsewhere, never skipped under CI (CI runs as root).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.netns_cluster import Cluster, unavailable, wait_all
+from pipeline.checkpoint.discovery import complete_checkpoints, read_rank0_state
+from pipeline.checkpoint.manifest import verify_checkpoint
+from pipeline.training.result import read_result
+from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
+
+RATE_MBIT = 200
+STEPS = 20  # 100k rows → 85k training rows / batch 4096, one epoch
+PEER_LOST = "Error (PeerLostError)"
+
+_why_not = unavailable()
+if _why_not and os.environ.get("CI"):
+    raise RuntimeError(f"CI runs as root and must run the cluster tests, but: {_why_not}")
+pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no network namespaces: {_why_not}")
+
+
+@pytest.fixture(scope="module")
+def job_args(small_overrides, tmp_path_factory):
+    """The job every test runs: the small data, batch 4,096, one epoch, a checkpoint every 5 steps."""
+    keep = [o for o in small_overrides if not o.startswith(("trainer.batch_size", "trainer.max_epochs"))]
+    return ["-m", "pipeline.commands.train", *keep, "trainer.batch_size=4096", "trainer.max_epochs=1",
+            "trainer.checkpoint.every_n_steps=5", "trainer.checkpoint.keep=10", "trainer.num_threads=1"]
+
+
+def _node_args(job_args: list[str], tmp: Path, node: int, *extra: str) -> list[str]:
+    return [*job_args, f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db", f"trainer.checkpoint.dir={tmp}/ckpt",
+            *extra, f"hydra.run.dir={tmp}/node{node}"]
+
+
+@pytest.fixture(scope="module")
+def loopback_result(job_args, tmp_path_factory):
+    """The same job, 2 nodes × 1 process, over 127.0.0.1 (two torchrun agents): the reference."""
+    tmp = tmp_path_factory.mktemp("loopback")
+    port = free_port()
+    agents = [subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=loop{port}",
+                                *_node_args(job_args, tmp, n)],
+                               cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True) for n in range(2)]
+    errs = [a.communicate(timeout=600)[1] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    return read_result(tmp / "node0")
+
+
+def _start(cluster: Cluster, job_args: list[str], tmp: Path, run_id: str, *extra: str,
+           max_restarts: int = 0) -> list[subprocess.Popen]:
+    agents = []
+    for n in range(cluster.nodes):
+        with open(tmp / f"node{n}.log", "a") as log:  # the agent keeps its own descriptor
+            agents.append(cluster.torchrun(n, 1, run_id, _node_args(job_args, tmp, n, *extra), subprocess_env(),
+                                           max_restarts=max_restarts, rdzv_timeout_s=30, cwd=ROOT, stdout=log,
+                                           stderr=subprocess.STDOUT))
+    return agents
+
+
+def _log(tmp: Path, node: int) -> str:
+    return (tmp / f"node{node}.log").read_text(errors="replace")
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.2)
+
+
+def _tx_bytes(cluster: Cluster, node: int) -> int:
+    out = subprocess.run(["ip", "-n", cluster.names[node], "-s", "-j", "link", "show", "eth0"],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]["stats64"]["tx"]["bytes"]
+
+
+def test_killed_worker_restarts_across_nodes_and_ends_as_over_loopback(job_args, loopback_result, tmp_path):
+    record = tmp_path / "killed.json"
+    kill = (f"trainer.callbacks=[{{_target_:tests.faults.KillRank,rank:1,step:8,record:{record},"
+            f"checkpoint_dir:{tmp_path}/ckpt}}]")
+    with Cluster(nodes=2, rate_mbit=RATE_MBIT) as cluster:
+        agents = _start(cluster, job_args, tmp_path, "kill", "trainer.resume=auto", kill, max_restarts=1)
+        codes = wait_all(agents, 480)
+        sent = [_tx_bytes(cluster, n) for n in range(2)]
+    assert codes == [0, 0], _log(tmp_path, 0)[-3000:] + _log(tmp_path, 1)[-3000:]
+    killed = json.loads(record.read_text())  # written by rank 1 before it was killed, so before any restart
+    assert killed["checkpoint"] == "step-000000005"
+    result = read_result(tmp_path / "node0")
+    assert result.mlflow_run_id == killed["mlflow_run_id"]  # continued the killed run: a fresh start makes a new one
+    assert "exitcode: -9" in _log(tmp_path, 1), "node 1's agent was expected to see its worker killed"
+    # steps 6-8 of the killed start were trained again from the step-5 checkpoint: the loopback job's numbers
+    assert result.test_auc == pytest.approx(loopback_result.test_auc, abs=1e-6)
+    assert result.test_logloss == pytest.approx(loopback_result.test_logloss, abs=1e-6)
+    # the bytes counted per step left each node through its shaped link (plus the restart's and rendezvous')
+    counted = result.comm_bytes_per_step * STEPS
+    assert all(s >= 0.9 * counted for s in sent), (sent, counted)
+
+
+def test_cut_link_stops_every_rank_with_the_peer_named_and_a_restart_resumes(job_args, loopback_result, tmp_path):
+    timeout_s = 15
+    ckpt = tmp_path / "ckpt"
+    with Cluster(nodes=2, rate_mbit=RATE_MBIT) as cluster:
+        agents = _start(cluster, job_args, tmp_path, "cut", f"trainer.collective_timeout_s={timeout_s}")
+        _wait_for(lambda: bool(complete_checkpoints(ckpt)), 300, "the first checkpoint")
+        cluster.set_link(1, up=False)
+        cut_at = time.monotonic()
+        # every rank ends within the timeout, the peers' probes (3 s) and a margin for a loaded machine
+        _wait_for(lambda: all(PEER_LOST in _log(tmp_path, n) for n in range(2)), timeout_s + 90, "both ranks' error")
+        waited = time.monotonic() - cut_at
+        _wait_for(lambda: agents[0].poll() is not None, 60, "node 0's agent")
+        assert agents[0].returncode != 0
+        for node, peer in ((0, "rank 1 at 198.18.0.2"), (1, "rank 0 at 198.18.0.1")):
+            line = next(x for x in _log(tmp_path, node).splitlines() if x.startswith(PEER_LOST))
+            assert f"trainer.collective_timeout_s={timeout_s}" in line and peer in line, line
+        assert waited >= timeout_s - 1
+        last = complete_checkpoints(ckpt)[-1]
+        assert verify_checkpoint(last) == []
+        killed_run = read_rank0_state(last)["pipeline"]["mlflow_run_id"]
+        # node 1's agent waits on its rendezvous store across the cut link (torchrun's): a new job replaces it
+        for n in range(2):
+            cluster.kill_node(n)
+        cluster.set_link(1, up=True)
+        resumed = _start(cluster, job_args, tmp_path, "cut-resume", "trainer.resume=auto")
+        assert wait_all(resumed, 480) == [0, 0], _log(tmp_path, 0)[-3000:]
+    result = read_result(tmp_path / "node0")
+    assert result.mlflow_run_id == killed_run
+    assert result.test_auc == pytest.approx(loopback_result.test_auc, abs=1e-6)
+
+
+def test_lost_rendezvous_host_stops_the_other_node(job_args, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    with Cluster(nodes=2, rate_mbit=RATE_MBIT) as cluster:
+        agents = _start(cluster, job_args, tmp_path, "lost0", "trainer.collective_timeout_s=60")
+        _wait_for(lambda: bool(complete_checkpoints(ckpt)), 300, "the first checkpoint")
+        cluster.kill_node(0)
+        lost_at = time.monotonic()
+        code = wait_all([agents[1]], 150)[0]
+        waited = time.monotonic() - lost_at
+    log = _log(tmp_path, 1)
+    assert code is not None and code != 0, f"node 1's agent still running {waited:.0f} s after node 0 was lost"
+    line = next((x for x in log.splitlines() if x.startswith(PEER_LOST)), log[-3000:])
+    assert "rank 0 at 198.18.0.1 refuses connections" in line, line
