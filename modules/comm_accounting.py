@@ -120,9 +120,10 @@ class CommCounter:
 
 
 def ddp_counting_hook(state, bucket):  # no annotations: DDP checks them against the real classes
-    """DDP communication hook: DDP's own all-reduce of the bucket (a ``dist.all_reduce``, counted by
-    the wrapper) under the category ``dense_allreduce``."""
+    """DDP communication hook: ``state`` (a hook of ``ddp_comm_hooks.default_hooks``: the plain all-reduce or
+    an fp16/bf16 compressing one; None: the plain one) on the bucket, its ``dist.all_reduce`` counted by
+    the wrapper under the category ``dense_allreduce``."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     with comm_category("dense_allreduce"):
-        return allreduce_hook(None, bucket)
+        return (state or allreduce_hook)(None, bucket)

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 from modules.optim.cowclip import CowClipConfig
 from modules.optim.embedding_l2 import L2_SCOPES
 from modules.optim.kstep_merging import MergeConfig
+from modules.sharding.comm_precision import CommsConfig
 from modules.models import ModelConfig
 from modules.optim.optimizers import OptimizerSpec, is_fusable
 from modules.optim.scaling_rules import EMBEDDING_LR_RULES, RULES
@@ -119,6 +120,7 @@ class TrainerConfig:
     plateau_lr_factor: Optional[float] = None
     plateau_patience: int = 1
     merging: MergeConfig = field(default_factory=MergeConfig)
+    comms: CommsConfig = field(default_factory=CommsConfig)  # precision of each collective (modules/sharding/comm_precision.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)  # signals: pipeline/runtime/signals.py
     resume: Optional[str] = None

@@ -26,7 +26,10 @@ def test_default_config_composes_into_typed_objects():
     assert run.optim.dense.betas == (0.9, 0.999) and run.model.mlp == [400, 400, 400]
     assert run.topology.name == "cpu" and run.topology.ddr_cap_gb == 16
     assert run.data.synthetic.rows == 1_000_000 and run.data.preprocess.split.test == 0.1
-    assert run.trainer.merging.k is None and not run.trainer.merging.enabled
+    # k and the precisions are chosen for the link (auto) and merge nothing until then
+    assert run.trainer.merging.k == "auto" and not run.trainer.merging.enabled
+    assert (run.trainer.comms.embedding_forward, run.trainer.comms.dense) == ("auto", "auto")
+    assert run.trainer.collective_timeout_s == 600
     gpu = parse_config(compose_config(["topology=2x8gpu", "scaling=cowclip"]))
     assert gpu.topology.bandwidth_gbps.inter_node == 50 and gpu.topology.numa == [0, 0, 0, 0, 1, 1, 1, 1]
     assert gpu.topology.ssd.cap_gb == 15360 and gpu.scaling.cowclip.enabled and gpu.scaling.warmup_epochs == 1
@@ -59,6 +62,11 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
     (["scaling.cowclip.floor=sqrt"], "scaling.cowclip.floor='sqrt'"),
     (["data.preprocess.split.method=shuffle"], "data.preprocess.split.method='shuffle'"),
     (["trainer.merging.k=4", "trainer.merging.k_intra=3"], "trainer.merging.k_intra=3"),
+    (["trainer.merging.k=often"], "trainer.merging.k='often': expected an integer >= 1, null (no merging) or auto"),
+    (["trainer.merging.k_intra=2"], "trainer.merging.k_intra=2: needs an integer k"),
+    (["trainer.comms.embedding_backward=int8"], "trainer.comms.embedding_backward='int8'"),
+    (["trainer.comms.dense=fp8"], "trainer.comms.dense='fp8'"),
+    (["trainer.collective_timeout_s=0"], "trainer.collective_timeout_s=0"),
     (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),
     (["model=deepfm", "+model.low_rank=8"], "model.low_rank=8: model 'deepfm' takes no 'low_rank'"),
     (["scaling.rule=cubic"], "scaling.rule='cubic'"),

@@ -21,7 +21,7 @@ the second moment is not linear in the gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,21 +34,26 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 @dataclass
 class MergeConfig:
-    """``trainer.merging``; ``k`` None: synchronous data parallelism (no merging)."""
+    """``trainer.merging``; ``k`` None: synchronous data parallelism (no merging); ``auto`` (the default):
+    chosen from the stated inter-node link (:mod:`modules.sharding.link_plan`), None until then."""
 
-    k: Optional[int] = None
+    k: Any = "auto"
     k_intra: Optional[int] = None
     moments: bool = False
 
     def __post_init__(self) -> None:
-        if self.k is not None and self.k < 1:
-            raise ValueError(f"k={self.k}: expected an integer >= 1 (or null: no merging)")
+        if self.k == "auto":
+            if self.k_intra is not None:
+                raise ValueError(f"k_intra={self.k_intra}: needs an integer k (k=auto is chosen from the link)")
+            return
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
+            raise ValueError(f"k={self.k!r}: expected an integer >= 1, null (no merging) or auto")
         if self.k_intra is not None and (self.k is None or self.k_intra < 1 or self.k % self.k_intra):
             raise ValueError(f"k_intra={self.k_intra}: expected a divisor of k={self.k}")
 
     @property
     def enabled(self) -> bool:
-        return self.k is not None
+        return self.k not in (None, "auto")
 
 
 class KStepMerger:

@@ -257,7 +257,7 @@ class DeviceOnlyWrapper(DataParallelWrapper):
 
 
 def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
-                device: torch.device, data_parallel: bool = True,
+                device: torch.device, data_parallel: bool = True, qcomm: dict | None = None,
                 coverage: Mapping[str, Mapping[float, int]] | None = None,
                 table_of: Mapping[str, str] | None = None,
                 batch_rows: int = 0, eval_rows: int = 0) -> tuple[DistributedModelParallel, PlanResult]:
@@ -267,7 +267,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     its rank only. ``topology`` is planned for the process group's world size (its ``ranks_per_node``
     when set, else all ranks on one node). The replicated parameters go into DDP when there is more
     than one rank and ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step
-    merging, :mod:`modules.optim.kstep_merging`).
+    merging, :mod:`modules.optim.kstep_merging`). ``qcomm``: TorchRec's quantized-comms codecs for the
+    embedding all-to-alls (:func:`modules.sharding.comm_precision.qcomm_registry`; None: fp32).
     """
     ebcs = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     if is_fusable(embedding_optim, device.type):
@@ -283,7 +284,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
     with drawn_later(ebcs, result) as cached, \
             file_backed_tables(cached, topology.ssd.path or "", dist.get_rank(), topology.ssd.cache_policy):
-        dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[cls() for cls in SHARDERS],
+        dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[cls(qcomm_codecs_registry=qcomm) for cls in SHARDERS],
                                        data_parallel_wrapper=wrapper)
     return dmp, result
 

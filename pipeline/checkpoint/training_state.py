@@ -47,7 +47,7 @@ class TrainingState(Callback):
         plan = self.module.plan
         tables = {name: [p.rows, p.dim] for name, p in sorted(plan.placements.items())} if plan else {}
         return {"model": asdict(self.module.model_cfg), "tables": tables, "world_size": self.trainer.world_size,
-                "merging": not self.module.data_parallel}
+                "merging": self.module.link.merging.enabled}
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint["fused_optimizer"] = self._fused_state()

@@ -1,7 +1,9 @@
 """Show where the embedding tables go: ``ctr plan topology=<name> data=<name> [model=...]``.
 
 Prints one row per table — rows, dim, bytes (weights + optimizer state), sharding type, tier and
-kernel, ranks — and the estimated memory per tier per rank (TorchRec's planner estimates). Works
+kernel, ranks — and the estimated memory per tier per rank (TorchRec's planner estimates); then what runs
+for the inter-node link (merge period, communication precision: pipeline/training/link_choice.py) with the
+estimated step time, its compute measured on this machine. Works
 without a GPU: GPU topologies are planned, not run. ``data`` may be a prepared dataset (its measured
 id-frequency statistics size the caches) or a shape-only description such as ``criteo_kaggle_shape``.
 """
@@ -25,6 +27,7 @@ from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.dataset import DataConfig
 from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.runtime.errors import ConfigError
+from pipeline.training.link_choice import LinkSettings
 
 
 def spec_and_coverage(data: DataConfig, cache_dir: str, zch: ZchConfig | None = None
@@ -59,7 +62,9 @@ def plan_for_config(cfg: DictConfig) -> str:
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
              f"({stacking})\n")
-    return format_plan(result, optim.name, topology.world_size, title)
+    link = LinkSettings(run.trainer.merging, run.trainer.comms).resolved(model_cfg, feature_spec, model, topology,
+                                                                         run.trainer.batch_size)
+    return format_plan(result, optim.name, topology.world_size, title) + "\n" + link.describe()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")

@@ -71,7 +71,8 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
                             "cowclip/local_tables": len(task.cowclip.local_lookups),
                             "model/stacked_tables": task.model_cfg.stack_tables,
                             "model/onednn_mlp_used": task.onednn_mlp_used,
-                            "model/overlap_embedding_backward_used": task.overlap_embedding_backward_used})
+                            "model/overlap_embedding_backward_used": task.overlap_embedding_backward_used,
+                            **task.link.params()})
     meta = datamodule.store.meta
     throughput, comm, best = (find_callback(trainer.callbacks, cls) for cls in (TrainThroughput, CommAccounting,
                                                                                  BestValidation))

@@ -27,6 +27,7 @@ from modules.optim.embedding_l2 import DecayRule
 from modules.models import ModelConfig, build_model, onednn_linear
 from modules.optim.optimizers import OptimizerChain, build_optimizer, replicated_parameters
 from modules.optim.scaling_rules import auto_caveat, scale_hyperparameters
+from modules.sharding.comm_precision import qcomm_registry
 from modules.sharding.planner import PlanResult, shard_model
 from modules.sharding.table_stacking import decide_stacking
 from modules.sharding.topology import TopologySpec
@@ -38,6 +39,7 @@ from pipeline.serving.source import ModelSource, model_source
 from pipeline.serving.weights import read_zch_state
 from pipeline.training.init_from import carry_optimizer_state, init_source, initialize_from, reused_positions
 from pipeline.training.learning_rates import LearningRates
+from pipeline.training.link_choice import LinkSettings
 from pipeline.training.metrics import CTRMetrics
 from pipeline.training.nonfinite import NonFiniteGuard
 from pipeline.training.zch_stage import ZchStage, check_zch_model, table_inits
@@ -55,7 +57,9 @@ class CTRTask(L.LightningModule):
         self.init_from = init_from if init_from is not None or resume_from else init_source(cfg.trainer.init_from)
         self.init_from_optimizer = cfg.trainer.init_from_optimizer
         self.topology = topology  # as run: this world's ranks per node and nodes
-        self.data_parallel = not cfg.trainer.merging.enabled  # k-step merging averages the replicas itself
+        # trainer.merging.k and trainer.comms: `auto` resolved for the link in configure_model (link_choice.py)
+        self.link = LinkSettings(cfg.trainer.merging, cfg.trainer.comms)
+        self.global_batch = cfg.trainer.batch_size
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
                                             cfg.optim.dense.lr, cfg.optim.embedding.lr, cfg.optim.embedding_l2,
                                             cfg.scaling.embedding_lr, cfg.scaling.warmup_epochs)
@@ -109,8 +113,10 @@ class CTRTask(L.LightningModule):
             log.info("model.overlap_embedding_backward: not used (it needs the MLP on oneDNN, one process and 2+ "
                      "threads; here %d process(es), %d thread(s))", self.trainer.world_size, torch.get_num_threads())
         spec = data.feature_spec
+        self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch)
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
-                                            data_parallel=self.data_parallel, coverage=data.coverage,
+                                            data_parallel=not self.link.merging.enabled,  # merging averages itself
+                                            qcomm=qcomm_registry(self.link.comms), coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},
                                             batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1])
         if self.model_cfg.zch.enabled:

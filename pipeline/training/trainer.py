@@ -30,7 +30,9 @@ def build_callbacks(cfg: RunConfig, topology: TopologySpec, guard: SignalGuard,
     """The run's callbacks, in the order they must run after each training step: merge the replicas,
     count the step's bytes, checkpoint, stop on a preemption signal; then the user's ``trainer.callbacks``."""
     t = cfg.trainer
-    merging = KStepMerging(t.merging, ranks_per_node=topology.ranks_per_node or 1) if t.merging.enabled else None
+    # k=auto may resolve to a period once the model is built (pipeline/training/link_choice.py): the callback
+    # then reads the resolved one from the task
+    merging = KStepMerging(ranks_per_node=topology.ranks_per_node or 1) if t.merging.k is not None else None
     callbacks: list[L.Callback] = [merging] if merging else []
     callbacks += [CommAccounting(), TrainThroughput(), CowClipLogging(), TrainingState(), NextBatchRows(),
                   BestValidation("val/auc", t.plateau_lr_factor, t.plateau_patience, t.early_stopping_patience,

@@ -1,5 +1,5 @@
 """Bytes of the collectives of each training step, by category, as a callback (the counting:
-:mod:`modules.comm_accounting`)."""
+:mod:`modules.comm_accounting`); DDP's dense all-reduce goes through its hook in ``trainer.comms.dense``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from modules.comm_accounting import CommCounter, ddp_counting_hook, install, uninstall
+from modules.sharding.comm_precision import dense_allreduce_hook
 
 
 class CommAccounting(Callback):
@@ -31,7 +32,7 @@ class CommAccounting(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         dense = getattr(pl_module.model, "_dmp_wrapped_module", None)
         if isinstance(dense, DistributedDataParallel):  # DDP's all-reduce runs in C++: counted by a comm hook
-            dense.register_comm_hook(None, ddp_counting_hook)
+            dense.register_comm_hook(dense_allreduce_hook(pl_module.link.comms.dense), ddp_counting_hook)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:

@@ -14,10 +14,11 @@ from modules.optim.optimizers import replicated_parameters
 class KStepMerging(Callback):
     """k-step model merging of the replicated parameters (:mod:`modules.optim.kstep_merging`): after every
     training step, and a final merge before validation, testing, checkpoints and at each epoch's end.
-    Its step and merge counters are saved with checkpoints."""
+    Its step and merge counters are saved with checkpoints. The period is the task's ``merging`` (resolved
+    for the link when ``trainer.merging.k=auto``); a run that resolved to DDP merges nothing."""
 
-    def __init__(self, cfg: MergeConfig, ranks_per_node: int) -> None:
-        self.cfg, self.ranks_per_node = cfg, ranks_per_node
+    def __init__(self, ranks_per_node: int) -> None:
+        self.ranks_per_node = ranks_per_node
         self.merger: KStepMerger | None = None
         self._counters = {"steps": 0, "merges": 0}
 
@@ -28,8 +29,11 @@ class KStepMerging(Callback):
         self._counters = dict(state)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        cfg: MergeConfig = pl_module.link.merging
+        if not cfg.enabled:
+            return
         params = [p for _, p in replicated_parameters(pl_module.model)]
-        self.merger = KStepMerger(params, self.cfg, ranks_per_node=self.ranks_per_node)
+        self.merger = KStepMerger(params, cfg, ranks_per_node=self.ranks_per_node)
         self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
         self.merger.attach_optimizer(trainer.optimizers[0])
 
@@ -39,7 +43,8 @@ class KStepMerging(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.merger.after_step()
+        if self.merger is not None:
+            self.merger.after_step()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.merge_if_dirty()

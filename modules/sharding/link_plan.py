@@ -1,0 +1,117 @@
+"""The settings a stated inter-node link calls for: merge period k and communication precision, chosen by
+the estimated step time.
+
+Per rank and training step, the bytes that cross the link (W ranks, R per node, so a share
+ρ = (W − R) / W of a rank's all-to-all partners and of a ring all-reduce's hops are on other nodes; tables
+spread evenly over the ranks, table-wise):
+
+    embedding = b · ρ · (w · (s_fwd + s_bwd) + f · 12)      b: local batch, w: pooled floats per sample
+                                                             (Σ of the features' embedding dims), f: ids per
+                                                             sample (int64 id + int32 length each)
+    dense     = 2 · ρ · P · s_dense / k                      P: replicated parameters; DDP (k = 1, s_dense of
+                                                             its hook) or k-step merging (fp32 every k steps)
+
+s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated without overlap:
+
+    t(option) = t_compute + (embedding + dense) / link bandwidth
+
+``t_compute`` is measured by the caller (the dense network's forward and backward at the local batch).
+Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward} × (for DDP) the dense
+all-reduce in {fp32, fp16}. The fastest is taken when it saves at least ``min_gain`` of the step against
+today's default (DDP, fp32); else the default stays, so a fast link or one node changes nothing. k ≤ 8 and
+these precisions are what was measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from modules.sharding.comm_precision import BYTES
+
+ID_BYTES = 12
+MERGE_PERIODS = (None, 2, 4, 8)
+EMBEDDING_PRECISIONS = (("fp32", "fp32"), ("fp16", "bf16"))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one rank's training step sends: its batch, pooled width, ids per sample, replicated parameters."""
+
+    local_batch: int
+    pooled_width: int
+    ids_per_sample: int
+    dense_params: int
+    world: int
+    ranks_per_node: int
+
+    @property
+    def remote_share(self) -> float:
+        return (self.world - self.ranks_per_node) / self.world if self.world > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class LinkOption:
+    k: Optional[int]            # None: DDP
+    embedding_forward: str
+    embedding_backward: str
+    dense: str                  # DDP's all-reduce precision (fp32 under k-step merging)
+
+    def describe(self) -> str:
+        merge = "DDP" if self.k is None else f"k={self.k}"
+        return (f"{merge}, embeddings {self.embedding_forward}/{self.embedding_backward} (forward/backward), "
+                f"dense {self.dense}")
+
+
+DEFAULT = LinkOption(None, "fp32", "fp32", "fp32")
+
+
+def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
+    """Bytes per rank and step across the link, by kind (the module docstring's formulas)."""
+    rho = shape.remote_share
+    per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
+    embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)
+    dense_bytes = BYTES[option.dense] if option.k is None else BYTES["fp32"]
+    dense = 2 * rho * shape.dense_params * dense_bytes / (option.k or 1)
+    return {"embedding": embedding, "dense": dense}
+
+
+def options() -> list[LinkOption]:
+    out = []
+    for k in MERGE_PERIODS:
+        for forward, backward in EMBEDDING_PRECISIONS:
+            for dense in (("fp32", "fp16") if k is None else ("fp32",)):
+                out.append(LinkOption(k, forward, backward, dense))
+    return out
+
+
+@dataclass(frozen=True)
+class LinkChoice:
+    option: LinkOption
+    step_s: float             # estimated step time with it
+    default_step_s: float     # with DDP in fp32
+    compute_s: float
+    bytes_per_step: float
+    reason: str
+
+
+def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: float,
+           min_gain: float = 0.10) -> LinkChoice:
+    """The option of least estimated step time, or :data:`DEFAULT` unless it saves ``min_gain`` of the step."""
+    def estimate(o: LinkOption) -> tuple[float, float]:
+        sent = sum(link_bytes(shape, o).values())
+        return compute_s + (sent / (link_gbytes_per_s * 1e9) if link_gbytes_per_s else 0.0), sent
+
+    default_t, default_bytes = estimate(DEFAULT)
+    if shape.remote_share == 0 or not link_gbytes_per_s:
+        why = "one node" if shape.remote_share == 0 else "no inter-node bandwidth stated"
+        return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes, why)
+    best = min(options(), key=lambda o: estimate(o)[0])
+    best_t, best_bytes = estimate(best)
+    if best_t > (1 - min_gain) * default_t:
+        return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes,
+                          f"the link adds {default_t - compute_s:.3f} s to a {compute_s:.3f} s step: less than "
+                          f"{min_gain:.0%} to gain")
+    return LinkChoice(best, best_t, default_t, compute_s, best_bytes,
+                      f"{default_bytes / 1e6:.2f} MB a step at {link_gbytes_per_s:g} GB/s would take "
+                      f"{default_t - compute_s:.3f} s beside {compute_s:.3f} s of compute")

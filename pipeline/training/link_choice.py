@@ -1,0 +1,114 @@
+"""``trainer.merging.k`` and ``trainer.comms`` left at ``auto``, resolved for this run's link.
+
+With more than one node and ``topology.bandwidth_gbps.inter_node`` stated (gigabytes per second, like
+every ``bandwidth_gbps`` key: 100 Mbit/s is 0.0125), :func:`modules.sharding.link_plan.choose` picks the
+merge period and the precisions of least estimated step time from the model's shape and the measured
+compute time of its dense network (forward and backward of the MLP at the local batch, the slowest rank's,
+so every rank takes the same choice). Values set explicitly are kept; ``auto`` with one node or no stated
+link is today's default: DDP in fp32. Resolved after the process group exists (the model's
+``configure_model``); a resumed run decides again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from modules.embedding.feature_spec import FeatureSpec
+from modules.embedding.sparse_arch import is_table_parameter
+from modules.models import ModelConfig
+from modules.optim.kstep_merging import MergeConfig
+from modules.sharding.comm_precision import CommsConfig
+from modules.sharding.link_plan import LinkChoice, StepShape, choose
+from modules.sharding.topology import TopologySpec
+
+
+def dense_step_seconds(model: ModelConfig, spec: FeatureSpec, local_batch: int, repeats: int = 3) -> float:
+    """Forward and backward of the model's MLP at ``local_batch`` rows (the fastest of ``repeats``)."""
+    width = len(spec.dense) + len(spec.sparse) * model.embedding_dim
+    layers: list[nn.Module] = []
+    for out in [*model.mlp, 1]:
+        layers += [nn.Linear(width, out), nn.ReLU()]
+        width = out
+    mlp = nn.Sequential(*layers[:-1])
+    x = torch.randn(local_batch, len(spec.dense) + len(spec.sparse) * model.embedding_dim)
+    best = float("inf")
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        mlp(x).sum().backward()
+        if i:  # the first one warms up
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (this value without a process group)."""
+    if not dist.is_initialized():
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, spec: FeatureSpec,
+                 topology: TopologySpec, local_batch: int, dense_params: int
+                 ) -> tuple[MergeConfig, CommsConfig, LinkChoice]:
+    """``merging`` and ``comms`` with every ``auto`` resolved, and the choice behind them (to print and log)."""
+    world = topology.world_size
+    shape = StepShape(local_batch, len(spec.sparse) * model.embedding_dim, len(spec.sparse), dense_params, world,
+                      topology.ranks_per_node or world)
+    link = topology.bandwidth_gbps.inter_node
+    needed = merging.k == "auto" or not comms.resolved
+    compute = slowest(dense_step_seconds(model, spec, local_batch)) if needed and shape.remote_share and link else 0.0
+    choice = choose(shape, link, compute)
+    o = choice.option
+    merging = replace(merging, k=o.k) if merging.k == "auto" else merging
+    comms = CommsConfig(*(o_value if value == "auto" else value for value, o_value in
+                          ((comms.embedding_forward, o.embedding_forward),
+                           (comms.embedding_backward, o.embedding_backward), (comms.dense, o.dense))))
+    return merging, comms, choice
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    """A run's ``trainer.merging`` and ``trainer.comms``, and the choice that resolved their ``auto`` (None before)."""
+
+    merging: MergeConfig
+    comms: CommsConfig
+    choice: Optional[LinkChoice] = None
+
+    def resolved(self, model: ModelConfig, spec: FeatureSpec, net: nn.Module, topology: TopologySpec,
+                 global_batch: int) -> "LinkSettings":
+        """Resolved for ``net`` (on any device; its non-table parameters are the replicated ones) on ``topology``."""
+        dense_params = sum(p.numel() for name, p in net.named_parameters() if not is_table_parameter(name))
+        merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology,
+                                              global_batch // topology.world_size, dense_params)
+        settings = LinkSettings(merging, comms, choice)
+        if topology.world_size > 1:
+            rank_zero_info(settings.describe())
+        return settings
+
+    def describe(self) -> str:
+        """One line for the log and ``ctr plan``: what runs, and why."""
+        merging, comms, choice = self.merging, self.comms, self.choice
+        merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}"
+        line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, {comms.embedding_backward} "
+                f"backward; dense all-reduce {comms.dense}.")
+        return line + (f" Estimated step {choice.step_s:.3f} s against {choice.default_step_s:.3f} s with DDP in "
+                       f"fp32 ({choice.reason})" if choice else "")
+
+    def params(self) -> dict[str, Any]:
+        """What ran for the link (MLflow parameters ``link/*``): the merge period, precisions, estimates."""
+        c = self.choice
+        return {"link/merging_k": "null" if self.merging.k is None else self.merging.k,
+                "link/embedding_forward": self.comms.embedding_forward,
+                "link/embedding_backward": self.comms.embedding_backward, "link/dense": self.comms.dense,
+                **({"link/estimated_step_s": round(c.step_s, 4), "link/estimated_ddp_fp32_step_s": round(c.default_step_s, 4),
+                    "link/measured_dense_compute_s": round(c.compute_s, 4), "link/reason": c.reason[:400]} if c else {})}
+
