@@ -1,0 +1,171 @@
+"""Training across a shaped link: wall time, bytes and AUC of each recipe on a cluster of namespaces.
+
+    python benchmarks/cluster_training.py --rate-mbit 100 [--nodes 2 --nproc 1 --rows 1000000] \\
+        [--recipes one_node ddp auto k8 half k8_half ...] [--extra model.mlp=[400,400,400] ...]
+
+Each recipe trains DeepFM on the synthetic log (global batch 4,096, one epoch, one thread a process,
+validation four times an epoch) on ``--nodes`` network namespaces whose links are shaped to ``--rate-mbit``
+both ways (benchmarks/netns_cluster.py), one torchrun agent per node; ``one_node`` is the baseline of one
+process with one thread and no network. Recipes (Hydra overrides):
+
+    ddp      trainer.merging.k=null, every collective fp32 (what a user runs today)
+    auto     the defaults with the link stated: topology.bandwidth_gbps.inter_node=<rate in GB/s>
+    k<K>     trainer.merging.k=K, fp32 comms;  k<K>m: also Adam's moments merged
+    half     DDP with fp16 pooled embeddings forward, bf16 backward, fp16 dense all-reduce
+    k<K>_half  both
+
+Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
+collectives, bytes that left node 0's interface per training step, the link's share of a step
+(those bytes at the rate, over the measured step time), test AUC, and the wall time at which validation
+first reached ddp's test AUC − 0.001 (the time-to-AUC target; "–" if never). Logs a plot of validation
+AUC against wall time per recipe to MLflow (experiment ``cluster_training``, a run ``summary``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.netns_cluster import Cluster, wait_all  # noqa: E402
+from pipeline.training.result import read_result  # noqa: E402
+
+HALF = ["trainer.comms.embedding_forward=fp16", "trainer.comms.embedding_backward=bf16", "trainer.comms.dense=fp16"]
+FP32 = ["trainer.comms.embedding_forward=fp32", "trainer.comms.embedding_backward=fp32", "trainer.comms.dense=fp32"]
+
+
+def recipe_overrides(name: str, rate_mbit: float) -> list[str]:
+    if name in ("ddp", "one_node"):
+        return ["trainer.merging.k=null", *FP32]
+    if name == "auto":
+        return [f"topology.bandwidth_gbps.inter_node={rate_mbit / 8000:g}"]
+    if name == "half":
+        return ["trainer.merging.k=null", *HALF]
+    if name.startswith("k"):
+        k, _, half = name[1:].partition("_")
+        moments = k.endswith("m")
+        return [f"trainer.merging.k={int(k.rstrip('m'))}", f"trainer.merging.moments={str(moments).lower()}",
+                *(HALF[:2] + ["trainer.comms.dense=fp32"] if half else FP32)]
+    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half]")
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    out.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return out
+
+
+def tx_bytes(cluster: Cluster, node: int) -> int:
+    out = subprocess.run(["ip", "-n", cluster.names[node], "-s", "-j", "link", "show", "eth0"],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)[0]["stats64"]["tx"]["bytes"]
+
+
+def run(name: str, args, common: list[str], out: Path) -> dict:
+    job = [*common, *recipe_overrides(name, args.rate_mbit), *args.extra, f"logger.run_name={name}"]
+    folder = out / name
+    folder.mkdir(parents=True)
+    start = time.monotonic()
+    if name == "one_node":
+        with open(folder / "node0.log", "w") as log:
+            proc = subprocess.run([sys.executable, "-m", "pipeline.commands.train", *job,
+                                   f"hydra.run.dir={folder}/node0"], cwd=ROOT, env=env(), stdout=log,
+                                  stderr=subprocess.STDOUT)
+        codes, sent = [proc.returncode], None
+    else:
+        with Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as cluster:
+            agents = []
+            for n in range(args.nodes):
+                with open(folder / f"node{n}.log", "w") as log:
+                    agents.append(cluster.torchrun(n, args.nproc, f"{name}{n}", ["-m", "pipeline.commands.train", *job,
+                                                   f"hydra.run.dir={folder}/node{n}"], env(), cwd=ROOT, stdout=log,
+                                                   stderr=subprocess.STDOUT))
+            codes = wait_all(agents, args.timeout_s)
+            sent = tx_bytes(cluster, 0)
+    wall = time.monotonic() - start
+    if any(c != 0 for c in codes):
+        raise SystemExit(f"{name}: exit codes {codes}; see {folder}/node*.log")
+    result = read_result(folder / "node0")
+    return {"name": name, "wall_s": wall, "result": result, "node0_tx": sent}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rate-mbit", type=float, default=100)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1, help="processes per node")
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--recipes", nargs="+", default=["one_node", "ddp", "auto", "k8", "half"])
+    p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every recipe")
+    p.add_argument("--timeout-s", type=float, default=3600)
+    args = p.parse_args()
+    if args.recipes[:2] != ["one_node", "ddp"] and "ddp" not in args.recipes:
+        raise SystemExit("--recipes must include ddp (the AUC target)")
+    out = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    uri = f"sqlite:///{out}/mlflow.db"
+    common = [f"data.synthetic.rows={args.rows}", f"trainer.batch_size={args.batch}", "trainer.max_epochs=1",
+              "trainer.num_threads=1", "trainer.enable_progress_bar=false", "trainer.val_check_interval=0.25",
+              "logger.log_model=false", f"logger.tracking_uri={uri}", "logger.experiment_name=cluster_training"]
+    rows = []
+    for name in args.recipes:
+        rows.append(run(name, args, common, out))
+        r = rows[-1]["result"]
+        print(f"{name}: {rows[-1]['wall_s']:.0f} s, test AUC {r.test_auc:.4f}, {r.samples_per_s:,.0f} samples/s",
+              flush=True)
+    report(rows, args, uri)
+
+
+def report(rows: list[dict], args, uri: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    target = next(r["result"].test_auc for r in rows if r["name"] == "ddp") - 0.001
+    steps = args.rows * 0.85 // args.batch
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    print(f"\n{args.nodes} nodes × {args.nproc} process(es) at {args.rate_mbit:g} Mbit/s; {args.rows:,} rows, "
+          f"batch {args.batch:,}; target: ddp's test AUC − 0.001 = {target:.4f}; store {uri}\n")
+    print("| recipe | samples/s | wall s | counted bytes/step/rank | node 0 link bytes/step | link share of step "
+          "| test AUC | s to target |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        r = row["result"]
+        run = client.get_run(r.mlflow_run_id)
+        history = sorted(client.get_metric_history(r.mlflow_run_id, "val/auc"), key=lambda m: m.timestamp)
+        t0 = run.info.start_time
+        times = [(m.timestamp - t0) / 1e3 for m in history]
+        ax.plot(times, [m.value for m in history], marker="o", label=row["name"])
+        reached = next((t for t, m in zip(times, history) if m.value >= target), None)
+        link = row["node0_tx"] / steps if row["node0_tx"] else 0.0
+        step_s = args.batch / r.samples_per_s
+        share = f"{link * 8 / (args.rate_mbit * 1e6) / step_s:.0%}" if link else "–"
+        print(f"| {row['name']} | {r.samples_per_s:,.0f} | {row['wall_s']:.0f} | {r.comm_bytes_per_step:,.0f} | "
+              f"{link:,.0f} | {share} | {r.test_auc:.4f} | {f'{reached:.0f}' if reached else '–'} |")
+    ax.axhline(target, color="grey", linestyle=":", label="ddp − 0.001")
+    ax.set_xlabel("wall time since the run started (s)")
+    ax.set_ylabel("validation AUC")
+    ax.set_title(f"{args.nodes}×{args.nproc} at {args.rate_mbit:g} Mbit/s")
+    ax.legend()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("cluster_training")
+    with mlflow.start_run(run_name="summary"):
+        mlflow.log_params({"rate_mbit": args.rate_mbit, "nodes": args.nodes, "nproc": args.nproc, "rows": args.rows})
+        mlflow.log_figure(fig, "val_auc_vs_wall_time.png")
+    print(f"\nplot: val_auc_vs_wall_time.png in the run 'summary' of experiment cluster_training ({uri})")
+
+
+if __name__ == "__main__":
+    main()
