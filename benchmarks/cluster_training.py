@@ -17,7 +17,7 @@ process with one thread and no network. Recipes (Hydra overrides):
 Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
 collectives, bytes that left node 0's interface per training step, the link's share of a step
 (those bytes at the rate, over the measured step time), test AUC, and the wall time at which validation
-first reached ddp's test AUC − 0.001 (the time-to-AUC target; "–" if never). Logs a plot of validation
+first reached ddp's best validation AUC − 0.001 (the time-to-AUC target; "–" if never). Logs a plot of validation
 AUC against wall time per recipe to MLflow (experiment ``cluster_training``, a run ``summary``).
 """
 
@@ -85,7 +85,7 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
             agents = []
             for n in range(args.nodes):
                 with open(folder / f"node{n}.log", "w") as log:
-                    agents.append(cluster.torchrun(n, args.nproc, f"{name}{n}", ["-m", "pipeline.commands.train", *job,
+                    agents.append(cluster.torchrun(n, args.nproc, name, ["-m", "pipeline.commands.train", *job,
                                                    f"hydra.run.dir={folder}/node{n}"], env(), cwd=ROOT, stdout=log,
                                                    stderr=subprocess.STDOUT))
             codes = wait_all(agents, args.timeout_s)
@@ -133,11 +133,12 @@ def report(rows: list[dict], args, uri: str) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    target = next(r["result"].test_auc for r in rows if r["name"] == "ddp") - 0.001
+    ddp = next(r["result"] for r in rows if r["name"] == "ddp")
+    target = max(m.value for m in client.get_metric_history(ddp.mlflow_run_id, "val/auc")) - 0.001
     steps = args.rows * 0.85 // args.batch
     fig, ax = plt.subplots(figsize=(7, 4.5))
     print(f"\n{args.nodes} nodes × {args.nproc} process(es) at {args.rate_mbit:g} Mbit/s; {args.rows:,} rows, "
-          f"batch {args.batch:,}; target: ddp's test AUC − 0.001 = {target:.4f}; store {uri}\n")
+          f"batch {args.batch:,}; target: ddp's best validation AUC − 0.001 = {target:.4f}; store {uri}\n")
     print("| recipe | samples/s | wall s | counted bytes/step/rank | node 0 link bytes/step | link share of step "
           "| test AUC | s to target |")
     print("|---|---|---|---|---|---|---|---|")
@@ -154,7 +155,7 @@ def report(rows: list[dict], args, uri: str) -> None:
         share = f"{link * 8 / (args.rate_mbit * 1e6) / step_s:.0%}" if link else "–"
         print(f"| {row['name']} | {r.samples_per_s:,.0f} | {row['wall_s']:.0f} | {r.comm_bytes_per_step:,.0f} | "
               f"{link:,.0f} | {share} | {r.test_auc:.4f} | {f'{reached:.0f}' if reached else '–'} |")
-    ax.axhline(target, color="grey", linestyle=":", label="ddp − 0.001")
+    ax.axhline(target, color="grey", linestyle=":", label="ddp's best − 0.001")
     ax.set_xlabel("wall time since the run started (s)")
     ax.set_ylabel("validation AUC")
     ax.set_title(f"{args.nodes}×{args.nproc} at {args.rate_mbit:g} Mbit/s")

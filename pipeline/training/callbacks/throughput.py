@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 class TrainThroughput(Callback):
@@ -51,7 +52,7 @@ class TrainThroughput(Callback):
         self._stop()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.training:
+        if trainer.state.fn == TrainerFn.FITTING:  # a validation inside fit (trainer.training is False here)
             self._start()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -1,0 +1,54 @@
+"""Training throughput counts every training step's time, also after a validation inside the epoch."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from pipeline.training.callbacks.throughput import TrainThroughput
+
+STEP_S = 0.05
+
+
+class SleepyModule(L.LightningModule):
+    """Each training step sleeps STEP_S: the callback's seconds are at least steps × STEP_S."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(STEP_S)
+        return (self.w * batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Batch:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.labels = x
+
+
+# Lightning in this process: its LeafSpec deprecation and its advice on DataLoader workers are not the test's subject
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning", "ignore:.*does not have many workers.*")
+def test_time_after_a_mid_epoch_validation_is_counted(tmp_path):
+    data = TensorDataset(torch.ones(8, 1))
+    callback = TrainThroughput()
+    # on_train_batch_end reads batch.labels: wrap each batch
+    original = callback.on_train_batch_end
+    callback.on_train_batch_end = lambda tr, pl, out, batch, i: original(tr, pl, out, Batch(batch[0]), i)
+    trainer = L.Trainer(max_epochs=1, val_check_interval=0.25, callbacks=[callback], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, default_root_dir=str(tmp_path), accelerator="cpu", devices=1)
+    trainer.fit(SleepyModule(), DataLoader(data, batch_size=1), DataLoader(data, batch_size=4))
+    assert callback.samples == 8
+    # 8 steps of at least STEP_S each; before the fix only the 2 steps before the first validation counted
+    assert callback.seconds >= 8 * STEP_S, callback.seconds
