@@ -190,3 +190,16 @@ def test_a_version_published_under_load_is_swapped_in_without_losing_or_mixing_a
         np.testing.assert_allclose(probabilities(answer), want[day][start:start + 10], atol=1e-6)
         seen.append(day)
     assert "day_0" in seen and seen[-1] == "day_1" and seen.count("day_1") >= 6, seen[-10:]
+
+
+def test_recent_latency_quantiles_keep_moving_past_the_window():
+    """Past WINDOW requests the quantiles still follow the newest ones (they froze once the window was full)."""
+    from pipeline.server import metrics
+
+    for _ in range(metrics.WINDOW):
+        metrics.observe(200, 1.0)
+    for _ in range(metrics.WINDOW):
+        metrics.observe(200, 0.001)
+    newest = list(metrics._recent)[-metrics.WINDOW:]
+    # the gauge was last set at most 99 requests ago: its median is that of a window of mostly fast requests
+    assert metrics.RECENT.labels("0.5")._value.get() == pytest.approx(float(np.median(newest)))
