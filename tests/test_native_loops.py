@@ -22,7 +22,7 @@ from modules.embedding.ssd_tier.backing import BackingTable
 from modules.embedding.ssd_tier.bloom import BloomFilter
 from modules.embedding.ssd_tier.paged_records import PagedRecords, mapped, paged, per_page
 from modules.embedding.ssd_tier.row_cache import WAYS, RowCache
-from modules.embedding.ssd_tier.set_victims import CacheTooSmallError, place
+from modules.embedding.ssd_tier.set_victims import USE_CAP, CacheTooSmallError, place
 
 
 def test_the_c_loop_builds_here():
@@ -94,6 +94,38 @@ def test_a_set_with_too_few_free_ways_is_refused_with_the_same_message(native):
     with pytest.raises(CacheTooSmallError, match=rf"{WAYS + 1} rows of one batch fall into one set of {WAYS} ways "
                                                  rf"\({WAYS} free\).*raise topology.ssd.cache_mb"):
         cache.assign(torch.arange(WAYS + 1), dirty=True)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_lfu_use_counts_saturate_so_the_hottest_row_stays(native):
+    """A row with 2^23 − 1 uses met again keeps the highest score (uses << 40 overflowed int64 at 2^23, so the
+    hottest row scored lowest and was evicted first); the victim is the least-used way, the lowest of ties."""
+    cache = _cache([4 * WAYS], [1], torch.int64)  # one set: every row of the table falls into it
+    cache.keys[0] = torch.arange(WAYS)
+    cache.used[0], cache.uses[0] = 1, 5
+    cache.uses[0, 0] = USE_CAP
+    loop = native_loops.assign if native else place
+
+    def call(ids: list[int], clock: int):
+        return loop(torch.tensor(ids), cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used, cache.uses,
+                    cache.dirty, clock, False, "lfu", "raise", hold=clock)
+
+    call([0], clock=2)  # the hot row met once more
+    assert int(cache.uses[0, 0]) == USE_CAP
+    _, _, miss, old_key, _ = call([2 * WAYS], clock=3)  # a new row needs a way
+    assert miss.tolist() == [0] and old_key.tolist() == [1]
+    assert 0 in cache.keys[0].tolist()
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_an_id_below_the_first_table_is_refused_before_any_slot_is_touched(native):
+    cache = _cache([2 * WAYS], [2], torch.int64)
+    before = {name: getattr(cache, name).clone() for name in STATE}
+    loop = native_loops.assign if native else place
+    with pytest.raises(IndexError, match="id -3 is below the first table's first id 0"):
+        loop(torch.tensor([-3, 1]), cache.first, cache.nsets, cache.set_offset, cache.keys, cache.used, cache.uses,
+             cache.dirty, 2, True, "lfu", "raise", hold=2)
+    assert all(torch.equal(before[name], getattr(cache, name)) for name in STATE)
 
 
 @settings(max_examples=40, deadline=None)

@@ -104,6 +104,11 @@ def test_every_request_format_answers_what_predict_writes_and_bad_ones_get_a_400
         one = [server.post(split_body(rows.iloc[[i]]))[1] for i in (0, 7)]  # a request of one row
         np.testing.assert_allclose([probabilities(a)[0] for a in one], want[[0, 7]], atol=1e-6)
 
+        huge_body = json.loads(split_body(rows))
+        price = huge_body["dataframe_split"]["columns"].index("price")
+        for row in huge_body["dataframe_split"]["data"]:
+            row[price] = 10**399
+        huge = json.dumps(huge_body).encode()
         bad = {
             "missing column": (split_body(rows.drop(columns=["tags"])), "'tags'"),
             "word in a number": (split_body(rows.assign(price=["cheap"] * len(rows))),
@@ -113,15 +118,17 @@ def test_every_request_format_answers_what_predict_writes_and_bad_ones_get_a_400
             "short row": (json.dumps({"dataframe_split": {"columns": list(rows.columns),
                                                           "data": [[1, 2]]}}).encode(), "dataframe_split.data[0]"),
             "records not objects": (b'{"dataframe_records": [1]}', "dataframe_records[0]"),
+            "400-digit integer": (huge, "column 'price', row 0: a number of 400 digits is past the float range"),
         }
         for name, (body, expected) in bad.items():
             status, answer, _ = server.post(body)
             assert status == 400 and expected in answer["message"], (name, answer)
         assert server.post(b"a,b\n1,2\n", "application/x-unknown")[0] == 400
-        # the workers are alive and still answer correctly, also a good request between bad ones at once
+        # the workers are alive and still answer correctly, also a good request between bad ones at once (a bad
+        # one batched with good ones fails alone: a 400-digit integer failed the whole batch with 500s)
         results: list = [None] * 8
         threads = [threading.Thread(target=lambda k=k: results.__setitem__(
-            k, server.post(split_body(rows) if k % 2 else b"{bad"))) for k in range(8)]
+            k, server.post(split_body(rows) if k % 2 else (huge if k % 4 else b"{bad")))) for k in range(8)]
         for t in threads:
             t.start()
         for t in threads:

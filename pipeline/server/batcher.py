@@ -125,12 +125,15 @@ def score_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int
         try:
             parts.append((by_columns, scorer.encode_columns(_merged(scorer, [requests[i] for i in by_columns]),
                                                             sum(requests[i].rows for i in by_columns))))
-        except (BundleError, KeyError):  # someone's columns are bad: find whose
+        except Exception:  # noqa: BLE001 — someone's columns are bad (or met a bug): find whose, each fails alone
             for i in by_columns:
                 try:
                     parts.append(([i], scorer.encode_columns(requests[i].columns, requests[i].rows)))
-                except BundleError as e:
+                except (BundleError, KeyError) as e:
                     outcome[i] = RequestError(str(e))
+                except Exception as e:  # noqa: BLE001 — a bug met by this request's values: a 500 for it alone
+                    log.exception("encoding one request failed")
+                    outcome[i] = e
     for i, r in enumerate(requests):
         if r is not None and r.lines is not None:
             try:

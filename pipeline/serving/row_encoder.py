@@ -172,7 +172,7 @@ def _number_matrix(columns: Columns, names: list[str], rows: int) -> np.ndarray:
         return np.zeros((rows, 0), np.float32)
     try:
         return np.array([columns[c] for c in names], dtype=np.float32).T.copy()  # transformed in place
-    except (ValueError, TypeError):  # "" (missing), pd.NA or a bad value
+    except (ValueError, TypeError, OverflowError):  # "" (missing), pd.NA, a bad value or one past float's range
         return np.stack([_numbers(c, columns[c]) for c in names], axis=1).astype(np.float32)
 
 
@@ -187,6 +187,9 @@ def _numbers(column: str, values: Sequence[Any]) -> np.ndarray:
         except (TypeError, ValueError):
             raise BundleError(f"column {column!r}, row {row}: {v!r} is not a number (the declaration says "
                               f"numeric: send a number, a string of one, or null)") from None
+        except OverflowError:
+            raise BundleError(f"column {column!r}, row {row}: a number of {len(str(v))} digits is past the float "
+                              f"range (about 1e308)") from None
     return out
 
 

@@ -6,7 +6,8 @@
  *
  *   table   t = the last table with first[t] <= id            (ids ascending: one forward walk)
  *   set     s = set_offset[t] + (id − first[t]) mod nsets[t]
- *   hit     keys[s·W + w] = id         → used = clock, uses += 1, dirty |= mark_dirty
+ *   hit     keys[s·W + w] = id         → used = clock, uses += 1 (saturating at 2^23 − 1, so that the lfu
+ *                                        score below stays within int64), dirty |= mark_dirty
  *   miss    (after every hit of the batch is pinned, misses in ascending id order) the way of s with the
  *           least score among the ways not pinned (used < hold: rows used since call `hold` stay — this
  *           call's, and with hold < clock those of a batch still under way), ties the lower way:
@@ -17,7 +18,8 @@
  *             key = id, used = clock (pinned), uses = 1, dirty = mark_dirty
  *
  *   Returns −1, or the set in which a miss found every way pinned: the cache is then left as the hits made
- *   it (the misses admitted before are rolled back). Keys are int32 or int64 (two entry points).
+ *   it (the misses admitted before are rolled back), or −2 − i where ids[i] is below the first table's first
+ *   id (nothing touched: its set would be outside the arrays). Keys are int32 or int64 (two entry points).
  *
  * 2. bloom_add / bloom_may_hold — a sorted run's Bloom filter (twin and formulas: bloom.py).
  * 3. paged_find — keys in a sorted run's records file, one page read per key (twin and layout:
@@ -30,6 +32,7 @@
 #include <stdint.h>
 
 #define USE_BITS 40
+#define USE_CAP ((1 << (63 - USE_BITS)) - 1)  /* uses · 2^USE_BITS + used < 2^63 */
 #define MAX_WAYS 64  /* the row cache's W (32) at most */
 #define PREFETCH 16  /* ids (misses) ahead whose set's lines are prefetched */
 #define LINE 64       /* bytes of a cache line */
@@ -44,6 +47,7 @@ int64_t NAME(const int64_t *ids, int64_t n, const int64_t *first, const int64_t 
     int64_t t = 0, misses = 0;                                                                                 \
     for (int64_t i = 0; i < n; i++) {  /* slot_out first holds each id's set's first slot */                 \
         const int64_t id = ids[i];                                                                             \
+        if (id < first[0]) { *n_miss_out = 0; return -2 - i; }  /* its set: before the arrays */              \
         while (t + 1 < tables && first[t + 1] <= id) t++;                                                      \
         slot_out[i] = (set_offset[t] + (id - first[t]) % nsets[t]) * ways;                                     \
         table_out[i] = t;                                                                                      \
@@ -63,7 +67,7 @@ int64_t NAME(const int64_t *ids, int64_t n, const int64_t *first, const int64_t 
             const int64_t s = base + way;                                                                      \
             slot_out[i] = s;                                                                                   \
             used[s] = clock;                                                                                   \
-            uses[s] += 1;                                                                                      \
+            uses[s] += uses[s] < USE_CAP;                                                                      \
             if (mark_dirty) dirty[s] = 1;                                                                      \
         } else {                                                                                               \
             miss_out[misses++] = i;                                                                            \

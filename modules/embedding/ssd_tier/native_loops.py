@@ -70,6 +70,9 @@ def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offs
                 ctypes.c_int32(int(mark_dirty)),
                 ctypes.c_int32(int(policy == "lfu")), _ptr(slot), _ptr(table), _ptr(miss), _ptr(old_key),
                 _ptr(old_dirty), _ptr(old_used), _ptr(old_uses), ctypes.byref(count))
+    if failed <= -2:
+        raise IndexError(f"row cache: id {int(ids[-2 - failed])} is below the first table's first id "
+                         f"{int(first[0])}: ids must be checked before the cache")
     miss = miss[:count.value]
     if failed >= 0:
         in_set = int((slot[miss] // ways == failed).sum())  # a miss's slot is in its set, chosen or not

@@ -30,6 +30,7 @@ import torch
 
 POLICIES = ("lru", "lfu")
 USE_BITS = 40              # lfu score: uses << 40 | last use
+USE_CAP = 2 ** (63 - USE_BITS) - 1  # uses saturate here: the score stays below 2^63
 SETS_PER_CHUNK = 1 << 14   # sets scored at once: [16,384, W] int64 temporaries (4 MB at W = 32)
 LOOKUP_CHUNK = 1 << 16     # ids looked up in their sets at once: [65,536, W] temporaries (~20 MB), not [all ids, W]
 
@@ -99,6 +100,9 @@ def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offse
     looked up :data:`LOOKUP_CHUNK` at a time, hits touched, then a victim for each miss (:func:`choose_ways`).
     Returns (slot, table, the misses' positions in ``ids``, their victims' old keys and dirty flags); the
     cache's ``keys`` / ``used`` / ``uses`` / ``dirty`` are updated in place."""
+    if ids.numel() and int(ids[0]) < int(first[0]):  # ascending: the least first
+        raise IndexError(f"row cache: id {int(ids[0])} is below the first table's first id {int(first[0])}: ids "
+                         f"must be checked before the cache")
     table = torch.searchsorted(first, ids, right=True) - 1
     sets = set_offset[table] + (ids - first[table]) % nsets[table]
     ways = keys.shape[1]
@@ -109,7 +113,7 @@ def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offse
         slot[a:a + LOOKUP_CHUNK] = sets[a:a + LOOKUP_CHUNK] * ways + way
     hits = slot[hit]
     used.view(-1)[hits] = clock
-    uses.view(-1)[hits] += 1
+    uses.view(-1)[hits] = torch.clamp(uses.view(-1)[hits] + 1, max=USE_CAP)  # the lfu score stays within int64
     if mark_dirty:
         dirty.view(-1)[hits] = True
     miss = torch.nonzero(~hit).view(-1)
