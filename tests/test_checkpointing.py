@@ -111,9 +111,10 @@ def test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_and_resumes_
     # each rank ended with 128 + SIGTERM (torchrun's report lists every failed rank with its exit code)
     assert len(re.findall(r"exitcode\s*: 143 ", stopped.stderr)) == 2, stopped.stderr[-3000:]
     assert [p.name for p in complete_checkpoints(ckpt)][-2:] == ["step-000000020", "step-000000027"]
+    killed_run = _run_id_of(complete_checkpoints(ckpt)[-1])  # read before the resume, which writes checkpoints too
     _, resumed = _run([*args, "trainer.resume=auto"], tmp_path)
     # a resume, not a fresh start (which with the same seed would end the same): the killed run's MLflow run
-    assert resumed.mlflow_run_id == _run_id_of(complete_checkpoints(ckpt)[-2])
+    assert resumed.mlflow_run_id == killed_run
     straight, straight_tensors, _ = straight_run
     assert (resumed.test_auc, resumed.test_logloss) == (straight.test_auc, straight.test_logloss)
     _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_tensors, ("state_dict/", "fused_optimizer/"))
