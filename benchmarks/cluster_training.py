@@ -12,7 +12,7 @@ process with one thread and no network. Recipes (Hydra overrides):
     auto     the defaults with the link stated: topology.bandwidth_gbps.inter_node=<rate in GB/s>
     k<K>     trainer.merging.k=K, fp32 comms;  k<K>m: also Adam's moments merged
     half     DDP with fp16 pooled embeddings forward, bf16 backward, fp16 dense all-reduce
-    k<K>_half  both
+    k<K>_half  both;  k<K>_int8: int8 pooled embeddings forward (a scale and bias a row), bf16 backward
 
 Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
 collectives, bytes that left node 0's interface per training step, the link's share of a step
@@ -50,11 +50,12 @@ def recipe_overrides(name: str, rate_mbit: float) -> list[str]:
     if name == "half":
         return ["trainer.merging.k=null", *HALF]
     if name.startswith("k"):
-        k, _, half = name[1:].partition("_")
+        k, _, comms = name[1:].partition("_")
         moments = k.endswith("m")
+        precision = {"": FP32, "half": HALF[:2], "int8": ["trainer.comms.embedding_forward=int8", HALF[1]]}[comms]
         return [f"trainer.merging.k={int(k.rstrip('m'))}", f"trainer.merging.moments={str(moments).lower()}",
-                *(HALF[:2] + ["trainer.comms.dense=fp32"] if half else FP32)]
-    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half]")
+                *precision[:2], "trainer.comms.dense=fp32"]
+    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half|_int8]")
 
 
 def env() -> dict[str, str]:

@@ -1,0 +1,41 @@
+"""The link plan (modules/sharding/link_plan.py): bytes per option from the step's shape, and the choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from modules.sharding.link_plan import DEFAULT, LinkOption, StepShape, choose, link_bytes
+
+# DeepFM on the synthetic log: 26 one-id features of dim 16, 13 dense, MLP 400-400-400; batch 4,096 on 2 nodes
+SHAPE = StepShape(local_batch=2048, pooled_width=26 * 16, ids_per_sample=26, dense_params=493_000, world=2,
+                  ranks_per_node=1)
+
+
+def test_bytes_follow_the_precision_and_the_merge_period():
+    fp32, half = link_bytes(SHAPE, DEFAULT), link_bytes(SHAPE, LinkOption(None, "fp16", "bf16", "fp16"))
+    ids = SHAPE.local_batch * 0.5 * SHAPE.ids_per_sample * 12  # int64 id + int32 length, half to the other node
+    assert half["embedding"] - ids == pytest.approx((fp32["embedding"] - ids) / 2)
+    assert half["dense"] == pytest.approx(fp32["dense"] / 2)
+    assert fp32["dense"] == pytest.approx(SHAPE.dense_params * 4)  # a ring all-reduce over 2 ranks: once each way
+    assert link_bytes(SHAPE, LinkOption(8, "fp32", "fp32", "fp32"))["dense"] == pytest.approx(fp32["dense"] / 8)
+    one_node = StepShape(2048, 416, 26, 493_000, world=2, ranks_per_node=2)
+    assert sum(link_bytes(one_node, DEFAULT).values()) == 0
+
+
+@pytest.mark.parametrize("shape, link, why", [
+    (StepShape(2048, 416, 26, 493_000, world=2, ranks_per_node=2), 0.0125, "one node"),
+    (SHAPE, None, "no inter-node bandwidth stated"),
+    (SHAPE, 50.0, "less than 10% to gain"),  # 400 Gbit/s InfiniBand beside a 40 ms step
+])
+def test_one_node_no_link_or_a_fast_link_keep_ddp_in_fp32(shape, link, why):
+    choice = choose(shape, link, compute_s=0.04)
+    assert choice.option == DEFAULT and why in choice.reason
+
+
+def test_a_slow_link_takes_the_option_of_least_estimated_time():
+    choice = choose(SHAPE, 0.0125, compute_s=0.04)  # 100 Mbit/s
+    assert choice.option != DEFAULT and choice.step_s <= 0.9 * choice.default_step_s
+    estimates = {o: 0.04 + sum(link_bytes(SHAPE, o).values()) / 0.0125e9
+                 for o in [LinkOption(k, f, b, d) for k in (None, 2, 4, 8) for f, b in (("fp32", "fp32"), ("fp16", "bf16"))
+                           for d in (("fp32", "fp16") if k is None else ("fp32",))]}
+    assert choice.step_s == pytest.approx(min(estimates.values()))
