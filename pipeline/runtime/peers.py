@@ -26,9 +26,8 @@ import torch.distributed as dist
 from pipeline.runtime.errors import UserError
 
 PROBE_TIMEOUT_S = 3.0
-# how gloo and c10d word a peer that stopped answering
-LOST_PEER_WORDS = ("Timed out waiting", "Connection reset by peer", "Connection closed by peer", "Connection refused",
-                   "Broken pipe", "No route to host", "timed out after")
+# how gloo words a peer that stopped answering (it raises a plain RuntimeError; c10d raises Dist*Error)
+LOST_PEER_WORDS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
 
 
 class PeerLostError(UserError, RuntimeError,
