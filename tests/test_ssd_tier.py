@@ -219,3 +219,33 @@ def test_a_table_of_a_few_gb_on_the_ssd_tier_is_never_loaded_into_memory(tmp_pat
             group.rmdir()
     print(f"tables {table_gb:.2f} GB; limit {'2 GiB' if group else 'none'}; peak anonymous MiB: {peaks}")
     assert all(mib < 0.35 * table_gb * 1e3 for mib in peaks.values()), (table_gb, peaks)
+
+
+def test_a_second_run_on_the_same_ssd_path_is_refused_naming_the_first(small_overrides, tmp_path):
+    """Two runs on one topology.ssd.path: the second would truncate the first one's mapped table files. A process
+    holding rank 0's folder (as a running job does) makes a training run there stop before it writes anything,
+    with the holder named; once the holder is gone (killed: the kernel drops its lock) the folder can be taken."""
+    from modules.embedding.ssd_tier.path_lock import SsdPathInUseError, lock_rank_folder
+
+    folder = tmp_path / "ssd" / "rank0"
+    holder = subprocess.Popen(
+        [PYTHON, "-c", "import sys, time\nfrom modules.embedding.ssd_tier.path_lock import lock_rank_folder\n"
+                       "lock_rank_folder(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(folder)],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (folder / "emb.weights.f32").write_bytes(b"\x01" * 64)  # a file of the running job
+        proc, _ = train_cli([*small_overrides, f"topology.ssd.path={tmp_path / 'ssd'}", ALL_ON_SSD, SMALL_CACHE,
+                             "trainer.max_epochs=1", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"],
+                            tmp_path / "run", check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.search(rf"Error \(SsdPathInUseError\): topology.ssd.path: {folder} is in use by pid {holder.pid} on",
+                         proc.stderr), proc.stderr[-3000:]
+        assert (folder / "emb.weights.f32").read_bytes() == b"\x01" * 64  # untouched
+        with pytest.raises(SsdPathInUseError, match=f"pid {holder.pid}"):
+            lock_rank_folder(folder)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert lock_rank_folder(folder) == folder.resolve()

@@ -2,7 +2,8 @@
 
 User errors are the classes of :mod:`pipeline.runtime.errors` (each with its hint), tables that cannot
 be placed (:class:`modules.sharding.placement.PlacementError`), an id outside its table
-(:class:`modules.embedding.lookup_inputs.IdOutOfRangeError`) and a missing file. Anything else is a bug and
+(:class:`modules.embedding.lookup_inputs.IdOutOfRangeError`), an ssd path another run holds
+(:class:`modules.embedding.ssd_tier.path_lock.SsdPathInUseError`) and a missing file. Anything else is a bug and
 keeps its traceback; ``HYDRA_FULL_ERROR=1`` shows the traceback of user errors too.
 """
 
@@ -15,13 +16,14 @@ from typing import Callable, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from modules.embedding.lookup_inputs import IdOutOfRangeError
+from modules.embedding.ssd_tier.path_lock import SsdPathInUseError
 from modules.sharding.placement import PlacementError
 from pipeline.config import to_typed
 from pipeline.runtime.errors import UserError
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
-USER_ERRORS = (UserError, PlacementError, IdOutOfRangeError, FileNotFoundError)
+USER_ERRORS = (UserError, PlacementError, IdOutOfRangeError, SsdPathInUseError, FileNotFoundError)
 
 
 def command_args(cfg: DictConfig, schema: type[T]) -> T:

@@ -17,7 +17,8 @@ TBEs by their fused parameters.
 
 Files: ``<path>/rank<r>/<table>[+<table>...].<state>.f32`` (state ``weights`` or ``momentum1``) and the
 row cache's sorted runs ``<table>[+<table>...].run<n>.{keys,records}`` (:mod:`.sorted_runs`), re-created
-by each run (a resumed run loads the checkpoint into the table files).
+by each run (a resumed run loads the checkpoint into the table files). A rank's folder is locked by one run at
+a time (:mod:`.path_lock`): a second run there is refused, naming the first.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torchrec.distributed.types import CacheParams, DataType, ShardingPlan
 
 from modules.embedding.ssd_tier.cached_tbe import CachedRowsTBE
 from modules.embedding.ssd_tier.paged_records import MADV_RANDOM, MADVISE
+from modules.embedding.ssd_tier.path_lock import lock_rank_folder
 from modules.embedding.row_init import RowInit
 
 MARK = CacheParams(precision=DataType.FP32)
@@ -115,7 +117,7 @@ def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathL
                 raise RuntimeError("file-backed tables: TorchRec built its FBGEMM module with positional arguments")
             specs = list(kwargs["embedding_specs"])
             optimizer = kwargs.get("optimizer", OptimType.EXACT_SGD)
-            stem = Path(folder) / f"rank{rank}" / _group_file_stem(names)
+            stem = lock_rank_folder(Path(folder) / f"rank{rank}") / _group_file_stem(names)  # before any file
             buffers = {state: mapped_file(stem.with_name(f"{stem.name}.{state}.f32"), n)
                        for state, n in state_sizes(specs, optimizer).items()}
             made.extend(stem.with_name(f"{stem.name}.{state}.f32") for state in buffers)
