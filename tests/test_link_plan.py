@@ -39,3 +39,11 @@ def test_a_slow_link_takes_the_option_of_least_estimated_time():
                  for o in [LinkOption(k, f, b, d) for k in (None, 2, 4, 8) for f, b in (("fp32", "fp32"), ("fp16", "bf16"))
                            for d in (("fp32", "fp16") if k is None else ("fp32",))]}
     assert choice.step_s == pytest.approx(min(estimates.values()))
+
+
+def test_values_set_by_the_user_are_chosen_around():
+    """trainer.merging.k=null with the precisions at auto: the fastest DDP option, its dense all-reduce included."""
+    choice = choose(SHAPE, 0.0125, compute_s=0.04, fixed={"k": None})
+    assert choice.option == LinkOption(None, "fp16", "bf16", "fp16")
+    fp32_embeddings = choose(SHAPE, 0.0125, compute_s=0.04, fixed={"embedding_forward": "fp32"})
+    assert fp32_embeddings.option.embedding_forward == "fp32" and fp32_embeddings.option.k == 8

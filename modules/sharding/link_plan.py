@@ -95,9 +95,12 @@ class LinkChoice:
     reason: str
 
 
-def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: float,
-           min_gain: float = 0.10) -> LinkChoice:
-    """The option of least estimated step time, or :data:`DEFAULT` unless it saves ``min_gain`` of the step."""
+def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: float, min_gain: float = 0.10,
+           fixed: Optional[dict] = None) -> LinkChoice:
+    """The option of least estimated step time, or :data:`DEFAULT` unless it saves ``min_gain`` of the step.
+    ``fixed``: fields a user set (``{"k": None}``, ``{"embedding_forward": "fp32"}``, ...): only options with
+    those values are considered, so the rest is chosen around them."""
+    fixed = fixed or {}
     def estimate(o: LinkOption) -> tuple[float, float]:
         sent = sum(link_bytes(shape, o).values())
         return compute_s + (sent / (link_gbytes_per_s * 1e9) if link_gbytes_per_s else 0.0), sent
@@ -106,7 +109,8 @@ def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: floa
     if shape.remote_share == 0 or not link_gbytes_per_s:
         why = "one node" if shape.remote_share == 0 else "no inter-node bandwidth stated"
         return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes, why)
-    best = min(options(), key=lambda o: estimate(o)[0])
+    candidates = [o for o in options() if all(getattr(o, key) == value for key, value in fixed.items())]
+    best = min(candidates or [DEFAULT], key=lambda o: estimate(o)[0])
     best_t, best_bytes = estimate(best)
     if best_t > (1 - min_gain) * default_t:
         return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes,

@@ -66,7 +66,10 @@ def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, s
     link = topology.bandwidth_gbps.inter_node
     needed = merging.k == "auto" or not comms.resolved
     compute = slowest(dense_step_seconds(model, spec, local_batch)) if needed and shape.remote_share and link else 0.0
-    choice = choose(shape, link, compute)
+    fixed = {key: value for key, value in (("k", merging.k), ("embedding_forward", comms.embedding_forward),
+                                           ("embedding_backward", comms.embedding_backward), ("dense", comms.dense))
+             if value != "auto"}
+    choice = choose(shape, link, compute, fixed=fixed)
     o = choice.option
     merging = replace(merging, k=o.k) if merging.k == "auto" else merging
     comms = CommsConfig(*(o_value if value == "auto" else value for value, o_value in
