@@ -24,11 +24,11 @@ train: $(STAMP)
 	$(PY) -m pipeline.commands.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(ARGS)
 
 # Also the end-to-end variants marked slow (their path is covered by `make test`).
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests -m "" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests -m "" $(ARGS)
 
 # Every pinned version (CPU and GPU extras, Dockerfile, README) exists on the package index (CI runs it).
 check-pins: $(STAMP)

@@ -28,20 +28,23 @@ from pipeline.training.result import read_result
 from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
 
 RATE_MBIT = 200
-STEPS = 20  # 100k rows → 85k training rows / batch 4096, one epoch
+STEPS = 12  # of the 20 an epoch of 100k rows has at batch 4,096
 PEER_LOST = "Error (PeerLostError)"
 
 _why_not = unavailable()
 if _why_not and os.environ.get("CI"):
     raise RuntimeError(f"CI runs as root and must run the cluster tests, but: {_why_not}")
-pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"no network namespaces: {_why_not}")
+# one worker runs them all (make test: --dist loadgroup): the loopback reference is trained once
+pytestmark = [pytest.mark.skipif(_why_not is not None, reason=f"no network namespaces: {_why_not}"),
+              pytest.mark.xdist_group("cluster")]
 
 
 @pytest.fixture(scope="module")
 def job_args(small_overrides, tmp_path_factory):
-    """The job every test runs: the small data, batch 4,096, one epoch, a checkpoint every 5 steps."""
+    """The job every test runs: the small data, batch 4,096, 12 steps, a checkpoint every 5 steps."""
     keep = [o for o in small_overrides if not o.startswith(("trainer.batch_size", "trainer.max_epochs"))]
     return ["-m", "pipeline.commands.train", *keep, "trainer.batch_size=4096", "trainer.max_epochs=1",
+            f"trainer.max_steps={STEPS}",
             "trainer.checkpoint.every_n_steps=5", "trainer.checkpoint.keep=10", "trainer.num_threads=1"]
 
 
