@@ -119,7 +119,7 @@ def test_killed_worker_restarts_across_nodes_and_ends_as_over_loopback(job_args,
 
 
 def test_cut_link_stops_every_rank_with_the_peer_named_and_a_restart_resumes(job_args, loopback_result, tmp_path):
-    timeout_s = 15
+    timeout_s = 10
     ckpt = tmp_path / "ckpt"
     with Cluster(nodes=2, rate_mbit=RATE_MBIT) as cluster:
         agents = _start(cluster, job_args, tmp_path, "cut", f"trainer.collective_timeout_s={timeout_s}")
@@ -152,7 +152,7 @@ def test_cut_link_stops_every_rank_with_the_peer_named_and_a_restart_resumes(job
 def test_lost_rendezvous_host_stops_the_other_node(job_args, tmp_path):
     ckpt = tmp_path / "ckpt"
     with Cluster(nodes=2, rate_mbit=RATE_MBIT) as cluster:
-        agents = _start(cluster, job_args, tmp_path, "lost0", "trainer.collective_timeout_s=60")
+        agents = _start(cluster, job_args, tmp_path, "lost0", "trainer.collective_timeout_s=10")
         _wait_for(lambda: bool(complete_checkpoints(ckpt)), 300, "the first checkpoint")
         cluster.kill_node(0)
         lost_at = time.monotonic()
