@@ -66,6 +66,7 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
     (["trainer.merging.k_intra=2"], "trainer.merging.k_intra=2: needs an integer k"),
     (["trainer.comms.embedding_backward=int8"], "trainer.comms.embedding_backward='int8'"),
     (["trainer.comms.dense=fp8"], "trainer.comms.dense='fp8'"),
+    (["trainer.comms.embedding_backward=bf16"], "trainer.comms.embedding_backward=bf16: TorchRec sends bf16 as fp16 on CPU"),
     (["trainer.collective_timeout_s=0"], "trainer.collective_timeout_s=0"),
     (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),
     (["model=deepfm", "+model.low_rank=8"], "model.low_rank=8: model 'deepfm' takes no 'low_rank'"),

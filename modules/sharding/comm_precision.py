@@ -5,7 +5,9 @@
   vector in ``embedding_forward`` precision and the backward its gradient in ``embedding_backward``; the
   lookups, the optimizer and the tables stay fp32. Bytes per value: fp32 4, fp16/bf16 2, int8 1 (+ 8 per
   row for its scale and bias). TorchRec's own recommendation is fp16 forward, bf16 backward (bf16 keeps
-  fp32's range for gradients; fp16 keeps 3 more mantissa bits for values of moderate range).
+  fp32's range for gradients; fp16 keeps 3 more mantissa bits for values of moderate range); on CPU TorchRec
+  sends bf16 as fp16 (``fbgemm_qcomm_codec``: gloo), so bf16 is refused there (``check_runnable``) and the
+  link choice takes fp16 both ways.
 - DDP's dense gradient all-reduce (``trainer.merging.k=null``): PyTorch's fp16/bf16 compression hooks
   (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``): each bucket cast, all-reduced, divided by
   the world size and cast back. With k-step merging the dense part is averaged by the merger in fp32.
@@ -36,7 +38,7 @@ class CommsConfig:
                              ("dense", PRECISIONS[:3])):
             value = getattr(self, key)
             if value != "auto" and value not in allowed:
-                extra = " (an int8 gradient loses too much: TorchRec quantizes gradients to fp16/bf16 only)" \
+                extra = " (int8 is offered for the forward only: gradients in int8 were not measured here)" \
                     if value == "int8" else ""
                 raise ValueError(f"{key}={value!r}: expected one of {', '.join(allowed)} or auto{extra}")
 

@@ -16,8 +16,8 @@ s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated withou
     t(option) = t_compute + (embedding + dense) / link bandwidth
 
 ``t_compute`` is measured by the caller (the dense network's forward and backward at the local batch).
-Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward} × (for DDP) the dense
-all-reduce in {fp32, fp16}. The fastest is taken when it saves at least ``min_gain`` of the step against
+Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward (fp16 on CPU)} × (for
+DDP) the dense all-reduce in {fp32, fp16}. The fastest is taken when it saves at least ``min_gain`` of the step against
 today's default (DDP, fp32); else the default stays, so a fast link or one node changes nothing. k ≤ 8 and
 these precisions are what was measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
 """
@@ -31,7 +31,6 @@ from modules.sharding.comm_precision import BYTES
 
 ID_BYTES = 12
 MERGE_PERIODS = (None, 2, 4, 8)
-EMBEDDING_PRECISIONS = (("fp32", "fp32"), ("fp16", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -76,10 +75,12 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
     return {"embedding": embedding, "dense": dense}
 
 
-def options() -> list[LinkOption]:
+def options(half_backward: str = "bf16") -> list[LinkOption]:
+    """Every option; ``half_backward``: the gradients' precision of the reduced option (fp16 on CPU, where
+    TorchRec sends bf16 as fp16)."""
     out = []
     for k in MERGE_PERIODS:
-        for forward, backward in EMBEDDING_PRECISIONS:
+        for forward, backward in (("fp32", "fp32"), ("fp16", half_backward)):
             for dense in (("fp32", "fp16") if k is None else ("fp32",)):
                 out.append(LinkOption(k, forward, backward, dense))
     return out
@@ -96,7 +97,7 @@ class LinkChoice:
 
 
 def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: float, min_gain: float = 0.10,
-           fixed: Optional[dict] = None) -> LinkChoice:
+           fixed: Optional[dict] = None, half_backward: str = "bf16") -> LinkChoice:
     """The option of least estimated step time, or :data:`DEFAULT` unless it saves ``min_gain`` of the step.
     ``fixed``: fields a user set (``{"k": None}``, ``{"embedding_forward": "fp32"}``, ...): only options with
     those values are considered, so the rest is chosen around them."""
@@ -109,7 +110,7 @@ def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: floa
     if shape.remote_share == 0 or not link_gbytes_per_s:
         why = "one node" if shape.remote_share == 0 else "no inter-node bandwidth stated"
         return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes, why)
-    candidates = [o for o in options() if all(getattr(o, key) == value for key, value in fixed.items())]
+    candidates = [o for o in options(half_backward) if all(getattr(o, key) == value for key, value in fixed.items())]
     best = min(candidates or [DEFAULT], key=lambda o: estimate(o)[0])
     best_t, best_bytes = estimate(best)
     if best_t > (1 - min_gain) * default_t:

@@ -69,7 +69,8 @@ def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, s
     fixed = {key: value for key, value in (("k", merging.k), ("embedding_forward", comms.embedding_forward),
                                            ("embedding_backward", comms.embedding_backward), ("dense", comms.dense))
              if value != "auto"}
-    choice = choose(shape, link, compute, fixed=fixed)
+    choice = choose(shape, link, compute, fixed=fixed,
+                    half_backward="fp16" if topology.compute_device == "cpu" else "bf16")  # TorchRec: no bf16 on gloo
     o = choice.option
     merging = replace(merging, k=o.k) if merging.k == "auto" else merging
     comms = CommsConfig(*(o_value if value == "auto" else value for value, o_value in
