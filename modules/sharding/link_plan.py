@@ -102,6 +102,7 @@ def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: floa
     ``fixed``: fields a user set (``{"k": None}``, ``{"embedding_forward": "fp32"}``, ...): only options with
     those values are considered, so the rest is chosen around them."""
     fixed = fixed or {}
+
     def estimate(o: LinkOption) -> tuple[float, float]:
         sent = sum(link_bytes(shape, o).values())
         return compute_s + (sent / (link_gbytes_per_s * 1e9) if link_gbytes_per_s else 0.0), sent
