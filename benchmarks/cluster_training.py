@@ -24,7 +24,6 @@ AUC against wall time per recipe to MLflow (experiment ``cluster_training``, a r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -65,12 +64,6 @@ def env() -> dict[str, str]:
     return out
 
 
-def tx_bytes(cluster: Cluster, node: int) -> int:
-    out = subprocess.run(["ip", "-n", cluster.names[node], "-s", "-j", "link", "show", "eth0"],
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)[0]["stats64"]["tx"]["bytes"]
-
-
 def run(name: str, args, common: list[str], out: Path) -> dict:
     job = [*common, *recipe_overrides(name, args.rate_mbit), *args.extra, f"logger.run_name={name}"]
     folder = out / name
@@ -91,7 +84,7 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
                                                    f"hydra.run.dir={folder}/node{n}"], env(), cwd=ROOT, stdout=log,
                                                    stderr=subprocess.STDOUT))
             codes = wait_all(agents, args.timeout_s)
-            sent = tx_bytes(cluster, 0)
+            sent = cluster.tx_bytes(0)
     wall = time.monotonic() - start
     if any(c != 0 for c in codes):
         raise SystemExit(f"{name}: exit codes {codes}; see {folder}/node*.log")

@@ -25,6 +25,7 @@ that died (its pid is in their names) are removed by the next cluster made.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -186,6 +187,11 @@ class Cluster:
     def set_link(self, node: int, up: bool) -> None:
         """Bring node ``node``'s link up or down (a cut cable: packets on it are lost)."""
         _sh("ip", "-n", self.names[node], "link", "set", "eth0", "up" if up else "down")
+
+    def tx_bytes(self, node: int) -> int:
+        """Bytes node ``node``'s interface has sent (its kernel counter)."""
+        out = _sh("ip", "-n", self.names[node], "-s", "-j", "link", "show", "eth0").stdout
+        return json.loads(out)[0]["stats64"]["tx"]["bytes"]
 
     def kill_node(self, node: int) -> None:
         """SIGKILL every process of node ``node`` (a machine lost: its agent and its workers)."""

@@ -90,12 +90,6 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _tx_bytes(cluster: Cluster, node: int) -> int:
-    out = subprocess.run(["ip", "-n", cluster.names[node], "-s", "-j", "link", "show", "eth0"],
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)[0]["stats64"]["tx"]["bytes"]
-
-
 def test_killed_worker_restarts_across_nodes_and_ends_as_over_loopback(job_args, loopback_result, tmp_path):
     record = tmp_path / "killed.json"
     kill = (f"trainer.callbacks=[{{_target_:tests.faults.KillRank,rank:1,step:8,record:{record},"
@@ -103,7 +97,7 @@ def test_killed_worker_restarts_across_nodes_and_ends_as_over_loopback(job_args,
     with Cluster(nodes=2, rate_mbit=RATE_MBIT) as cluster:
         agents = _start(cluster, job_args, tmp_path, "kill", "trainer.resume=auto", kill, max_restarts=1)
         codes = wait_all(agents, 480)
-        sent = [_tx_bytes(cluster, n) for n in range(2)]
+        sent = [cluster.tx_bytes(n) for n in range(2)]
     assert codes == [0, 0], _log(tmp_path, 0)[-3000:] + _log(tmp_path, 1)[-3000:]
     killed = json.loads(record.read_text())  # written by rank 1 before it was killed, so before any restart
     assert killed["checkpoint"] == "step-000000005"
