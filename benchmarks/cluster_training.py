@@ -13,6 +13,8 @@ process with one thread and no network. Recipes (Hydra overrides):
     k<K>     trainer.merging.k=K, fp32 comms;  k<K>m: also Adam's moments merged
     half     DDP with fp16 pooled embeddings both ways, fp16 dense all-reduce
     k<K>_half  both;  k<K>_int8: int8 pooled embeddings forward (a scale and bias a row), fp16 backward
+    rep<K>   every table whole on every node, its looked-up rows merged with the dense part every K steps
+             (trainer.merging.tables=replicated: no embedding all-to-all)
 
 Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
 collectives, bytes that left node 0's interface per training step, the link's share of a step
@@ -49,13 +51,15 @@ def recipe_overrides(name: str, rate_mbit: float) -> list[str]:
         return [f"topology.bandwidth_gbps.inter_node={rate_mbit / 8000:g}"]
     if name == "half":
         return ["trainer.merging.k=null", *HALF]
+    if name.startswith("rep"):
+        return [f"trainer.merging.k={int(name[3:])}", "trainer.merging.tables=replicated", *FP32]
     if name.startswith("k"):
         k, _, comms = name[1:].partition("_")
         moments = k.endswith("m")
         precision = {"": FP32, "half": HALF[:2], "int8": ["trainer.comms.embedding_forward=int8", HALF[1]]}[comms]
         return [f"trainer.merging.k={int(k.rstrip('m'))}", f"trainer.merging.moments={str(moments).lower()}",
                 *precision[:2], "trainer.comms.dense=fp32"]
-    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half|_int8]")
+    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half|_int8], rep<K>")
 
 
 def env() -> dict[str, str]:

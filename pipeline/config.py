@@ -275,9 +275,6 @@ def check_runnable(run: RunConfig) -> None:
         if bs % world:
             raise ConfigError(f"trainer.{key}={bs} is not divisible by the world size {world} (WORLD_SIZE); "
                               f"each rank needs an equal share of the global batch")
-    bf16 = [k for k in ("embedding_forward", "embedding_backward") if getattr(run.trainer.comms, k) == "bf16"]
-    if bf16 and run.topology.compute_device == "cpu":  # torchrec/distributed/fbgemm_qcomm_codec.py falls back
-        raise ConfigError(f"trainer.comms.{bf16[0]}=bf16: TorchRec sends bf16 as fp16 on CPU (gloo): use fp16")
     emb = run.optim.embedding
     if emb.weight_decay and is_fusable(emb, run.topology.compute_device):
         raise ConfigError(f"optim.embedding.weight_decay={emb.weight_decay:g}: FBGEMM's fused {emb.name} ignores "

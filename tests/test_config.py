@@ -10,12 +10,14 @@ import torch
 
 from pipeline.config import RunConfig, check_runnable, parse_config
 from pipeline.runtime.errors import ConfigError
+from pipeline.training.link_choice import check_link_settings
 from tests.conftest import PYTHON, compose_config, subprocess_env
 
 
 def check_config(cfg) -> RunConfig:
     run = parse_config(cfg)
     check_runnable(run)
+    check_link_settings(run)
     return run
 
 
@@ -68,6 +70,13 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
     (["trainer.comms.dense=fp8"], "trainer.comms.dense='fp8'"),
     (["trainer.comms.embedding_backward=bf16"], "trainer.comms.embedding_backward=bf16: TorchRec sends bf16 as fp16 on CPU"),
     (["trainer.collective_timeout_s=0"], "trainer.collective_timeout_s=0"),
+    (["trainer.merging.tables=mirrored"], "trainer.merging.tables='mirrored'"),
+    (["trainer.merging.tables=replicated"], "trainer.merging.tables=replicated with k='auto'"),
+    (["trainer.merging.tables=replicated", "trainer.merging.k=null"], "trainer.merging.tables=replicated with k=None"),
+    (["trainer.merging.tables=replicated", "trainer.merging.k=4", "trainer.comms.embedding_forward=fp16"],
+     "trainer.merging.tables=replicated with trainer.comms.embedding_forward: replicated tables send no all-to-all"),
+    (["trainer.merging.tables=replicated", "trainer.merging.k=4", "optim.embedding_l2_scope=all", "optim.embedding_l2=1e-5"],
+     "trainer.merging.tables=replicated with optim.embedding_l2_scope=all"),
     (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),
     (["model=deepfm", "+model.low_rank=8"], "model.low_rank=8: model 'deepfm' takes no 'low_rank'"),
     (["scaling.rule=cubic"], "scaling.rule='cubic'"),

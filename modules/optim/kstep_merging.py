@@ -15,7 +15,8 @@ from rank 0). The averaging is ``torch.distributed.algorithms.model_averaging.ut
 
 With SGD, merging every step (k = 1) is exactly synchronous data parallelism (the mean of the
 locally updated parameters is the update with the mean gradient); with Adam it is not, since
-the second moment is not linear in the gradient.
+the second moment is not linear in the gradient. Replicated embedding tables (``tables=replicated``) are
+merged at the same steps, row by row (:mod:`modules.optim.sparse_merging`).
 """
 
 from __future__ import annotations
@@ -28,20 +29,32 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from modules.comm_accounting import comm_category
+from modules.optim.sparse_merging import TableMerger
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+TABLES = ("sharded", "replicated")
 
 
 @dataclass
 class MergeConfig:
     """``trainer.merging``; ``k`` None: synchronous data parallelism (no merging); ``auto`` (the default):
-    chosen from the stated inter-node link (:mod:`modules.sharding.link_plan`), None until then."""
+    chosen from the stated inter-node link (:mod:`modules.sharding.link_plan`), None until then. ``tables``:
+    ``sharded`` (each table on one owner, looked up through the all-to-all) or ``replicated`` (every table
+    whole on every rank, its looked-up rows merged every ``k`` steps: :mod:`modules.optim.sparse_merging`)."""
 
     k: Any = "auto"
     k_intra: Optional[int] = None
     moments: bool = False
+    tables: str = "sharded"
 
     def __post_init__(self) -> None:
+        if self.tables not in TABLES:
+            raise ValueError(f"tables={self.tables!r}: expected one of {TABLES}")
+        if self.tables == "replicated" and (isinstance(self.k, bool) or not isinstance(self.k, int)
+                                            or self.k_intra is not None):
+            raise ValueError(f"tables=replicated with k={self.k!r}, k_intra={self.k_intra!r}: replicated tables "
+                             f"are merged every k steps over all ranks; set an integer k (1 merges every step) "
+                             f"and no k_intra")
         if self.k == "auto":
             if self.k_intra is not None:
                 raise ValueError(f"k_intra={self.k_intra}: needs an integer k (k=auto is chosen from the link)")
@@ -58,8 +71,9 @@ class MergeConfig:
 
 class KStepMerger:
     def __init__(self, params: Iterable[torch.nn.Parameter], cfg: MergeConfig,
-                 ranks_per_node: int | None = None) -> None:
+                 ranks_per_node: int | None = None, tables: TableMerger | None = None) -> None:
         self.params = [p for p in params]
+        self.tables = tables  # replicated embedding tables, merged sparsely with the dense part
         self.cfg = cfg
         self.optimizer: torch.optim.Optimizer | None = None
         self.steps = 0
@@ -75,6 +89,8 @@ class KStepMerger:
         with torch.no_grad(), comm_category("merge"):
             for p in self.params:  # identical start on every rank
                 dist.broadcast(p.data, src=0)
+            if tables is not None:
+                tables.make_equal()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose Adam moments are merged with ``moments=True``."""
@@ -96,6 +112,8 @@ class KStepMerger:
         if tensors:
             with torch.no_grad(), comm_category("merge"):
                 average_parameters(iter(tensors), group or dist.group.WORLD)
+        if self.tables is not None:
+            self.tables.merge(group)
         self.merges += 1
         if group is None or group is dist.group.WORLD:
             self.dirty = False

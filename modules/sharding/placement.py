@@ -17,7 +17,7 @@ On CPU, the host budget is what the stated memory leaves for tables once the pro
 counted: ``nodes × (ddr_cap_gb × (1 − ddr_reserve) − ranks per node × process)``, where *process* is
 the memory the planning process holds (measured, :mod:`modules.sharding.resident_memory`: Python,
 torch and their libraries' code, the data's index, …) plus a step's working set (estimated from the model,
-:func:`modules.sharding.planner.step_bytes`); ``ddr_reserve`` is left to the page cache.
+:func:`modules.sharding.step_memory.step_bytes`); ``ddr_reserve`` is left to the page cache.
 Every table stays in host memory while the tables fit that budget (weights + optimizer state);
 otherwise the budget is shared between whole tables in host memory and the row caches
 (:mod:`modules.embedding.ssd_tier.row_cache`) of tables on ``ssd`` by the lookups each byte serves,

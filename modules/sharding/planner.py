@@ -36,15 +36,15 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import CacheParams, ShardingPlan, ShardingType
+from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.embedding.sparse_arch import field_of
 from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
 from modules.embedding.row_init import DrawnLater, RowInit
 from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
-from modules.sharding.placement import KERNELS, Placement, TableInfo, place_tables
-from modules.sharding.resident_memory import own_resident_bytes
+from modules.sharding.placement import KERNELS, Placement, PlacementError, TableInfo, place_tables
+from modules.sharding.step_memory import collection_tables, process_bytes
 from modules.sharding.topology import GB, TopologySpec
 
 GBPS_TO_BYTES_PER_MS = 1e9 / 1e3
@@ -73,13 +73,6 @@ def build_topology(topology: TopologySpec) -> Topology:
 
 Collection = EmbeddingBagCollection | EmbeddingCollection
 SHARDERS = (EmbeddingBagCollectionSharder, EmbeddingCollectionSharder)
-
-
-def collection_tables(collection: Collection) -> list:
-    """The table configs of a bag or sequence collection."""
-    if isinstance(collection, EmbeddingBagCollection):
-        return collection.embedding_bag_configs()
-    return collection.embedding_configs()
 
 
 def table_infos(ebc: Collection, coverage: Mapping[str, Mapping[float, int]] | None = None,
@@ -183,10 +176,12 @@ def file_backed_names(placements: Mapping[str, Placement]) -> set[str]:
 
 
 def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
-               coverage: Mapping[str, Mapping[float, int]] | None = None, collective: bool = False,
+               coverage: Mapping[str, Mapping[float, int]] | None = None,
+               collective: bool | dist.ProcessGroup = False,
                table_of: Mapping[str, str] | None = None, batch_rows: int = 0, eval_rows: int = 0) -> PlanResult:
     """Place every table on a tier and plan its sharding over ``topology.world_size`` ranks (a topology
-    :meth:`~modules.sharding.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 and broadcasts.
+    :meth:`~modules.sharding.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 (of all ranks, or
+    of the process group given) and broadcasts.
     ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once in a training / evaluation step
     (the larger sizes the ``ssd`` tier's row caches; both the step's working set)."""
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
@@ -207,32 +202,10 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
     planner = EmbeddingShardingPlanner(topology=build_topology(topology), constraints=constraints)
     sharders = [cls() for cls in SHARDERS]
     with planner_sees_optimizer(ebcs, embedding_optim.name):
-        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD) if collective \
+        group = collective if isinstance(collective, dist.ProcessGroup) else dist.GroupMember.WORLD
+        plan = planner.collective_plan(model, sharders, group) if collective \
             else planner.plan(model, sharders)
     return PlanResult(plan, placements, planner)
-
-
-STEP_COPIES = 4  # activations, their gradients, masks and the allocator's slack: measured +300 MB for DeepFM at
-                 # batch 8,192 / eval 16,384 (docs/scale.md), estimated 216 MB by this rule
-EVAL_COPIES = 2  # an evaluation step keeps no activations for a backward: a layer's input and output
-
-
-def step_bytes(model: nn.Module, batch_rows: int, eval_rows: int = 0) -> int:
-    """What a step adds to the process, the larger of a training step of ``batch_rows`` samples and an
-    evaluation step of ``eval_rows``: ``STEP_COPIES`` (``EVAL_COPIES``) float32 copies of every Linear
-    layer's output and of the looked-up rows (outputs of the collections)."""
-    widths = sum(m.out_features for m in model.modules() if isinstance(m, nn.Linear))
-    rows = sum(c.embedding_dim * len(c.feature_names) for ebc in model.modules()
-               if isinstance(ebc, (EmbeddingBagCollection, EmbeddingCollection)) for c in collection_tables(ebc))
-    return 4 * max(STEP_COPIES * batch_rows, EVAL_COPIES * eval_rows) * (widths + rows)
-
-
-def process_bytes(model: nn.Module, batch_rows: int, world_size: int, eval_rows: int = 0) -> int:
-    """What one training process holds besides its tables (the CPU host budget, :mod:`modules.sharding.placement`): its
-    resident memory now and what a step adds for its share of ``batch_rows`` / ``eval_rows`` (the samples of
-    all ranks)."""
-    world = max(1, world_size)
-    return own_resident_bytes() + step_bytes(model, batch_rows // world, eval_rows // world)
 
 
 def without_fbgemm_bounds_check(plan: ShardingPlan) -> None:
@@ -243,6 +216,16 @@ def without_fbgemm_bounds_check(plan: ShardingPlan) -> None:
         for sharding in module_plan.values():  # type: ignore[union-attr]
             if sharding.compute_kernel == EmbeddingComputeKernel.FUSED.value:
                 sharding.bounds_check_mode = BoundsCheckMode.NONE
+
+
+def placed_on_global_rank(plan: ShardingPlan, device: torch.device) -> None:
+    """A plan over one rank's own group: its shards' placements name the rank's global number, which the
+    sharded tensors check against the group's members (the plan's ``ranks`` stay the group's own, 0)."""
+    place = torch.distributed._remote_device(f"rank:{dist.get_rank()}/{device}")
+    for module_plan in plan.plan.values():
+        for sharding in module_plan.values():  # type: ignore[union-attr]
+            for shard in sharding.sharding_spec.shards if sharding.sharding_spec else ():
+                shard.placement = place
 
 
 class DeviceOnlyWrapper(DataParallelWrapper):
@@ -260,7 +243,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
                 device: torch.device, data_parallel: bool = True, qcomm: dict | None = None,
                 coverage: Mapping[str, Mapping[float, int]] | None = None,
                 table_of: Mapping[str, str] | None = None,
-                batch_rows: int = 0, eval_rows: int = 0) -> tuple[DistributedModelParallel, PlanResult]:
+                batch_rows: int = 0, eval_rows: int = 0, group: dist.ProcessGroup | None = None
+                ) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
@@ -268,23 +252,32 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     when set, else all ranks on one node). The replicated parameters go into DDP when there is more
     than one rank and ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step
     merging, :mod:`modules.optim.kstep_merging`). ``qcomm``: TorchRec's quantized-comms codecs for the
-    embedding all-to-alls (:func:`modules.sharding.comm_precision.qcomm_registry`; None: fp32).
+    embedding all-to-alls (:func:`modules.sharding.comm_precision.qcomm_registry`; None: fp32). ``group``: shard
+    over this process group instead of all ranks (one rank's own: every table whole on every rank,
+    :mod:`modules.sharding.replicated_tables`; nothing replicated goes into DDP then).
     """
     ebcs = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     if is_fusable(embedding_optim, device.type):
         for ebc in ebcs:
             apply_optimizer_in_backward(OPTIMIZERS[embedding_optim.name], ebc.parameters(),
                                         embedding_optim.fused_kwargs())
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     topology = topology.on_ranks(world)
-    result = plan_model(model, embedding_optim, topology, coverage, collective=True, table_of=table_of,
+    result = plan_model(model, embedding_optim, topology, coverage, collective=group or True, table_of=table_of,
                         batch_rows=batch_rows * world, eval_rows=eval_rows * world)  # table-wise kernels: every rank's batch
+    if group is not None and result.file_backed:
+        raise PlacementError(f"tables {sorted(result.file_backed)} go to the ssd tier, whose files are one rank's: "
+                             f"they cannot be replicated (trainer.merging.tables=replicated); use sharded")
+    if group is not None:
+        placed_on_global_rank(result.plan, device)
     if device.type == "cpu":
         without_fbgemm_bounds_check(result.plan)
-    wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
+    wrapper = None if data_parallel and world > 1 and group is None else DeviceOnlyWrapper()
+    env = ShardingEnv.from_process_group(group) if group is not None else None
     with drawn_later(ebcs, result) as cached, \
             file_backed_tables(cached, topology.ssd.path or "", dist.get_rank(), topology.ssd.cache_policy):
-        dmp = DistributedModelParallel(model, device=device, plan=result.plan, sharders=[cls(qcomm_codecs_registry=qcomm) for cls in SHARDERS],
+        dmp = DistributedModelParallel(model, env=env, device=device, plan=result.plan,
+                                       sharders=[cls(qcomm_codecs_registry=qcomm) for cls in SHARDERS],
                                        data_parallel_wrapper=wrapper)
     return dmp, result
 

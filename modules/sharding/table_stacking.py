@@ -23,7 +23,8 @@ from modules.embedding.sparse_arch import EMB_PREFIX, FeatureSpec
 from modules.models import ModelConfig, build_model
 from modules.optim.optimizers import OptimizerSpec, is_fusable
 from modules.sharding.placement import Placement, PlacementError, place_tables
-from modules.sharding.planner import process_bytes, table_infos
+from modules.sharding.planner import table_infos
+from modules.sharding.step_memory import process_bytes
 from modules.sharding.topology import TopologySpec
 
 

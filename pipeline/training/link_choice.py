@@ -26,7 +26,28 @@ from modules.models import ModelConfig
 from modules.optim.kstep_merging import MergeConfig
 from modules.sharding.comm_precision import CommsConfig
 from modules.sharding.link_plan import LinkChoice, StepShape, choose
+from modules.sharding.replicated_tables import own_group
 from modules.sharding.topology import TopologySpec
+from pipeline.config import RunConfig
+from pipeline.runtime.errors import ConfigError
+
+
+def check_link_settings(run: RunConfig) -> None:
+    """Refuse ``trainer.merging`` / ``trainer.comms`` settings the run cannot honour (:class:`ConfigError`)."""
+    comms, merging = run.trainer.comms, run.trainer.merging
+    bf16 = [k for k in ("embedding_forward", "embedding_backward") if getattr(comms, k) == "bf16"]
+    if bf16 and run.topology.compute_device == "cpu":  # torchrec/distributed/fbgemm_qcomm_codec.py falls back
+        raise ConfigError(f"trainer.comms.{bf16[0]}=bf16: TorchRec sends bf16 as fp16 on CPU (gloo): use fp16")
+    if merging.tables != "replicated":
+        return
+    sent = [k for k in ("embedding_forward", "embedding_backward") if getattr(comms, k) not in ("auto", "fp32")]
+    refusals = [(bool(sent), f"trainer.comms.{sent[0] if sent else ''}: replicated tables send no all-to-all"),
+                (run.model.zch.enabled, "model.zch: its id mapping is each rank's own"),
+                (run.optim.embedding_l2_scope == "all", "optim.embedding_l2_scope=all: it changes rows no rank "
+                                                         "looked up, which the merge takes as equal everywhere")]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"trainer.merging.tables=replicated with {why}; use trainer.merging.tables=sharded")
 
 
 def dense_step_seconds(model: ModelConfig, spec: FeatureSpec, local_batch: int, repeats: int = 3) -> float:
@@ -90,6 +111,11 @@ class LinkSettings:
     def resolved(self, model: ModelConfig, spec: FeatureSpec, net: nn.Module, topology: TopologySpec,
                  global_batch: int) -> "LinkSettings":
         """Resolved for ``net`` (on any device; its non-table parameters are the replicated ones) on ``topology``."""
+        if self.merging.tables == "replicated":  # no all-to-all; the merger averages in fp32 (k is an integer)
+            settings = LinkSettings(self.merging, CommsConfig("fp32", "fp32", "fp32"))
+            if topology.world_size > 1:
+                rank_zero_info(settings.describe())
+            return settings
         dense_params = sum(p.numel() for name, p in net.named_parameters() if not is_table_parameter(name))
         merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology,
                                               global_batch // topology.world_size, dense_params)
@@ -98,10 +124,18 @@ class LinkSettings:
             rank_zero_info(settings.describe())
         return settings
 
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The process group the tables are sharded over: this rank's own with replicated tables (every table
+        whole here), else all ranks (None)."""
+        return own_group() if self.merging.tables == "replicated" else None
+
     def describe(self) -> str:
         """One line for the log and ``ctr plan``: what runs, and why."""
         merging, comms, choice = self.merging, self.comms, self.choice
         merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}"
+        if merging.tables == "replicated":
+            return (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
+                    f"every k={merging.k} steps (no embedding all-to-all).")
         line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, {comms.embedding_backward} "
                 f"backward; dense all-reduce {comms.dense}.")
         return line + (f" Estimated step {choice.step_s:.3f} s against {choice.default_step_s:.3f} s with DDP in "
@@ -110,7 +144,7 @@ class LinkSettings:
     def params(self) -> dict[str, Any]:
         """What ran for the link (MLflow parameters ``link/*``): the merge period, precisions, estimates."""
         c = self.choice
-        return {"link/merging_k": "null" if self.merging.k is None else self.merging.k,
+        return {"link/merging_k": "null" if self.merging.k is None else self.merging.k, "link/tables": self.merging.tables,
                 "link/embedding_forward": self.comms.embedding_forward,
                 "link/embedding_backward": self.comms.embedding_backward, "link/dense": self.comms.dense,
                 **({"link/estimated_step_s": round(c.step_s, 4), "link/estimated_ddp_fp32_step_s": round(c.default_step_s, 4),

@@ -29,6 +29,7 @@ from pipeline.runtime.peers import collective_failure, is_lost_peer
 from pipeline.runtime.signals import Preempted, SignalGuard
 from pipeline.tracking.store import logging_run, start_logger
 from pipeline.tracking.sweeps import sweep_job_tags
+from pipeline.training.link_choice import check_link_settings
 from pipeline.training.init_from import check_optimizer_source, init_source, lineage_tags
 from pipeline.training.publish import publish, register_model, run_result
 from pipeline.training.result import RunResult
@@ -40,6 +41,7 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     """Train and test as ``cfg`` says, in ``output_dir`` (default: the Hydra job's folder)."""
     run_cfg = parse_config(cfg)
     check_runnable(run_cfg)
+    check_link_settings(run_cfg)
     topology = prepare_process(run_cfg)
     output_dir = output_dir or job_output_dir()
     params = save_resolved_config(cfg, output_dir)

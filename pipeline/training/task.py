@@ -116,6 +116,7 @@ class CTRTask(L.LightningModule):
         self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch)
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=not self.link.merging.enabled,  # merging averages itself
+                                            group=self.link.shard_group(),
                                             qcomm=qcomm_registry(self.link.comms), coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},
                                             batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1])

@@ -9,13 +9,15 @@ from lightning.pytorch.callbacks import Callback
 
 from modules.optim.kstep_merging import KStepMerger, MergeConfig
 from modules.optim.optimizers import replicated_parameters
+from modules.sharding.replicated_tables import attach_table_merger
 
 
 class KStepMerging(Callback):
     """k-step model merging of the replicated parameters (:mod:`modules.optim.kstep_merging`): after every
     training step, and a final merge before validation, testing, checkpoints and at each epoch's end.
     Its step and merge counters are saved with checkpoints. The period is the task's ``merging`` (resolved
-    for the link when ``trainer.merging.k=auto``); a run that resolved to DDP merges nothing."""
+    for the link when ``trainer.merging.k=auto``); a run that resolved to DDP merges nothing. With
+    ``trainer.merging.tables=replicated`` the looked-up rows of the tables are merged with the dense part."""
 
     def __init__(self, ranks_per_node: int) -> None:
         self.ranks_per_node = ranks_per_node
@@ -33,7 +35,8 @@ class KStepMerging(Callback):
         if not cfg.enabled:
             return
         params = [p for _, p in replicated_parameters(pl_module.model)]
-        self.merger = KStepMerger(params, cfg, ranks_per_node=self.ranks_per_node)
+        tables = attach_table_merger(pl_module.model) if cfg.tables == "replicated" else None
+        self.merger = KStepMerger(params, cfg, ranks_per_node=self.ranks_per_node, tables=tables)
         self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
         self.merger.attach_optimizer(trainer.optimizers[0])
 

@@ -1,0 +1,111 @@
+"""Replicated embedding tables merged row by row (modules/optim/sparse_merging.py) on gloo processes: the merged
+rows against the formula computed from every rank's tables and lookups with numpy, the bytes it sends, and a
+real model sharded over each rank's own group trained on different data."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.dist_utils import run_workers
+from tests.test_kstep_merging import SPEC, _batch
+
+
+def _gathered(t: torch.Tensor) -> list[np.ndarray]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return [o.numpy() for o in out]
+
+
+def _formula_worker(rank: int, world: int) -> None:
+    from modules.comm_accounting import CommCounter, install
+    from modules.optim.sparse_merging import TableMerger
+
+    shapes = {"wide": (50, 1), "a": (40, 4), "b": (30, 4)}
+    start = {n: torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, (n, s) in enumerate(shapes.items())}
+    tables = {n: t.clone() for n, t in start.items()}
+    merger = TableMerger(tables)
+    rng = np.random.default_rng(rank)
+    for name, t in tables.items():  # each rank changes the rows it "looks up", by its own amounts
+        ids = torch.from_numpy(rng.choice(t.shape[0], t.shape[0] // 3, replace=False))
+        t[ids] += torch.from_numpy(rng.normal(size=(len(ids), t.shape[1])).astype(np.float32))
+        merger.record(name, torch.cat([ids, ids[:3]]))  # a row looked up twice counts once
+    before = {n: _gathered(t) for n, t in tables.items()}
+    touched = {n: _gathered(merger.touched[merger.first_row[n]:merger.first_row[n] + t.shape[0]].clone())
+               for n, t in tables.items()}
+    local = int(merger.touched.sum())
+    longest = max(int(a[0]) for a in _gathered(torch.tensor([local])))
+    install()  # in this worker process, which ends with the test
+    counter = CommCounter()
+    counter.start()
+    merged = merger.merge()
+    counter.stop()
+    union_by_dim: dict[int, int] = {}
+    for name, t in tables.items():
+        w, hit = np.stack(before[name]), np.stack(touched[name]).astype(np.float64)  # (ranks, rows, dim), (ranks, rows)
+        n = hit.sum(0)
+        expected = np.where(n[:, None] > 0, (w * hit[..., None]).sum(0) / np.maximum(n, 1)[:, None], start[name].numpy())
+        np.testing.assert_allclose(t.numpy(), expected, rtol=1e-6, atol=1e-6)
+        union_by_dim[t.shape[1]] = union_by_dim.get(t.shape[1], 0) + int((n > 0).sum())
+    assert merged == sum(union_by_dim.values())
+    # the count, the padded ids, then [t·w, t] of the union's rows, per width
+    assert counter.bytes["merge"] == 8 + 8 * longest + sum(4 * rows * (dim + 1) for dim, rows in union_by_dim.items())
+    assert not merger.touched.any()
+
+
+def test_merged_rows_are_the_mean_over_the_ranks_that_looked_them_up():
+    run_workers(_formula_worker, 2)
+
+
+def _model_worker(rank: int, world: int) -> None:
+    from modules.models.deepfm import DeepFM
+    from modules.optim.kstep_merging import KStepMerger, MergeConfig
+    from modules.optim.optimizers import OptimizerSpec, replicated_parameters
+    from modules.sharding.planner import shard_model
+    from modules.sharding.replicated_tables import attach_table_merger, own_group
+    from modules.sharding.topology import TopologySpec
+
+    torch.manual_seed(rank)  # the dense part differs; the tables are drawn from the same seed
+    net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
+    topology = TopologySpec(compute_device="cpu", sharding_types=["table_wise"])
+    model, _ = shard_model(net, OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"), data_parallel=False,
+                           group=own_group())
+    tables = attach_table_merger(model)
+    assert sum(w.shape[0] for w in tables.tables.values()) >= 37  # every table whole on this rank
+    params = [p for _, p in replicated_parameters(model)]
+    merger = KStepMerger(params, MergeConfig(k=3, tables="replicated"), tables=tables)
+    start = {n: w.clone() for n, w in tables.tables.items()}
+    optimizer = torch.optim.Adam(params, lr=0.01)
+    model.train()
+    for step in range(1, 4):
+        b = _batch(step, rank)  # different rows on each rank
+        F.binary_cross_entropy_with_logits(model(b.dense_features, b.sparse_features), b.labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step < 3:
+            assert not merger.after_step()
+            continue
+        seen = {n: _gathered(tables.touched[tables.first_row[n]:tables.first_row[n] + w.shape[0]].clone())
+                for n, w in tables.tables.items()}
+        before = {n: _gathered(w.clone()) for n, w in tables.tables.items()}
+        assert merger.after_step()
+    for name, w in tables.tables.items():
+        hit = np.stack(seen[name])
+        assert hit.any(), name  # the hooks saw the training lookups
+        changed = (np.stack(before[name]) != start[name].numpy()).any(-1)
+        assert not (changed & ~hit).any(), name  # only looked-up rows moved
+        only = hit[rank] & ~hit[1 - rank]
+        np.testing.assert_array_equal(w.numpy()[only], before[name][rank][only])  # kept whole, not halved
+    # the merge wrote into the kernels' own rows: both ranks now score a batch alike
+    model.eval()
+    b = _batch(99, 0)
+    with torch.no_grad():
+        out = model(b.dense_features, b.sparse_features)
+    theirs = _gathered(out)
+    np.testing.assert_allclose(theirs[0], theirs[1], rtol=1e-6)
+
+
+def test_a_model_with_replicated_tables_merges_the_rows_looked_up():
+    run_workers(_model_worker, 2)
