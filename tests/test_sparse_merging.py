@@ -1,5 +1,5 @@
 """Replicated embedding tables merged row by row (modules/optim/sparse_merging.py) on gloo processes: the merged
-rows against the formula computed from every rank's tables and lookups with numpy, the bytes it sends, and a
+rows against the formula (every rank's update, once) computed from every rank's tables and lookups with numpy, the bytes it sends, and a
 real model sharded over each rank's own group trained on different data."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def _formula_worker(rank: int, world: int) -> None:
     rng = np.random.default_rng(rank)
     for name, t in tables.items():  # each rank changes the rows it "looks up", by its own amounts
         ids = torch.from_numpy(rng.choice(t.shape[0], t.shape[0] // 3, replace=False))
+        merger.record(name, torch.cat([ids, ids[:3]]))  # before the update, as the lookup; twice counts once
         t[ids] += torch.from_numpy(rng.normal(size=(len(ids), t.shape[1])).astype(np.float32))
-        merger.record(name, torch.cat([ids, ids[:3]]))  # a row looked up twice counts once
     before = {n: _gathered(t) for n, t in tables.items()}
     touched = {n: _gathered(merger.touched[merger.first_row[n]:merger.first_row[n] + t.shape[0]].clone())
                for n, t in tables.items()}
@@ -44,18 +44,20 @@ def _formula_worker(rank: int, world: int) -> None:
     counter.stop()
     union_by_dim: dict[int, int] = {}
     for name, t in tables.items():
-        w, hit = np.stack(before[name]), np.stack(touched[name]).astype(np.float64)  # (ranks, rows, dim), (ranks, rows)
+        w, hit = np.stack(before[name]), np.stack(touched[name])  # (ranks, rows, dim), (ranks, rows)
         n = hit.sum(0)
-        expected = np.where(n[:, None] > 0, (w * hit[..., None]).sum(0) / np.maximum(n, 1)[:, None], start[name].numpy())
+        b = start[name].numpy()
+        expected = b + ((w - b) * hit[..., None]).sum(0)  # every rank's update, once
         np.testing.assert_allclose(t.numpy(), expected, rtol=1e-6, atol=1e-6)
+        assert ((n == 2).sum() > 0) and ((n == 1).sum() > 0), name  # both cases met
         union_by_dim[t.shape[1]] = union_by_dim.get(t.shape[1], 0) + int((n > 0).sum())
     assert merged == sum(union_by_dim.values())
-    # the count, the padded ids, then [t·w, t] of the union's rows, per width
-    assert counter.bytes["merge"] == 8 + 8 * longest + sum(4 * rows * (dim + 1) for dim, rows in union_by_dim.items())
+    # the count, the padded ids, then the updates of the union's rows, per width
+    assert counter.bytes["merge"] == 8 + 8 * longest + sum(4 * rows * dim for dim, rows in union_by_dim.items())
     assert not merger.touched.any()
 
 
-def test_merged_rows_are_the_mean_over_the_ranks_that_looked_them_up():
+def test_merged_rows_get_every_ranks_update_once():
     run_workers(_formula_worker, 2)
 
 
@@ -97,7 +99,11 @@ def _model_worker(rank: int, world: int) -> None:
         changed = (np.stack(before[name]) != start[name].numpy()).any(-1)
         assert not (changed & ~hit).any(), name  # only looked-up rows moved
         only = hit[rank] & ~hit[1 - rank]
-        np.testing.assert_array_equal(w.numpy()[only], before[name][rank][only])  # kept whole, not halved
+        np.testing.assert_allclose(w.numpy()[only], before[name][rank][only], rtol=1e-6, atol=1e-7)  # whole, not halved
+        both = hit[0] & hit[1]
+        b = start[name].numpy()[both]
+        np.testing.assert_allclose(w.numpy()[both], b + (before[name][0][both] - b) + (before[name][1][both] - b),
+                                   rtol=1e-5, atol=1e-6)  # both ranks' updates
     # the merge wrote into the kernels' own rows: both ranks now score a batch alike
     model.eval()
     b = _batch(99, 0)
