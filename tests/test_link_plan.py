@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modules.sharding.link_plan import DEFAULT, LinkOption, StepShape, choose, link_bytes
+from modules.sharding.link_plan import DEFAULT, LinkOption, PassRows, StepShape, choose, link_bytes
 
 # DeepFM on the synthetic log: 26 one-id features of dim 16, 13 dense, MLP 400-400-400; batch 4,096 on 2 nodes
 SHAPE = StepShape(local_batch=2048, pooled_width=26 * 16, ids_per_sample=26, dense_params=493_000, world=2,
@@ -47,3 +47,38 @@ def test_values_set_by_the_user_are_chosen_around():
     assert choice.option == LinkOption(None, "fp16", "bf16", "fp16")
     fp32_embeddings = choose(SHAPE, 0.0125, compute_s=0.04, fixed={"embedding_forward": "fp32"})
     assert fp32_embeddings.option.embedding_forward == "fp32" and fp32_embeddings.option.k == 8
+
+
+# what a pass of k local batches of 2,048 met on the synthetic log (distinct rows, one rank / both ranks)
+ROWS = PassRows(local={2: 17_000, 4: 30_000, 8: 50_000}, union={2: 30_000, 4: 50_000, 8: 85_000}, row_floats=17.0)
+
+
+def test_replicated_tables_send_the_rows_a_pass_met_not_the_pooled_vectors():
+    shape = StepShape(2048, 416, 26, 493_000, world=2, ranks_per_node=1, pass_rows=ROWS)
+    sent = link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32", "replicated"))
+    # half the ring's hops leave the node: the ids once, the updates twice (reduce, then gather)
+    assert sent["embedding"] == pytest.approx(0.5 * (8 * 50_000 + 2 * 4 * 85_000 * 17.0) / 8)
+    assert sent["dense"] == link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32"))["dense"]
+    choice = choose(shape, 0.0125, compute_s=0.04)
+    assert choice.option == LinkOption(8, "fp32", "fp32", "fp32", "replicated")  # the least bytes here
+    # without the pass rows (tables that do not fit, every-row L2, model.zch) only sharded options are open
+    assert choose(SHAPE, 0.0125, compute_s=0.04).option.tables == "sharded"
+    assert choose(shape, 0.0125, compute_s=0.04, fixed={"tables": "sharded"}).option.tables == "sharded"
+
+
+def test_pass_rows_count_distinct_rows_of_each_table():
+    import numpy as np
+
+    from modules.embedding.feature_spec import FeatureSpec
+    from pipeline.data.store import SplitArrays
+    from pipeline.training.link_choice import pass_rows
+
+    spec = FeatureSpec(("I1",), ("a", "b"), {"a": 50, "b": 30})
+    rng = np.random.default_rng(0)
+    n = 8 * 16 * 2  # every row sampled: the largest pass of both ranks is the whole split
+    sparse = np.stack([rng.integers(0, 50, n), rng.integers(0, 30, n)], 1).astype(np.int32)
+    split = SplitArrays(np.zeros(n, np.int8), np.zeros((n, 1), np.float32), sparse)
+    rows = pass_rows(split, spec, local_batch=16, world=2, row_floats=5.0)
+    assert rows.union[8] == len({("a", x) for x in sparse[:, 0]} | {("b", x) for x in sparse[:, 1]})
+    assert rows.local[2] < rows.local[4] < rows.local[8] <= rows.union[8] and rows.local[2] < rows.union[2]
+    assert rows.row_floats == 5.0

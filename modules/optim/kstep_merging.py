@@ -32,20 +32,21 @@ from modules.comm_accounting import comm_category
 from modules.optim.sparse_merging import TableMerger
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-TABLES = ("sharded", "replicated")
+TABLES = ("auto", "sharded", "replicated")
 
 
 @dataclass
 class MergeConfig:
     """``trainer.merging``; ``k`` None: synchronous data parallelism (no merging); ``auto`` (the default):
     chosen from the stated inter-node link (:mod:`modules.sharding.link_plan`), None until then. ``tables``:
-    ``sharded`` (each table on one owner, looked up through the all-to-all) or ``replicated`` (every table
-    whole on every rank, its looked-up rows merged every ``k`` steps: :mod:`modules.optim.sparse_merging`)."""
+    ``sharded`` (each table on one owner, looked up through the all-to-all), ``replicated`` (every table
+    whole on every rank, its looked-up rows merged every ``k`` steps: :mod:`modules.optim.sparse_merging`) or
+    ``auto`` (the default: sharded unless the stated link makes replicated tables faster and they fit)."""
 
     k: Any = "auto"
     k_intra: Optional[int] = None
     moments: bool = False
-    tables: str = "sharded"
+    tables: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tables not in TABLES:

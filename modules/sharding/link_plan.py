@@ -11,21 +11,29 @@ spread evenly over the ranks, table-wise):
     dense     = 2 · ρ · P · s_dense / k                      P: replicated parameters; DDP (k = 1, s_dense of
                                                              its hook) or k-step merging (fp32 every k steps)
 
+With every table whole on every rank (``trainer.merging.tables=replicated``, :mod:`modules.optim.sparse_merging`)
+no pooled vector crosses the link; every k steps the rows a pass met do:
+
+    embedding = ρ · (8 · u_k + 2 · 4 · U_k · d) / k          u_k: distinct rows of k local batches (their ids
+                                                             all-gathered), U_k: of all ranks' k batches (their
+                                                             updates all-reduced in fp32), d: floats a row holds
+
 s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated without overlap:
 
     t(option) = t_compute + (embedding + dense) / link bandwidth
 
 ``t_compute`` is measured by the caller (the dense network's forward and backward at the local batch).
 Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward (fp16 on CPU)} × (for
-DDP) the dense all-reduce in {fp32, fp16}. The fastest is taken when it saves at least ``min_gain`` of the step against
+DDP) the dense all-reduce in {fp32, fp16}, and replicated tables at k ∈ {2, 4, 8} where the caller measured the
+pass rows (the tables fit whole in one rank's memory and nothing else refuses them). The fastest is taken when it saves at least ``min_gain`` of the step against
 today's default (DDP, fp32); else the default stays, so a fast link or one node changes nothing. k ≤ 8 and
 these precisions are what was measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from modules.sharding.comm_precision import BYTES
 
@@ -43,10 +51,21 @@ class StepShape:
     dense_params: int
     world: int
     ranks_per_node: int
+    pass_rows: Optional["PassRows"] = None  # None: the tables cannot be replicated
 
     @property
     def remote_share(self) -> float:
         return (self.world - self.ranks_per_node) / self.world if self.world > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class PassRows:
+    """Distinct (table, row) pairs a pass of k steps meets, by k: on one rank (``local``) and on all ranks
+    together (``union``); ``row_floats``: the floats a looked-up row holds, on average over the lookups."""
+
+    local: Mapping[int, int] = field(default_factory=dict)
+    union: Mapping[int, int] = field(default_factory=dict)
+    row_floats: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -55,9 +74,12 @@ class LinkOption:
     embedding_forward: str
     embedding_backward: str
     dense: str                  # DDP's all-reduce precision (fp32 under k-step merging)
+    tables: str = "sharded"     # replicated: every table whole on every rank, its met rows merged every k steps
 
     def describe(self) -> str:
         merge = "DDP" if self.k is None else f"k={self.k}"
+        if self.tables == "replicated":
+            return f"{merge}, tables replicated"
         return (f"{merge}, embeddings {self.embedding_forward}/{self.embedding_backward} (forward/backward), "
                 f"dense {self.dense}")
 
@@ -68,22 +90,27 @@ DEFAULT = LinkOption(None, "fp32", "fp32", "fp32")
 def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
     """Bytes per rank and step across the link, by kind (the module docstring's formulas)."""
     rho = shape.remote_share
-    per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
-    embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)
     dense_bytes = BYTES[option.dense] if option.k is None else BYTES["fp32"]
     dense = 2 * rho * shape.dense_params * dense_bytes / (option.k or 1)
+    if option.tables == "replicated":
+        rows = shape.pass_rows
+        assert rows is not None and option.k is not None, "replicated tables need the pass rows and a period"
+        embedding = rho * (8 * rows.local[option.k] + 2 * 4 * rows.union[option.k] * rows.row_floats) / option.k
+        return {"embedding": embedding, "dense": dense}
+    per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
+    embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)
     return {"embedding": embedding, "dense": dense}
 
 
-def options(half_backward: str = "bf16") -> list[LinkOption]:
+def options(half_backward: str = "bf16", replicated: bool = False) -> list[LinkOption]:
     """Every option; ``half_backward``: the gradients' precision of the reduced option (fp16 on CPU, where
-    TorchRec sends bf16 as fp16)."""
+    TorchRec sends bf16 as fp16); ``replicated``: also those with every table whole on every rank."""
     out = []
     for k in MERGE_PERIODS:
         for forward, backward in (("fp32", "fp32"), ("fp16", half_backward)):
             for dense in (("fp32", "fp16") if k is None else ("fp32",)):
                 out.append(LinkOption(k, forward, backward, dense))
-    return out
+    return out + [LinkOption(k, "fp32", "fp32", "fp32", "replicated") for k in MERGE_PERIODS[1:] if replicated]
 
 
 @dataclass(frozen=True)
@@ -111,7 +138,7 @@ def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: floa
     if shape.remote_share == 0 or not link_gbytes_per_s:
         why = "one node" if shape.remote_share == 0 else "no inter-node bandwidth stated"
         return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes, why)
-    candidates = [o for o in options(half_backward) if all(getattr(o, key) == value for key, value in fixed.items())]
+    candidates = [o for o in options(half_backward, shape.pass_rows is not None) if all(getattr(o, key) == value for key, value in fixed.items())]
     best = min(candidates or [DEFAULT], key=lambda o: estimate(o)[0])
     best_t, best_bytes = estimate(best)
     if best_t > (1 - min_gain) * default_t:

@@ -41,10 +41,15 @@ def spec_and_coverage(data: DataConfig, cache_dir: str, zch: ZchConfig | None = 
         sizes = {t: int(n) + FIRST_VOCAB_ID for t, n in zip(tables, data.cardinalities)}
         coverage = {t: zipf_coverage(n, data.zipf_exponent) for t, n in sizes.items()}
         return FeatureSpec.of_data(data, sizes), coverage
+    dm = prepared(data, cache_dir, zch)
+    return dm.feature_spec, dm.coverage
+
+
+def prepared(data: DataConfig, cache_dir: str, zch: ZchConfig | None = None) -> CTRDataModule:
     dm = CTRDataModule(data, cache_dir, batch_size=1, eval_batch_size=1, seed=0, zch=zch)
     dm.prepare_data()
     dm.setup()
-    return dm.feature_spec, dm.coverage
+    return dm
 
 
 def plan_for_config(cfg: DictConfig) -> str:
@@ -62,8 +67,9 @@ def plan_for_config(cfg: DictConfig) -> str:
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
              f"({stacking})\n")
-    link = LinkSettings(run.trainer.merging, run.trainer.comms).resolved(model_cfg, feature_spec, model, topology,
-                                                                         run.trainer.batch_size)
+    train = None if run.data.shape_only else prepared(run.data, run.paths.cache_dir, run.model.zch).store.split("train")
+    link = LinkSettings(run.trainer.merging, run.trainer.comms, replicable=run.optim.embedding_l2_scope != "all")
+    link = link.resolved(model_cfg, feature_spec, model, topology, run.trainer.batch_size, train)
     return format_plan(result, optim.name, topology.world_size, title) + "\n" + link.describe()
 
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
@@ -25,10 +26,11 @@ from modules.embedding.sparse_arch import is_table_parameter
 from modules.models import ModelConfig
 from modules.optim.kstep_merging import MergeConfig
 from modules.sharding.comm_precision import CommsConfig
-from modules.sharding.link_plan import LinkChoice, StepShape, choose
+from modules.sharding.link_plan import MERGE_PERIODS, LinkChoice, PassRows, StepShape, choose
 from modules.sharding.replicated_tables import own_group
-from modules.sharding.topology import TopologySpec
+from modules.sharding.topology import GB, TopologySpec
 from pipeline.config import RunConfig
+from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import ConfigError
 
 
@@ -77,23 +79,56 @@ def slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def pass_rows(train: SplitArrays, spec: FeatureSpec, local_batch: int, world: int, row_floats: float,
+              periods: tuple[int, ...] = MERGE_PERIODS[1:], seed: int = 0) -> PassRows:
+    """Distinct (table, row) pairs in a random sample of k local batches (one rank's pass) and of k batches on
+    every rank (all ranks' pass) of the training split, for each k in ``periods`` (the same sample on every
+    rank: the same choice everywhere). One-id features only (sequences are not counted)."""
+    rng = np.random.default_rng(seed)
+    n = len(train)
+    order = rng.permutation(n)[:min(n, max(periods) * local_batch * world)]
+    sample = np.asarray(train.sparse[np.sort(order)])[np.argsort(np.argsort(order))]  # memory maps read in order
+    tables = [spec.table_of(f) for f in spec.categorical]
+    offset = dict(zip(dict.fromkeys(tables), np.cumsum([0] + [spec.table_sizes[t] for t in dict.fromkeys(tables)])))
+    rows = sample.astype(np.int64) + np.array([offset[t] for t in tables])  # one index over all tables
+
+    def distinct(m: int) -> int:
+        return int(np.unique(rows[:m]).size)
+
+    return PassRows({k: distinct(k * local_batch) for k in periods},
+                    {k: distinct(k * local_batch * world) for k in periods}, row_floats)
+
+
+def fits_whole(net: nn.Module, topology: TopologySpec) -> bool:
+    """Whether every table and an optimizer state as large fit in one rank's share of its tier's memory (the
+    host's on CPU, the GPU's on CUDA; a topology without a capacity: yes)."""
+    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name))
+    per_node = topology.ranks_per_node or 1
+    budget = (topology.hbm_cap_gb * (1 - topology.hbm_reserve) if topology.compute_device == "cuda"
+              else topology.ddr_cap_gb * (1 - topology.ddr_reserve) / per_node) * GB
+    return not budget or 2 * tables <= budget
+
+
 def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, spec: FeatureSpec,
-                 topology: TopologySpec, local_batch: int, dense_params: int
+                 topology: TopologySpec, local_batch: int, dense_params: int, rows: PassRows | None = None
                  ) -> tuple[MergeConfig, CommsConfig, LinkChoice]:
-    """``merging`` and ``comms`` with every ``auto`` resolved, and the choice behind them (to print and log)."""
+    """``merging`` and ``comms`` with every ``auto`` resolved, and the choice behind them (to print and log).
+    ``rows``: what a pass meets, where the tables may be replicated (else only sharded options)."""
     world = topology.world_size
     shape = StepShape(local_batch, len(spec.sparse) * model.embedding_dim, len(spec.sparse), dense_params, world,
-                      topology.ranks_per_node or world)
+                      topology.ranks_per_node or world, rows if merging.tables != "sharded" else None)
     link = topology.bandwidth_gbps.inter_node
-    needed = merging.k == "auto" or not comms.resolved
+    needed = merging.k == "auto" or not comms.resolved or merging.tables == "auto"
     compute = slowest(dense_step_seconds(model, spec, local_batch)) if needed and shape.remote_share and link else 0.0
     fixed = {key: value for key, value in (("k", merging.k), ("embedding_forward", comms.embedding_forward),
-                                           ("embedding_backward", comms.embedding_backward), ("dense", comms.dense))
+                                           ("embedding_backward", comms.embedding_backward), ("dense", comms.dense),
+                                           ("tables", merging.tables))
              if value != "auto"}
     choice = choose(shape, link, compute, fixed=fixed,
                     half_backward="fp16" if topology.compute_device == "cpu" else "bf16")  # TorchRec: no bf16 on gloo
     o = choice.option
-    merging = replace(merging, k=o.k) if merging.k == "auto" else merging
+    merging = replace(merging, k=o.k if merging.k == "auto" else merging.k,
+                      tables=o.tables if merging.tables == "auto" else merging.tables)
     comms = CommsConfig(*(o_value if value == "auto" else value for value, o_value in
                           ((comms.embedding_forward, o.embedding_forward),
                            (comms.embedding_backward, o.embedding_backward), (comms.dense, o.dense))))
@@ -107,19 +142,30 @@ class LinkSettings:
     merging: MergeConfig
     comms: CommsConfig
     choice: Optional[LinkChoice] = None
+    replicable: bool = True  # whether nothing else refuses replicated tables (optim.embedding_l2_scope=all does)
 
     def resolved(self, model: ModelConfig, spec: FeatureSpec, net: nn.Module, topology: TopologySpec,
-                 global_batch: int) -> "LinkSettings":
-        """Resolved for ``net`` (on any device; its non-table parameters are the replicated ones) on ``topology``."""
-        if self.merging.tables == "replicated":  # no all-to-all; the merger averages in fp32 (k is an integer)
-            settings = LinkSettings(self.merging, CommsConfig("fp32", "fp32", "fp32"))
+                 global_batch: int, train: SplitArrays | None = None) -> "LinkSettings":
+        """Resolved for ``net`` (on any device; its non-table parameters are the replicated ones) on ``topology``.
+        ``train``: the training split, whose passes the replicated tables' bytes are estimated from (None, or
+        not ``replicable``: only sharded tables are considered for ``trainer.merging.tables=auto``)."""
+        local_batch = global_batch // topology.world_size
+        if self.merging.tables == "replicated":  # no all-to-all; the merger sums in fp32 (k is an integer)
+            settings = LinkSettings(self.merging, CommsConfig("fp32", "fp32", "fp32"), None, self.replicable)
             if topology.world_size > 1:
                 rank_zero_info(settings.describe())
             return settings
         dense_params = sum(p.numel() for name, p in net.named_parameters() if not is_table_parameter(name))
-        merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology,
-                                              global_batch // topology.world_size, dense_params)
-        settings = LinkSettings(merging, comms, choice)
+        rows = None
+        if (train is not None and self.replicable and not model.zch.enabled and self.merging.tables == "auto"
+                and topology.world_size > 1
+                and topology.bandwidth_gbps.inter_node and fits_whole(net, topology)):
+            rows = pass_rows(train, spec, local_batch, topology.world_size, model.embedding_dim + bool(model.wide))
+        merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology, local_batch,
+                                              dense_params, rows)
+        if merging.tables == "replicated":
+            comms = CommsConfig("fp32", "fp32", "fp32")
+        settings = LinkSettings(merging, comms, choice, self.replicable)
         if topology.world_size > 1:
             rank_zero_info(settings.describe())
         return settings
@@ -134,10 +180,11 @@ class LinkSettings:
         merging, comms, choice = self.merging, self.comms, self.choice
         merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}"
         if merging.tables == "replicated":
-            return (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
+            line = (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
                     f"every k={merging.k} steps (no embedding all-to-all).")
-        line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, {comms.embedding_backward} "
-                f"backward; dense all-reduce {comms.dense}.")
+        else:
+            line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, "
+                    f"{comms.embedding_backward} backward; dense all-reduce {comms.dense}.")
         return line + (f" Estimated step {choice.step_s:.3f} s against {choice.default_step_s:.3f} s with DDP in "
                        f"fp32 ({choice.reason})" if choice else "")
 

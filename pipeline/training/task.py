@@ -4,9 +4,8 @@ Hyperparameters come from ``optim`` (tuned for ``scaling.base_batch_size``) resc
 global batch by ``scaling.rule`` (:mod:`modules.optim.scaling_rules`); CowClip and the per-id embedding L2
 term are attached to the sharded model (:mod:`modules.optim.cowclip_hooks`); the learning rates step by step —
 warmups, and the factor :class:`pipeline.training.best_validation.BestValidation` lowers on a plateau — are
-:mod:`pipeline.training.learning_rates`. Everything else a run does —
-checkpoint state, k-step merging, communication accounting, throughput, best-epoch tracking — is a
-callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
+:mod:`pipeline.training.learning_rates`. Everything else a run does — checkpoint state, k-step merging,
+communication accounting, throughput, best-epoch tracking — is a callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ class CTRTask(L.LightningModule):
         self.init_from = init_from if init_from is not None or resume_from else init_source(cfg.trainer.init_from)
         self.init_from_optimizer = cfg.trainer.init_from_optimizer
         self.topology = topology  # as run: this world's ranks per node and nodes
-        # trainer.merging.k and trainer.comms: `auto` resolved for the link in configure_model (link_choice.py)
-        self.link = LinkSettings(cfg.trainer.merging, cfg.trainer.comms)
+        self.link = LinkSettings(cfg.trainer.merging, cfg.trainer.comms,  # `auto`: resolved in configure_model
+                                 replicable=cfg.optim.embedding_l2_scope != "all")  # every-row L2 moves rows
         self.global_batch = cfg.trainer.batch_size
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
                                             cfg.optim.dense.lr, cfg.optim.embedding.lr, cfg.optim.embedding_l2,
@@ -113,7 +112,8 @@ class CTRTask(L.LightningModule):
             log.info("model.overlap_embedding_backward: not used (it needs the MLP on oneDNN, one process and 2+ "
                      "threads; here %d process(es), %d thread(s))", self.trainer.world_size, torch.get_num_threads())
         spec = data.feature_spec
-        self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch)
+        self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch,
+                                       data.store.split("train"))
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=not self.link.merging.enabled,  # merging averages itself
                                             group=self.link.shard_group(),
