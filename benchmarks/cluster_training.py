@@ -14,7 +14,7 @@ process with one thread and no network. Recipes (Hydra overrides):
     half     DDP with fp16 pooled embeddings both ways, fp16 dense all-reduce
     k<K>_half  both;  k<K>_int8: int8 pooled embeddings forward (a scale and bias a row), fp16 backward
     rep<K>   every table whole on every node, its looked-up rows merged with the dense part every K steps
-             (trainer.merging.tables=replicated: no embedding all-to-all)
+             (trainer.merging.tables=replicated: no embedding all-to-all);  rep<K>_half: the updates in fp16
 
 Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
 collectives, bytes that left node 0's interface per training step, the link's share of a step
@@ -50,16 +50,19 @@ def recipe_overrides(name: str, rate_mbit: float) -> list[str]:
     if name == "auto":
         return [f"topology.bandwidth_gbps.inter_node={rate_mbit / 8000:g}"]
     if name == "half":
-        return ["trainer.merging.k=null", *HALF]
+        return ["trainer.merging.k=null", "trainer.merging.tables=sharded", *HALF]
     if name.startswith("rep"):
-        return [f"trainer.merging.k={int(name[3:])}", "trainer.merging.tables=replicated", *FP32]
-    if name.startswith("k"):
+        k, _, updates = name[3:].partition("_")
+        return [f"trainer.merging.k={int(k)}", "trainer.merging.tables=replicated", *FP32[:1],
+                f"trainer.comms.embedding_backward={'fp16' if updates == 'half' else 'fp32'}", FP32[2]]
+    if name.startswith("k"):  # sharded tables, as before replicated ones were weighed
         k, _, comms = name[1:].partition("_")
         moments = k.endswith("m")
         precision = {"": FP32, "half": HALF[:2], "int8": ["trainer.comms.embedding_forward=int8", HALF[1]]}[comms]
         return [f"trainer.merging.k={int(k.rstrip('m'))}", f"trainer.merging.moments={str(moments).lower()}",
+                "trainer.merging.tables=sharded",
                 *precision[:2], "trainer.comms.dense=fp32"]
-    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half|_int8], rep<K>")
+    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half|_int8], rep<K>[_half]")
 
 
 def env() -> dict[str, str]:

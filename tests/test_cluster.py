@@ -161,13 +161,14 @@ def test_lost_rendezvous_host_stops_the_other_node(job_args, tmp_path):
         "failed to send a keep-alive heartbeat to the rendezvous 'lost0'" in log, log[-3000:]
 
 def test_stated_slow_link_chooses_merging_and_half_precision_comms(job_args, loopback_result, tmp_path):
-    """``topology.bandwidth_gbps.inter_node=0.0125`` (100 Mbit/s, in GB/s) with everything at ``auto``: k-step
-    merging and fp16 embedding comms are chosen (logged to MLflow) and the bytes counted per step fall
-    against the same job's DDP in fp32 (the loopback run): the pooled embeddings by ~2×, the dense part by ≥ k×."""
+    """``topology.bandwidth_gbps.inter_node=0.0125`` (100 Mbit/s, in GB/s) with sharded tables and the rest at
+    ``auto``: k-step merging and fp16 embedding comms are chosen (logged to MLflow) and the bytes counted per step
+    fall against the same job's DDP in fp32 (the loopback run): the pooled embeddings by ~2×, the dense part by ≥ k×."""
     from mlflow.tracking import MlflowClient
 
     with Cluster(nodes=2, rate_mbit=100) as cluster:
-        agents = _start(cluster, job_args, tmp_path, "auto", "topology.bandwidth_gbps.inter_node=0.0125")
+        agents = _start(cluster, job_args, tmp_path, "auto", "topology.bandwidth_gbps.inter_node=0.0125",
+                        "trainer.merging.tables=sharded")
         assert wait_all(agents, 480) == [0, 0], _log(tmp_path, 0)[-3000:]
     result = read_result(tmp_path / "node0")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -183,3 +184,22 @@ def test_stated_slow_link_chooses_merging_and_half_precision_comms(job_args, loo
     # a merge every k steps of the dense part that DDP all-reduced every step (plus the epoch-end merge)
     assert run.metrics["comm/merge_bytes_per_step"] <= base["comm/dense_allreduce_bytes_per_step"] / k * 1.2
     assert result.test_auc > loopback_result.test_auc - 0.005  # 20 steps of a small job: a coarse bar
+
+
+def test_stated_slow_link_replicates_the_tables_and_sends_only_the_rows_a_pass_met(job_args, loopback_result,
+                                                                                   tmp_path):
+    """Everything at ``auto`` with a 100 Mbit/s link stated: the tables are replicated (they fit, and the rows a
+    pass meets are far fewer than the pooled vectors; modules/sharding/link_plan.py), no embedding all-to-all
+    runs, the merges send a fraction of DDP's bytes, and the model ends near the loopback run's AUC."""
+    from mlflow.tracking import MlflowClient
+
+    with Cluster(nodes=2, rate_mbit=100) as cluster:
+        agents = _start(cluster, job_args, tmp_path, "replicated", "topology.bandwidth_gbps.inter_node=0.0125")
+        assert wait_all(agents, 480) == [0, 0], _log(tmp_path, 0)[-3000:]
+    result = read_result(tmp_path / "node0")
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.mlflow_run_id).data
+    assert run.params["link/tables"] == "replicated" and int(run.params["link/merging_k"]) >= 2
+    assert "every table whole on every rank" in _log(tmp_path, 0)  # the choice is printed
+    assert run.metrics.get("comm/embedding_bytes_per_step", 0) == 0  # lookups stay on their rank
+    assert 0 < run.metrics["comm/merge_bytes_per_step"] < 0.3 * loopback_result.comm_bytes_per_step  # DDP's, fp32
+    assert result.test_auc > loopback_result.test_auc - 0.005  # 12 steps of a small job: a coarse bar

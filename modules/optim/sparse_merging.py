@@ -18,10 +18,11 @@ Measured against the mean over the ranks that looked a row up, ``(Σ_r t_ri w_ri
 updates 0.0001. With Adagrad a rank's step on a row is already normalised by its own gradient history; the
 mean then halves the movement of rows both ranks train, which synchronous training does not.
 
-Bytes per merge: the ids looked up (all-gathered, 8 bytes each) and ``|U|·D`` float32 updates all-reduced,
-``U`` the union of the rows looked up on all ranks: traffic scales
-with the distinct rows of ``k`` batches, not with samples × features as the pooled all-to-all of sharded
-tables does.
+Bytes per merge: the ids looked up (all-gathered, 4 bytes each below 2³¹ rows in all) and ``|U|·D`` updates
+all-reduced (fp32, or fp16: ``updates``; an update is a small difference, which fp16 holds to ~5·10⁻⁴ of
+itself, where the rows themselves would lose their low bits), ``U`` the union of the rows looked up on all
+ranks: traffic scales with the distinct rows of ``k`` batches, not with samples × features as the pooled
+all-to-all of sharded tables does.
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ import torch.distributed as dist
 
 from modules.comm_accounting import comm_category
 
+UPDATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
 
 class TableMerger:
     """``tables``: name → the rank's whole table (rows × dim), written in place by :meth:`merge`."""
 
-    def __init__(self, tables: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tables: Mapping[str, torch.Tensor], updates: str = "fp32") -> None:
+        if updates not in UPDATE_DTYPES:
+            raise ValueError(f"updates={updates!r}: expected one of {sorted(UPDATE_DTYPES)}")
+        self.update_dtype = UPDATE_DTYPES[updates]
         self.tables = dict(tables)
         self.names = sorted(self.tables)
         self.first_row: dict[str, int] = {}  # each table's rows in one index over all tables
@@ -46,6 +52,7 @@ class TableMerger:
             self.first_row[name] = rows
             rows += self.tables[name].shape[0]
         self.touched = torch.zeros(rows, dtype=torch.bool)
+        self.id_dtype = torch.int32 if rows < 2**31 else torch.int64  # the ids all-gathered
         self._base: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rows as they were before this rank's updates
         self.merged_rows = 0  # rows merged over the run (for the record)
 
@@ -80,12 +87,12 @@ class TableMerger:
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(counts, torch.tensor([local.numel()]), group=group)
         longest = int(max(c.item() for c in counts))
-        padded = torch.full((longest,), -1, dtype=torch.int64)
+        padded = torch.full((longest,), -1, dtype=self.id_dtype)
         padded[:local.numel()] = local
-        everyone = [torch.empty(longest, dtype=torch.int64) for _ in range(world)]
+        everyone = [torch.empty(longest, dtype=self.id_dtype) for _ in range(world)]
         dist.all_gather(everyone, padded, group=group)
         ids = torch.cat(everyone)
-        return torch.unique(ids[ids >= 0])
+        return torch.unique(ids[ids >= 0]).to(torch.int64)
 
     @torch.no_grad()
     def merge(self, group: dist.ProcessGroup | None = None) -> int:
@@ -103,8 +110,9 @@ class TableMerger:
             for dim, parts in sorted(by_dim.items()):
                 bases = [self._bases(name, ids) for name, ids in parts]
                 buf = torch.cat([self.tables[name][ids - self.first_row[name]] - base
-                                 for (name, ids), base in zip(parts, bases)])
+                                 for (name, ids), base in zip(parts, bases)]).to(self.update_dtype)
                 dist.all_reduce(buf, group=group)
+                buf = buf.float()
                 at = 0
                 for (name, ids), base in zip(parts, bases):
                     self.tables[name][ids - self.first_row[name]] = base + buf[at:at + ids.numel()]

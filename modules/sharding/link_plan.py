@@ -14,9 +14,10 @@ spread evenly over the ranks, table-wise):
 With every table whole on every rank (``trainer.merging.tables=replicated``, :mod:`modules.optim.sparse_merging`)
 no pooled vector crosses the link; every k steps the rows a pass met do:
 
-    embedding = ρ · (8 · u_k + 2 · 4 · U_k · d) / k          u_k: distinct rows of k local batches (their ids
-                                                             all-gathered), U_k: of all ranks' k batches (their
-                                                             updates all-reduced in fp32), d: floats a row holds
+    embedding = ρ · (4 · u_k + 2 · s_bwd · U_k · d) / k      u_k: distinct rows of k local batches (their int32
+                                                             ids all-gathered), U_k: of all ranks' k batches
+                                                             (their updates all-reduced in fp32 or fp16, the
+                                                             option's embedding_backward), d: floats a row holds
 
 s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated without overlap:
 
@@ -24,8 +25,8 @@ s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated withou
 
 ``t_compute`` is measured by the caller (the dense network's forward and backward at the local batch).
 Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward (fp16 on CPU)} × (for
-DDP) the dense all-reduce in {fp32, fp16}, and replicated tables at k ∈ {2, 4, 8} where the caller measured the
-pass rows (the tables fit whole in one rank's memory and nothing else refuses them). The fastest is taken when it saves at least ``min_gain`` of the step against
+DDP) the dense all-reduce in {fp32, fp16}, and replicated tables at k ∈ {2, 4, 8} with fp32 or fp16 updates where
+the caller measured the pass rows (the tables fit whole in one rank's memory and nothing else refuses them). The fastest is taken when it saves at least ``min_gain`` of the step against
 today's default (DDP, fp32); else the default stays, so a fast link or one node changes nothing. k ≤ 8 and
 these precisions are what was measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
 """
@@ -79,7 +80,7 @@ class LinkOption:
     def describe(self) -> str:
         merge = "DDP" if self.k is None else f"k={self.k}"
         if self.tables == "replicated":
-            return f"{merge}, tables replicated"
+            return f"{merge}, tables replicated, updates {self.embedding_backward}"
         return (f"{merge}, embeddings {self.embedding_forward}/{self.embedding_backward} (forward/backward), "
                 f"dense {self.dense}")
 
@@ -95,7 +96,8 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
     if option.tables == "replicated":
         rows = shape.pass_rows
         assert rows is not None and option.k is not None, "replicated tables need the pass rows and a period"
-        embedding = rho * (8 * rows.local[option.k] + 2 * 4 * rows.union[option.k] * rows.row_floats) / option.k
+        updates = BYTES[option.embedding_backward]
+        embedding = rho * (4 * rows.local[option.k] + 2 * updates * rows.union[option.k] * rows.row_floats) / option.k
         return {"embedding": embedding, "dense": dense}
     per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
     embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)
@@ -110,7 +112,8 @@ def options(half_backward: str = "bf16", replicated: bool = False) -> list[LinkO
         for forward, backward in (("fp32", "fp32"), ("fp16", half_backward)):
             for dense in (("fp32", "fp16") if k is None else ("fp32",)):
                 out.append(LinkOption(k, forward, backward, dense))
-    return out + [LinkOption(k, "fp32", "fp32", "fp32", "replicated") for k in MERGE_PERIODS[1:] if replicated]
+    return out + [LinkOption(k, "fp32", updates, "fp32", "replicated") for k in MERGE_PERIODS[1:]
+                  for updates in ("fp32", "fp16") if replicated]
 
 
 @dataclass(frozen=True)

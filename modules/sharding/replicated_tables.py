@@ -45,12 +45,13 @@ def _tables(module: nn.Module) -> tuple[dict[str, str], dict[str, torch.Tensor]]
     return {f: c.name for c in configs for f in c.feature_names}, weights
 
 
-def attach_table_merger(model: nn.Module) -> TableMerger:
-    """A merger of every table of ``model`` (sharded over :func:`own_group`), told each training lookup."""
+def attach_table_merger(model: nn.Module, updates: str = "fp32") -> TableMerger:
+    """A merger of every table of ``model`` (sharded over :func:`own_group`), told each training lookup, sending
+    its updates in ``updates`` precision (fp32 or fp16)."""
     collections = [m for m in model.modules()
                    if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection))]
     found = [_tables(m) for m in collections]
-    merger = TableMerger({name: w for _, weights in found for name, w in weights.items()})
+    merger = TableMerger({name: w for _, weights in found for name, w in weights.items()}, updates)
     for module, (table_of, _) in zip(collections, found):
         def record(mod: nn.Module, args: tuple, table_of: dict[str, str] = table_of) -> None:
             if not mod.training:

@@ -42,8 +42,10 @@ def check_link_settings(run: RunConfig) -> None:
         raise ConfigError(f"trainer.comms.{bf16[0]}=bf16: TorchRec sends bf16 as fp16 on CPU (gloo): use fp16")
     if merging.tables != "replicated":
         return
-    sent = [k for k in ("embedding_forward", "embedding_backward") if getattr(comms, k) not in ("auto", "fp32")]
-    refusals = [(bool(sent), f"trainer.comms.{sent[0] if sent else ''}: replicated tables send no all-to-all"),
+    sent = [f"embedding_forward={comms.embedding_forward}"] if comms.embedding_forward not in ("auto", "fp32") else []
+    sent += [f"embedding_backward={comms.embedding_backward}"] if comms.embedding_backward not in ("auto", "fp32", "fp16") else []
+    refusals = [(bool(sent), f"trainer.comms.{sent[0] if sent else ''}: replicated tables send no all-to-all (their "
+                             f"merges send updates in embedding_backward: fp32 or fp16)"),
                 (run.model.zch.enabled, "model.zch: its id mapping is each rank's own"),
                 (run.optim.embedding_l2_scope == "all", "optim.embedding_l2_scope=all: it changes rows no rank "
                                                          "looked up, which the merge takes as equal everywhere")]
@@ -150,21 +152,16 @@ class LinkSettings:
         ``train``: the training split, whose passes the replicated tables' bytes are estimated from (None, or
         not ``replicable``: only sharded tables are considered for ``trainer.merging.tables=auto``)."""
         local_batch = global_batch // topology.world_size
-        if self.merging.tables == "replicated":  # no all-to-all; the merger sums in fp32 (k is an integer)
-            settings = LinkSettings(self.merging, CommsConfig("fp32", "fp32", "fp32"), None, self.replicable)
-            if topology.world_size > 1:
-                rank_zero_info(settings.describe())
-            return settings
         dense_params = sum(p.numel() for name, p in net.named_parameters() if not is_table_parameter(name))
         rows = None
-        if (train is not None and self.replicable and not model.zch.enabled and self.merging.tables == "auto"
+        if (train is not None and self.replicable and not model.zch.enabled and self.merging.tables != "sharded"
                 and topology.world_size > 1
                 and topology.bandwidth_gbps.inter_node and fits_whole(net, topology)):
             rows = pass_rows(train, spec, local_batch, topology.world_size, model.embedding_dim + bool(model.wide))
         merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology, local_batch,
                                               dense_params, rows)
-        if merging.tables == "replicated":
-            comms = CommsConfig("fp32", "fp32", "fp32")
+        if merging.tables == "replicated":  # no all-to-all; the backward's precision is the updates' in a merge
+            comms = CommsConfig("fp32", comms.embedding_backward, "fp32")
         settings = LinkSettings(merging, comms, choice, self.replicable)
         if topology.world_size > 1:
             rank_zero_info(settings.describe())
@@ -181,7 +178,7 @@ class LinkSettings:
         merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}"
         if merging.tables == "replicated":
             line = (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
-                    f"every k={merging.k} steps (no embedding all-to-all).")
+                    f"every k={merging.k} steps, updates in {comms.embedding_backward} (no embedding all-to-all).")
         else:
             line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, "
                     f"{comms.embedding_backward} backward; dense all-reduce {comms.dense}.")
