@@ -156,3 +156,29 @@ def _one_rank_group_worker(rank: int, world: int) -> None:
 
 def test_collectives_over_a_group_of_one_rank_count_no_bytes():
     run_workers(_one_rank_group_worker, 2)
+
+
+def _half_updates_worker(rank: int, world: int) -> None:
+    from modules.comm_accounting import CommCounter, install
+    from modules.optim.kstep_merging import KStepMerger
+
+    exact = _setup(data_parallel=False, seed=rank)
+    half = _setup(data_parallel=False, seed=rank)
+    mergers = [KStepMerger(_replicated(m), MergeConfig(k=4), dense=d) for m, d in ((exact, "fp32"), (half, "fp16"))]
+    optimizers = [torch.optim.Adam(_replicated(m), lr=0.01) for m in (exact, half)]
+    install()  # in this worker process, which ends with the test
+    counters = [CommCounter(), CommCounter()]
+    for step in range(1, 9):
+        for model, optimizer, merger, counter in zip((exact, half), optimizers, mergers, counters):
+            _train_step(model, optimizer, step, rank)
+            counter.start()
+            merger.after_step()
+            counter.stop()
+        assert _same_everywhere(_replicated(half)) == (step % 4 == 0), step
+        for a, b in zip(_replicated(exact), _replicated(half)):  # the mean, to fp16's precision of the updates
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+    assert counters[1].bytes["merge"] * 2 == counters[0].bytes["merge"]  # the updates in half the bytes
+
+
+def test_dense_updates_in_fp16_merge_to_the_fp32_mean_in_half_the_bytes():
+    run_workers(_half_updates_worker, 2)

@@ -37,7 +37,7 @@ def test_a_slow_link_takes_the_option_of_least_estimated_time():
     assert choice.option != DEFAULT and choice.step_s <= 0.9 * choice.default_step_s
     estimates = {o: 0.04 + sum(link_bytes(SHAPE, o).values()) / 0.0125e9
                  for o in [LinkOption(k, f, b, d) for k in (None, 2, 4, 8) for f, b in (("fp32", "fp32"), ("fp16", "bf16"))
-                           for d in (("fp32", "fp16") if k is None else ("fp32",))]}
+                           for d in ("fp32", "fp16")]}
     assert choice.step_s == pytest.approx(min(estimates.values()))
 
 
@@ -62,7 +62,7 @@ def test_replicated_tables_send_the_rows_a_pass_met_not_the_pooled_vectors():
     half = link_bytes(shape, LinkOption(8, "fp32", "fp16", "fp32", "replicated"))["embedding"]
     assert half == pytest.approx(0.5 * (4 * 50_000 + 2 * 2 * 85_000 * 17.0) / 8)
     choice = choose(shape, 0.0125, compute_s=0.04)
-    assert choice.option == LinkOption(8, "fp32", "fp16", "fp32", "replicated")  # the least bytes here
+    assert choice.option == LinkOption(8, "fp32", "fp16", "fp16", "replicated")  # the least bytes here
     # without the pass rows (tables that do not fit, every-row L2, model.zch) only sharded options are open
     assert choose(SHAPE, 0.0125, compute_s=0.04).option.tables == "sharded"
     assert choose(shape, 0.0125, compute_s=0.04, fixed={"tables": "sharded"}).option.tables == "sharded"

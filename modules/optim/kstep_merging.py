@@ -7,6 +7,11 @@ have one owner and need no merging — are replaced by their mean over all worke
 
     θ ← (1/W) Σ_r θ_r            (plain mean, learning rate untouched)
 
+or, with the updates sent in half precision (``trainer.comms.dense=fp16|bf16``: half the bytes; an update
+over k steps is small, and fp16 keeps ~11 bits of it where θ itself would lose its low bits),
+
+    θ ← b + (1/W) Σ_r (θ_r − b)   (b: θ at the last merge over all ranks, equal everywhere)
+
 optionally together with Adam's first and second moments m, v (``moments=True``). Hierarchical
 variant: every ``k_intra`` steps the mean is taken inside each node, every ``k`` steps over all
 workers (``k`` a multiple of ``k_intra``). A final merge happens at the end of each epoch and before
@@ -33,6 +38,7 @@ from modules.optim.sparse_merging import TableMerger
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 TABLES = ("auto", "sharded", "replicated")
+DENSE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -72,8 +78,9 @@ class MergeConfig:
 
 class KStepMerger:
     def __init__(self, params: Iterable[torch.nn.Parameter], cfg: MergeConfig,
-                 ranks_per_node: int | None = None, tables: TableMerger | None = None) -> None:
+                 ranks_per_node: int | None = None, tables: TableMerger | None = None, dense: str = "fp32") -> None:
         self.params = [p for p in params]
+        self.dense_dtype = DENSE_DTYPES[dense]  # what the dense part's updates travel in
         self.tables = tables  # replicated embedding tables, merged sparsely with the dense part
         self.cfg = cfg
         self.optimizer: torch.optim.Optimizer | None = None
@@ -92,6 +99,12 @@ class KStepMerger:
                 dist.broadcast(p.data, src=0)
             if tables is not None:
                 tables.make_equal()
+        self._base = self._snapshot()
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        """The replicated parameters at a merge over all ranks (equal everywhere): what updates are measured from
+        when they travel in half precision."""
+        return [p.detach().clone() for p in self.params] if self.dense_dtype != torch.float32 else []
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose Adam moments are merged with ``moments=True``."""
@@ -109,15 +122,30 @@ class KStepMerger:
 
     def merge(self, group: dist.ProcessGroup | None = None) -> None:
         """Average the replicated parameters (and moments) over ``group`` (default: all ranks)."""
-        tensors = self.params + self._moments()
-        if tensors:
-            with torch.no_grad(), comm_category("merge"):
-                average_parameters(iter(tensors), group or dist.group.WORLD)
+        group = group or dist.group.WORLD
+        half = self.dense_dtype != torch.float32
+        tensors = (self.params if not half else []) + self._moments()
+        with torch.no_grad(), comm_category("merge"):
+            if tensors:
+                average_parameters(iter(tensors), group)
+            if half and self.params:
+                self._merge_updates(group)
         if self.tables is not None:
-            self.tables.merge(group)
+            self.tables.merge(None if group is dist.group.WORLD else group)
         self.merges += 1
-        if group is None or group is dist.group.WORLD:
+        if group is dist.group.WORLD:
             self.dirty = False
+            self._base = self._snapshot()
+
+    def _merge_updates(self, group: dist.ProcessGroup) -> None:
+        """θ ← b + (1/W) Σ_r (θ_r − b), the updates θ_r − b sent in half precision (b: the last merge's θ)."""
+        flat = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(self.params, self._base)]).to(self.dense_dtype)
+        dist.all_reduce(flat, group=group)
+        mean = flat.float() / dist.get_world_size(group)
+        at = 0
+        for p, b in zip(self.params, self._base):
+            p.copy_(b + mean[at:at + p.numel()].view_as(p))
+            at += p.numel()
 
     def after_step(self) -> bool:
         """Call after every optimizer step; merges when the schedule says so. Returns True if it did."""

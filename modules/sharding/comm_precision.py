@@ -10,7 +10,8 @@
   link choice takes fp16 both ways.
 - DDP's dense gradient all-reduce (``trainer.merging.k=null``): PyTorch's fp16/bf16 compression hooks
   (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``): each bucket cast, all-reduced, divided by
-  the world size and cast back. With k-step merging the dense part is averaged by the merger in fp32.
+  the world size and cast back. With k-step merging, the merges' dense updates (θ_r − θ at the last merge) in
+  this precision (:mod:`modules.optim.kstep_merging`).
 
 ``auto`` is resolved by :mod:`modules.sharding.link_plan` from the stated inter-node link; ``fp32`` is the
 plain collective.
@@ -31,7 +32,7 @@ class CommsConfig:
 
     embedding_forward: str = "auto"   # pooled embeddings' all-to-all: fp32 | fp16 | bf16 | int8 | auto
     embedding_backward: str = "auto"  # their gradients: fp32 | fp16 | bf16 | auto
-    dense: str = "auto"               # DDP's gradient all-reduce (merging.k=null): fp32 | fp16 | bf16 | auto
+    dense: str = "auto"               # DDP's gradient all-reduce, or k-step merges' updates: fp32 | fp16 | bf16 | auto
 
     def __post_init__(self) -> None:
         for key, allowed in (("embedding_forward", PRECISIONS), ("embedding_backward", PRECISIONS[:3]),

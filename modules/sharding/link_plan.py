@@ -9,7 +9,8 @@ spread evenly over the ranks, table-wise):
                                                              (Σ of the features' embedding dims), f: ids per
                                                              sample (int64 id + int32 length each)
     dense     = 2 · ρ · P · s_dense / k                      P: replicated parameters; DDP (k = 1, s_dense of
-                                                             its hook) or k-step merging (fp32 every k steps)
+                                                             its hook) or k-step merging (the updates every k
+                                                             steps, in s_dense)
 
 With every table whole on every rank (``trainer.merging.tables=replicated``, :mod:`modules.optim.sparse_merging`)
 no pooled vector crosses the link; every k steps the rows a pass met do:
@@ -24,11 +25,12 @@ s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated withou
     t(option) = t_compute + (embedding + dense) / link bandwidth
 
 ``t_compute`` is measured by the caller (the dense network's forward and backward at the local batch).
-Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward (fp16 on CPU)} × (for
-DDP) the dense all-reduce in {fp32, fp16}, and replicated tables at k ∈ {2, 4, 8} with fp32 or fp16 updates where
-the caller measured the pass rows (the tables fit whole in one rank's memory and nothing else refuses them). The fastest is taken when it saves at least ``min_gain`` of the step against
-today's default (DDP, fp32); else the default stays, so a fast link or one node changes nothing. k ≤ 8 and
-these precisions are what was measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
+Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward (fp16 on CPU)} × the dense
+all-reduce or merge in {fp32, fp16}, and replicated tables at k ∈ {2, 4, 8} with fp32 or fp16 updates (tables and dense
+part) where the caller measured the pass rows (the tables fit whole in one rank's memory and nothing else refuses
+them). The fastest is taken when it saves at least ``min_gain`` of the step against today's default (DDP, fp32);
+else the default stays, so a fast link or one node changes nothing. k ≤ 8 and these precisions are what was
+measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class LinkOption:
     k: Optional[int]            # None: DDP
     embedding_forward: str
     embedding_backward: str
-    dense: str                  # DDP's all-reduce precision (fp32 under k-step merging)
+    dense: str                  # DDP's all-reduce precision, or the k-step merges' updates
     tables: str = "sharded"     # replicated: every table whole on every rank, its met rows merged every k steps
 
     def describe(self) -> str:
@@ -91,8 +93,7 @@ DEFAULT = LinkOption(None, "fp32", "fp32", "fp32")
 def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
     """Bytes per rank and step across the link, by kind (the module docstring's formulas)."""
     rho = shape.remote_share
-    dense_bytes = BYTES[option.dense] if option.k is None else BYTES["fp32"]
-    dense = 2 * rho * shape.dense_params * dense_bytes / (option.k or 1)
+    dense = 2 * rho * shape.dense_params * BYTES[option.dense] / (option.k or 1)
     if option.tables == "replicated":
         rows = shape.pass_rows
         assert rows is not None and option.k is not None, "replicated tables need the pass rows and a period"
@@ -110,10 +111,10 @@ def options(half_backward: str = "bf16", replicated: bool = False) -> list[LinkO
     out = []
     for k in MERGE_PERIODS:
         for forward, backward in (("fp32", "fp32"), ("fp16", half_backward)):
-            for dense in (("fp32", "fp16") if k is None else ("fp32",)):
+            for dense in ("fp32", "fp16"):
                 out.append(LinkOption(k, forward, backward, dense))
-    return out + [LinkOption(k, "fp32", updates, "fp32", "replicated") for k in MERGE_PERIODS[1:]
-                  for updates in ("fp32", "fp16") if replicated]
+    return out + [LinkOption(k, "fp32", updates, dense, "replicated") for k in MERGE_PERIODS[1:]
+                  for updates in ("fp32", "fp16") for dense in ("fp32", "fp16") if replicated]
 
 
 @dataclass(frozen=True)

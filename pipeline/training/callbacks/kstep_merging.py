@@ -37,7 +37,8 @@ class KStepMerging(Callback):
         params = [p for _, p in replicated_parameters(pl_module.model)]
         tables = attach_table_merger(pl_module.model, pl_module.link.comms.embedding_backward) \
             if cfg.tables == "replicated" else None
-        self.merger = KStepMerger(params, cfg, ranks_per_node=self.ranks_per_node, tables=tables)
+        self.merger = KStepMerger(params, cfg, ranks_per_node=self.ranks_per_node, tables=tables,
+                                  dense=pl_module.link.comms.dense)
         self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
         self.merger.attach_optimizer(trainer.optimizers[0])
 
