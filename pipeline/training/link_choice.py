@@ -161,7 +161,7 @@ class LinkSettings:
         merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology, local_batch,
                                               dense_params, rows)
         if merging.tables == "replicated":  # no all-to-all; the backward's precision is the updates' in a merge
-            comms = CommsConfig("fp32", comms.embedding_backward, "fp32")
+            comms = CommsConfig("fp32", comms.embedding_backward, comms.dense)
         settings = LinkSettings(merging, comms, choice, self.replicable)
         if topology.world_size > 1:
             rank_zero_info(settings.describe())
@@ -178,10 +178,12 @@ class LinkSettings:
         merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}"
         if merging.tables == "replicated":
             line = (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
-                    f"every k={merging.k} steps, updates in {comms.embedding_backward} (no embedding all-to-all).")
+                    f"every k={merging.k} steps, updates in {comms.embedding_backward} (no embedding all-to-all); "
+                    f"dense updates {comms.dense}.")
         else:
             line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, "
-                    f"{comms.embedding_backward} backward; dense all-reduce {comms.dense}.")
+                    f"{comms.embedding_backward} backward; dense {'all-reduce' if merging.k is None else 'updates'} "
+                    f"{comms.dense}.")
         return line + (f" Estimated step {choice.step_s:.3f} s against {choice.default_step_s:.3f} s with DDP in "
                        f"fp32 ({choice.reason})" if choice else "")
 
