@@ -42,6 +42,10 @@ class TrainThroughput(Callback):
         self._epoch_samples, self._epoch_seconds = 0, 0.0
         self._start()
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._start()  # a run resumed mid-epoch starts its epoch without on_train_epoch_start
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         n = int(batch.labels.shape[0]) * trainer.world_size
