@@ -16,6 +16,10 @@ import tomllib
 from pipeline.commands.ctr import COMMANDS
 from tests.conftest import PYTHON, ROOT
 
+# one worker builds the wheel for all of them (make test: --dist loadgroup): two builds at once from the checkout
+# share its build/ folder, and one of them came out without the pipeline package
+pytestmark = pytest.mark.xdist_group("wheel")
+
 
 def test_every_package_of_the_checkout_is_in_the_wheel_list():
     """``pyproject.toml`` lists the packages explicitly (``conf/`` is mapped to ``ctr_conf``): a new
