@@ -57,10 +57,10 @@ def test_replicated_tables_send_the_rows_a_pass_met_not_the_pooled_vectors():
     shape = StepShape(2048, 416, 26, 493_000, world=2, ranks_per_node=1, pass_rows=ROWS)
     sent = link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32", "replicated"))
     # half the ring's hops leave the node: the int32 ids once, the updates twice (reduce, then gather)
-    assert sent["embedding"] == pytest.approx(0.5 * (4 * 50_000 + 2 * 4 * 85_000 * 17.0) / 8)
+    assert sent["embedding"] == pytest.approx(0.5 * (4 * 50_000 + 2 * 4 * 85_000 * (17.0 + 1)) / 8)  # + a count
     assert sent["dense"] == link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32"))["dense"]
     half = link_bytes(shape, LinkOption(8, "fp32", "fp16", "fp32", "replicated"))["embedding"]
-    assert half == pytest.approx(0.5 * (4 * 50_000 + 2 * 2 * 85_000 * 17.0) / 8)
+    assert half == pytest.approx(0.5 * (4 * 50_000 + 2 * 2 * 85_000 * (17.0 + 1)) / 8)
     choice = choose(shape, 0.0125, compute_s=0.04)
     assert choice.option == LinkOption(8, "fp32", "fp16", "fp16", "replicated")  # the least bytes here
     # without the pass rows (tables that do not fit, every-row L2, model.zch) only sharded options are open

@@ -1,5 +1,5 @@
 """Replicated embedding tables merged row by row (modules/optim/sparse_merging.py) on gloo processes: the merged
-rows against the formula (every rank's update, once) computed from every rank's tables and lookups with numpy, the bytes it sends, and a
+rows against the formula (the updates of the ranks that looked a row up, summed, over √n) computed from every rank's tables and lookups with numpy, the bytes it sends, and a
 real model sharded over each rank's own group trained on different data."""
 
 from __future__ import annotations
@@ -48,20 +48,20 @@ def _formula_worker(rank: int, world: int, updates: str) -> None:
         w, hit = np.stack(before[name]), np.stack(touched[name])  # (ranks, rows, dim), (ranks, rows)
         n = hit.sum(0)
         b = start[name].numpy()
-        expected = b + ((w - b) * hit[..., None]).sum(0)  # every rank's update, once
+        expected = b + ((w - b) * hit[..., None]).sum(0) / np.sqrt(np.maximum(n, 1))[:, None]  # Σ updates / √n
         tol = 1e-6 if updates == "fp32" else 2e-3  # fp16 keeps ~11 bits of an update (these are ~N(0, 1))
         np.testing.assert_allclose(t.numpy(), expected, rtol=tol, atol=tol)
         assert ((n == 2).sum() > 0) and ((n == 1).sum() > 0), name  # both cases met
         union_by_dim[t.shape[1]] = union_by_dim.get(t.shape[1], 0) + int((n > 0).sum())
     assert merged == sum(union_by_dim.values())
-    # the count, the padded int32 ids, then the updates of the union's rows, per width
+    # the count, the padded int32 ids, then the updates and a count of the union's rows, per width
     size = 4 if updates == "fp32" else 2
-    assert counter.bytes["merge"] == 8 + 4 * longest + sum(size * rows * dim for dim, rows in union_by_dim.items())
+    assert counter.bytes["merge"] == 8 + 4 * longest + sum(size * rows * (dim + 1) for dim, rows in union_by_dim.items())
     assert not merger.touched.any()
 
 
 @pytest.mark.parametrize("updates", ["fp32", "fp16"])
-def test_merged_rows_get_every_ranks_update_once(updates):
+def test_merged_rows_get_the_updates_summed_over_root_n(updates):
     run_workers(_formula_worker, 2, updates)
 
 
@@ -106,8 +106,8 @@ def _model_worker(rank: int, world: int) -> None:
         np.testing.assert_allclose(w.numpy()[only], before[name][rank][only], rtol=1e-6, atol=1e-7)  # whole, not halved
         both = hit[0] & hit[1]
         b = start[name].numpy()[both]
-        np.testing.assert_allclose(w.numpy()[both], b + (before[name][0][both] - b) + (before[name][1][both] - b),
-                                   rtol=1e-5, atol=1e-6)  # both ranks' updates
+        np.testing.assert_allclose(w.numpy()[both], b + ((before[name][0][both] - b) + (before[name][1][both] - b))
+                                   / np.sqrt(2), rtol=1e-5, atol=1e-6)  # both ranks' updates, over √2
     # the merge wrote into the kernels' own rows: both ranks now score a batch alike
     model.eval()
     b = _batch(99, 0)

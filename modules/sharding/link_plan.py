@@ -15,10 +15,11 @@ spread evenly over the ranks, table-wise):
 With every table whole on every rank (``trainer.merging.tables=replicated``, :mod:`modules.optim.sparse_merging`)
 no pooled vector crosses the link; every k steps the rows a pass met do:
 
-    embedding = ρ · (4 · u_k + 2 · s_bwd · U_k · d) / k      u_k: distinct rows of k local batches (their int32
-                                                             ids all-gathered), U_k: of all ranks' k batches
-                                                             (their updates all-reduced in fp32 or fp16, the
-                                                             option's embedding_backward), d: floats a row holds
+    embedding = ρ · (4 · u_k + 2 · s_bwd · U_k · (d + 1)) / k  u_k: distinct rows of k local batches (their
+                                                             int32 ids all-gathered), U_k: of all ranks' k
+                                                             batches (their updates and a count all-reduced in
+                                                             fp32 or fp16, the option's embedding_backward),
+                                                             d: floats a row holds
 
 s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated without overlap:
 
@@ -98,7 +99,7 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
         rows = shape.pass_rows
         assert rows is not None and option.k is not None, "replicated tables need the pass rows and a period"
         updates = BYTES[option.embedding_backward]
-        embedding = rho * (4 * rows.local[option.k] + 2 * updates * rows.union[option.k] * rows.row_floats) / option.k
+        embedding = rho * (4 * rows.local[option.k] + 2 * updates * rows.union[option.k] * (rows.row_floats + 1)) / option.k
         return {"embedding": embedding, "dense": dense}
     per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
     embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)
