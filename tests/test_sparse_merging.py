@@ -5,7 +5,6 @@ real model sharded over each rank's own group trained on different data."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -60,9 +59,13 @@ def _formula_worker(rank: int, world: int, updates: str) -> None:
     assert not merger.touched.any()
 
 
-@pytest.mark.parametrize("updates", ["fp32", "fp16"])
-def test_merged_rows_get_the_updates_summed_over_root_n(updates):
-    run_workers(_formula_worker, 2, updates)
+def _formula_workers(rank: int, world: int) -> None:
+    for updates in ("fp32", "fp16"):  # one pair of processes for both (each start imports torch)
+        _formula_worker(rank, world, updates)
+
+
+def test_merged_rows_get_the_updates_summed_over_root_n():
+    run_workers(_formula_workers, 2)
 
 
 def _model_worker(rank: int, world: int) -> None:
