@@ -1,6 +1,7 @@
 """Replicated embedding tables merged row by row (modules/optim/sparse_merging.py) on gloo processes: the merged
-rows against the formula (the updates of the ranks that looked a row up, summed, over √n) computed from every rank's tables and lookups with numpy, the bytes it sends, and a
-real model sharded over each rank's own group trained on different data."""
+rows against the formula (the updates of the ranks that looked a row up, summed, over √n) computed from every
+rank's tables and lookups with numpy, the bytes it sends, and a real model sharded over each rank's own group
+trained on different data."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _formula_worker(rank: int, world: int, updates: str) -> None:
     assert merged == sum(union_by_dim.values())
     # the count, the padded int32 ids, then the updates and a count of the union's rows, per width
     size = 4 if updates == "fp32" else 2
-    assert counter.bytes["merge"] == 8 + 4 * longest + sum(size * rows * (dim + 1) for dim, rows in union_by_dim.items())
+    values = sum(rows * (dim + 1) for dim, rows in union_by_dim.items())
+    assert counter.bytes["merge"] == 8 + 4 * longest + size * values
     assert not merger.touched.any()
 
 

@@ -6,25 +6,25 @@ gets the updates of the n_i ranks that looked it up, summed and divided by √n_
 
     w_i ← b_i + Σ_r (w_ri − b_i) / √n_i        b_i: the row at the last merge (equal on every rank)
 
-A rank that did not look up row i adds nothing (w_ri = b_i); a row one rank met keeps that rank's update
-whole. Why √n: with an optimizer that normalises each rank's step (Adagrad, Adam) a rank's update of a row
-has about the size of one synchronous step. n updates that agree (signal) add up to n steps, where
-synchronous training takes one: the mean is right. n updates that are independent noise add up to √n steps,
-as the synchronous step on their averaged gradient does: the sum is right for them only after dividing by
-√n. A row met by few samples a pass is mostly noise. Measured (DeepFM, rowwise Adagrad, docs/kstep_merging.md),
-test AUC against DDP's at k = 8: on 2 ranks mean −0.0018, sum −0.0001, √n −0.0007; on 4 ranks over 62 steps
-mean −0.0071, sum −0.0157 (n = 4 steps at once on the hottest rows), √n −0.0012 (as much as sharded k-step
-merging lost there). This is the push of a parameter server, and the pass of PaddleBox (Zhao et al., "Communication-efficient TeraByte-scale model training framework for online
-advertising", IEEE BigData 2022, arXiv 2201.05500): pull the rows a pass of batches needs once, train on
-them locally, push the updates back at the pass's end. Between merges a rank does not see the others'
-updates of a row: up to ``k`` steps of staleness, as for the dense part. The optimizer's state of the rows
-(Adagrad sums, Adam moments) stays each rank's own.
+A rank that did not look up row i adds nothing (w_ri = b_i); a row one rank met keeps that rank's update whole.
+Why √n: with an optimizer that normalises each rank's step (Adagrad, Adam) a rank's update of a row has about the
+size of one synchronous step. n updates that agree (signal) add up to n steps, where synchronous training takes
+one: the mean is right. n updates that are independent noise add up to √n steps, as the synchronous step on their
+averaged gradient does: the sum is right for them only after dividing by √n. A row met by few samples a pass is
+mostly noise. Measured (DeepFM, rowwise Adagrad, docs/kstep_merging.md), test AUC against DDP's at k = 8: on 2
+ranks mean −0.0018, sum −0.0001, √n −0.0007; on 4 ranks over 62 steps mean −0.0071, sum −0.0157 (n = 4 steps at
+once on the hottest rows), √n −0.0012 (as much as sharded k-step merging lost there). This is the push of a
+parameter server, and the pass of PaddleBox (Zhao et al., "Communication-efficient TeraByte-scale model training
+framework for online advertising", IEEE BigData 2022, arXiv 2201.05500): pull the rows a pass of batches needs
+once, train on them locally, push the updates back at the pass's end. Between merges a rank does not see the
+others' updates of a row: up to ``k`` steps of staleness, as for the dense part. The optimizer's state of the
+rows (Adagrad sums, Adam moments) stays each rank's own.
 
 Bytes per merge: the ids looked up (all-gathered, 4 bytes each below 2³¹ rows in all) and ``|U|·(D+1)`` values
-all-reduced (the updates and a count) (fp32, or fp16: ``updates``; an update is a small difference, which fp16 holds to ~5·10⁻⁴ of
-itself, where the rows themselves would lose their low bits), ``U`` the union of the rows looked up on all
-ranks: traffic scales with the distinct rows of ``k`` batches, not with samples × features as the pooled
-all-to-all of sharded tables does.
+all-reduced (the updates and a count) (fp32, or fp16: ``updates``; an update is a small difference, which fp16
+holds to ~5·10⁻⁴ of itself, where the rows themselves would lose their low bits), ``U`` the union of the rows
+looked up on all ranks: traffic scales with the distinct rows of ``k`` batches, not with samples × features as
+the pooled all-to-all of sharded tables does.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class TableMerger:
             rows += self.tables[name].shape[0]
         self.touched = torch.zeros(rows, dtype=torch.bool)
         self.id_dtype = torch.int32 if rows < 2**31 else torch.int64  # the ids all-gathered
-        self._base: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rows as they were before this rank's updates
+        # per table, (ids, rows) as they were before this rank's first update since the last merge
+        self._base: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.merged_rows = 0  # rows merged over the run (for the record)
 
     @torch.no_grad()

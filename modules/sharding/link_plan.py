@@ -99,7 +99,8 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
         rows = shape.pass_rows
         assert rows is not None and option.k is not None, "replicated tables need the pass rows and a period"
         updates = BYTES[option.embedding_backward]
-        embedding = rho * (4 * rows.local[option.k] + 2 * updates * rows.union[option.k] * (rows.row_floats + 1)) / option.k
+        row_bytes = updates * (rows.row_floats + 1)  # its updates and a count
+        embedding = rho * (4 * rows.local[option.k] + 2 * rows.union[option.k] * row_bytes) / option.k
         return {"embedding": embedding, "dense": dense}
     per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
     embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)

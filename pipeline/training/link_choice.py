@@ -42,8 +42,9 @@ def check_link_settings(run: RunConfig) -> None:
         raise ConfigError(f"trainer.comms.{bf16[0]}=bf16: TorchRec sends bf16 as fp16 on CPU (gloo): use fp16")
     if merging.tables != "replicated":
         return
-    sent = [f"embedding_forward={comms.embedding_forward}"] if comms.embedding_forward not in ("auto", "fp32") else []
-    sent += [f"embedding_backward={comms.embedding_backward}"] if comms.embedding_backward not in ("auto", "fp32", "fp16") else []
+    sent = [f"{key}={value}" for key, value, allowed in
+            (("embedding_forward", comms.embedding_forward, ("auto", "fp32")),
+             ("embedding_backward", comms.embedding_backward, ("auto", "fp32", "fp16"))) if value not in allowed]
     refusals = [(bool(sent), f"trainer.comms.{sent[0] if sent else ''}: replicated tables send no all-to-all (their "
                              f"merges send updates in embedding_backward: fp32 or fp16)"),
                 (run.model.zch.enabled, "model.zch: its id mapping is each rank's own"),
@@ -190,7 +191,8 @@ class LinkSettings:
     def params(self) -> dict[str, Any]:
         """What ran for the link (MLflow parameters ``link/*``): the merge period, precisions, estimates."""
         c = self.choice
-        return {"link/merging_k": "null" if self.merging.k is None else self.merging.k, "link/tables": self.merging.tables,
+        return {"link/merging_k": "null" if self.merging.k is None else self.merging.k,
+                "link/tables": self.merging.tables,
                 "link/embedding_forward": self.comms.embedding_forward,
                 "link/embedding_backward": self.comms.embedding_backward, "link/dense": self.comms.dense,
                 **({"link/estimated_step_s": round(c.step_s, 4), "link/estimated_ddp_fp32_step_s": round(c.default_step_s, 4),
