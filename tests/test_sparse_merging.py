@@ -62,6 +62,11 @@ def _formula_worker(rank: int, world: int, updates: str) -> None:
 
 
 def _formula_workers(rank: int, world: int) -> None:
+    from modules.optim.sparse_merging import TableMerger
+
+    same, other = torch.ones(70_000, 2), torch.full((5, 3), float(rank))  # more rows than a checksum block
+    TableMerger({"same": same, "other": other}).make_equal()
+    assert torch.equal(other, torch.zeros(5, 3)) and torch.equal(same, torch.ones(70_000, 2))  # rank 0's
     for updates in ("fp32", "fp16"):  # one pair of processes for both (each start imports torch)
         _formula_worker(rank, world, updates)
 

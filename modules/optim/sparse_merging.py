@@ -39,6 +39,15 @@ from modules.comm_accounting import comm_category
 UPDATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
+def _checksum(table: torch.Tensor, block: int = 1 << 16) -> float:
+    """Σ_i (i + 1) · Σ_j w_ij in float64, a block of rows at a time (no copy of the whole table)."""
+    total = 0.0
+    for lo in range(0, table.shape[0], block):
+        rows = table[lo:lo + block].double().sum(dim=1)
+        total += float((rows * torch.arange(lo + 1, lo + 1 + rows.numel(), dtype=torch.float64)).sum())
+    return total
+
+
 class TableMerger:
     """``tables``: name → the rank's whole table (rows × dim), written in place by :meth:`merge`."""
 
@@ -63,8 +72,7 @@ class TableMerger:
     def make_equal(self, group: dist.ProcessGroup | None = None) -> None:
         """Give every rank rank 0's tables where they differ (compared by a checksum of each table: a table
         drawn from the same seed everywhere crosses no link)."""
-        sums = torch.stack([(w.double() * torch.arange(1, w.shape[0] + 1, dtype=torch.float64).unsqueeze(1)).sum()
-                            for w in (self.tables[n] for n in self.names)]) if self.names else torch.zeros(0)
+        sums = torch.tensor([_checksum(self.tables[n]) for n in self.names], dtype=torch.float64)
         first = sums.clone()
         dist.broadcast(first, src=0, group=group)
         differ = (sums != first).to(torch.int64)
