@@ -133,7 +133,7 @@ def main() -> None:
         "data=criteo_kaggle_shape", f"topology={topology}", f"optim.embedding.name={args.embedding_optimizer}",
         "model=deepfm", f"model.embedding_dim={args.dim}", f"model.mlp=[{','.join(map(str, args.mlp))}]",
         "model.dropout=0.0", "model.batch_norm=false", "model.init_std=0.01"])
-    spec, coverage = spec_and_coverage(cfg.data, cfg.paths.cache_dir)
+    spec, coverage, _ = spec_and_coverage(cfg.data, cfg.paths.cache_dir)
     topology_spec = replace(cfg.topology, ranks_per_node=1)
     model_cfg, _ = decide_stacking(cfg.model, spec, topology_spec, cfg.optim.embedding, coverage)
     net = build_model(model_cfg, spec, device=torch.device("meta"))

@@ -131,7 +131,7 @@ class KStepMerger:
             if half and self.params:
                 self._merge_updates(group)
         if self.tables is not None:
-            self.tables.merge(None if group is dist.group.WORLD else group)
+            self.tables.merge(group)
         self.merges += 1
         if group is dist.group.WORLD:
             self.dirty = False

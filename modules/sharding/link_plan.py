@@ -144,7 +144,8 @@ def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: floa
     if shape.remote_share == 0 or not link_gbytes_per_s:
         why = "one node" if shape.remote_share == 0 else "no inter-node bandwidth stated"
         return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes, why)
-    candidates = [o for o in options(half_backward, shape.pass_rows is not None) if all(getattr(o, key) == value for key, value in fixed.items())]
+    candidates = [o for o in options(half_backward, shape.pass_rows is not None)
+                  if all(getattr(o, key) == value for key, value in fixed.items())]
     best = min(candidates or [DEFAULT], key=lambda o: estimate(o)[0])
     best_t, best_bytes = estimate(best)
     if best_t > (1 - min_gain) * default_t:

@@ -25,14 +25,15 @@ from pipeline.commands.args import exit_on_user_error
 from pipeline.config import parse_config, register_configs
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.dataset import DataConfig
-from pipeline.data.store import FIRST_VOCAB_ID
+from pipeline.data.store import FIRST_VOCAB_ID, SplitArrays
 from pipeline.runtime.errors import ConfigError
 from pipeline.training.link_choice import LinkSettings
 
 
 def spec_and_coverage(data: DataConfig, cache_dir: str, zch: ZchConfig | None = None
-                      ) -> tuple[FeatureSpec, dict[str, dict[float, int]]]:
-    """Feature spec and id-coverage statistics of a dataset (prepared on first use) or a shape-only config."""
+                      ) -> tuple[FeatureSpec, dict[str, dict[float, int]], SplitArrays | None]:
+    """Feature spec, id-coverage statistics and training split of a dataset (prepared on first use), or the
+    spec and coverage of a shape-only config (no split)."""
     if data.shape_only:
         tables = list(dict.fromkeys(data.table_of(f) for f in (*data.categorical, *data.sequence)))
         if data.cardinalities is None or len(data.cardinalities) != len(tables):
@@ -40,22 +41,17 @@ def spec_and_coverage(data: DataConfig, cache_dir: str, zch: ZchConfig | None = 
                               f"{tables[:5]}{' ...' if len(tables) > 5 else ''})")
         sizes = {t: int(n) + FIRST_VOCAB_ID for t, n in zip(tables, data.cardinalities)}
         coverage = {t: zipf_coverage(n, data.zipf_exponent) for t, n in sizes.items()}
-        return FeatureSpec.of_data(data, sizes), coverage
-    dm = prepared(data, cache_dir, zch)
-    return dm.feature_spec, dm.coverage
-
-
-def prepared(data: DataConfig, cache_dir: str, zch: ZchConfig | None = None) -> CTRDataModule:
+        return FeatureSpec.of_data(data, sizes), coverage, None
     dm = CTRDataModule(data, cache_dir, batch_size=1, eval_batch_size=1, seed=0, zch=zch)
     dm.prepare_data()
     dm.setup()
-    return dm
+    return dm.feature_spec, dm.coverage, dm.store.split("train")
 
 
 def plan_for_config(cfg: DictConfig) -> str:
     run = parse_config(cfg)
     topology = run.topology.for_world(run.topology.world_size, run.topology.ranks_per_node or 1)
-    feature_spec, coverage = spec_and_coverage(run.data, run.paths.cache_dir, run.model.zch)
+    feature_spec, coverage, train = spec_and_coverage(run.data, run.paths.cache_dir, run.model.zch)
     optim = run.optim.embedding
     # row caches and the step's working set as training sizes them (CTRTask): both batches, every rank's
     batch_rows, eval_rows = (n * topology.world_size for n in (run.trainer.batch_size, run.trainer.eval_batch_size))
@@ -67,9 +63,7 @@ def plan_for_config(cfg: DictConfig) -> str:
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
              f"({stacking})\n")
-    train = None if run.data.shape_only else prepared(run.data, run.paths.cache_dir, run.model.zch).store.split("train")
-    link = LinkSettings(run.trainer.merging, run.trainer.comms, replicable=run.optim.embedding_l2_scope != "all")
-    link = link.resolved(model_cfg, feature_spec, model, topology, run.trainer.batch_size, train)
+    link = LinkSettings.of(run).resolved(model_cfg, feature_spec, model, topology, run.trainer.batch_size, train)
     return format_plan(result, optim.name, topology.world_size, title) + "\n" + link.describe()
 
 

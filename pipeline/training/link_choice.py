@@ -34,6 +34,16 @@ from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import ConfigError
 
 
+def replication_refused(run: RunConfig) -> str | None:
+    """Why this run's tables cannot be replicated (the setting that refuses it, and why), or None."""
+    if run.model.zch.enabled:
+        return "model.zch: its id mapping is each rank's own"
+    if run.optim.embedding_l2_scope == "all":
+        return ("optim.embedding_l2_scope=all: it changes rows no rank looked up, which the merge takes as equal "
+                "everywhere")
+    return None
+
+
 def check_link_settings(run: RunConfig) -> None:
     """Refuse ``trainer.merging`` / ``trainer.comms`` settings the run cannot honour (:class:`ConfigError`)."""
     comms, merging = run.trainer.comms, run.trainer.merging
@@ -45,14 +55,10 @@ def check_link_settings(run: RunConfig) -> None:
     sent = [f"{key}={value}" for key, value, allowed in
             (("embedding_forward", comms.embedding_forward, ("auto", "fp32")),
              ("embedding_backward", comms.embedding_backward, ("auto", "fp32", "fp16"))) if value not in allowed]
-    refusals = [(bool(sent), f"trainer.comms.{sent[0] if sent else ''}: replicated tables send no all-to-all (their "
-                             f"merges send updates in embedding_backward: fp32 or fp16)"),
-                (run.model.zch.enabled, "model.zch: its id mapping is each rank's own"),
-                (run.optim.embedding_l2_scope == "all", "optim.embedding_l2_scope=all: it changes rows no rank "
-                                                         "looked up, which the merge takes as equal everywhere")]
-    for refused, why in refusals:
-        if refused:
-            raise ConfigError(f"trainer.merging.tables=replicated with {why}; use trainer.merging.tables=sharded")
+    why = (f"trainer.comms.{sent[0]}: replicated tables send no all-to-all (their merges send updates in "
+           f"embedding_backward: fp32 or fp16)") if sent else replication_refused(run)
+    if why:
+        raise ConfigError(f"trainer.merging.tables=replicated with {why}; use trainer.merging.tables=sharded")
 
 
 def dense_step_seconds(model: ModelConfig, spec: FeatureSpec, local_batch: int, repeats: int = 3) -> float:
@@ -145,7 +151,12 @@ class LinkSettings:
     merging: MergeConfig
     comms: CommsConfig
     choice: Optional[LinkChoice] = None
-    replicable: bool = True  # whether nothing else refuses replicated tables (optim.embedding_l2_scope=all does)
+    replicable: bool = True  # whether nothing else refuses replicated tables (:func:`replication_refused`)
+
+    @classmethod
+    def of(cls, run: RunConfig) -> "LinkSettings":
+        """A run's settings, ``auto`` still unresolved."""
+        return cls(run.trainer.merging, run.trainer.comms, replicable=replication_refused(run) is None)
 
     def resolved(self, model: ModelConfig, spec: FeatureSpec, net: nn.Module, topology: TopologySpec,
                  global_batch: int, train: SplitArrays | None = None) -> "LinkSettings":
@@ -155,7 +166,7 @@ class LinkSettings:
         local_batch = global_batch // topology.world_size
         dense_params = sum(p.numel() for name, p in net.named_parameters() if not is_table_parameter(name))
         rows = None
-        if (train is not None and self.replicable and not model.zch.enabled and self.merging.tables != "sharded"
+        if (train is not None and self.replicable and self.merging.tables != "sharded"
                 and topology.world_size > 1
                 and topology.bandwidth_gbps.inter_node and fits_whole(net, topology)):
             rows = pass_rows(train, spec, local_batch, topology.world_size, model.embedding_dim + bool(model.wide))

@@ -5,7 +5,8 @@ global batch by ``scaling.rule`` (:mod:`modules.optim.scaling_rules`); CowClip a
 term are attached to the sharded model (:mod:`modules.optim.cowclip_hooks`); the learning rates step by step —
 warmups, and the factor :class:`pipeline.training.best_validation.BestValidation` lowers on a plateau — are
 :mod:`pipeline.training.learning_rates`. Everything else a run does — checkpoint state, k-step merging,
-communication accounting, throughput, best-epoch tracking — is a callback (:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
+communication accounting, throughput, best-epoch tracking — is a callback (:mod:`pipeline.training.callbacks`,
+:mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
 """
 
 from __future__ import annotations
@@ -56,8 +57,7 @@ class CTRTask(L.LightningModule):
         self.init_from = init_from if init_from is not None or resume_from else init_source(cfg.trainer.init_from)
         self.init_from_optimizer = cfg.trainer.init_from_optimizer
         self.topology = topology  # as run: this world's ranks per node and nodes
-        self.link = LinkSettings(cfg.trainer.merging, cfg.trainer.comms,  # `auto`: resolved in configure_model
-                                 replicable=cfg.optim.embedding_l2_scope != "all")  # every-row L2 moves rows
+        self.link = LinkSettings.of(cfg)  # trainer.merging / trainer.comms; `auto` resolved in configure_model
         self.global_batch = cfg.trainer.batch_size
         self.scaled = scale_hyperparameters(cfg.scaling.rule, cfg.trainer.batch_size, cfg.scaling.base_batch_size,
                                             cfg.optim.dense.lr, cfg.optim.embedding.lr, cfg.optim.embedding_l2,
