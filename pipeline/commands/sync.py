@@ -5,7 +5,8 @@ Each run of the local store that carries the tag ``ctr.original_run_id`` (writte
 :mod:`pipeline.tracking.logger` when logging calls could not reach the server in time) is copied into that
 original run on the target — or into a new run of the same experiment if the target does not have
 it: parameters, every metric's full history (values, steps, timestamps), tags, artifacts and the
-final status. A synced local run is tagged ``ctr.synced_to`` and skipped the next time.
+final status. A synced local run is tagged ``ctr.synced_to`` and skipped the next time. Then the
+target's runs whose heartbeat stopped are marked FAILED (:mod:`pipeline.tracking.heartbeat`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import MISSING, DictConfig
 
+from pipeline.tracking.heartbeat import mark_stale_runs
 from pipeline.tracking.logger import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
 
 SYNCED_TAG = "ctr.synced_to"
@@ -85,6 +87,8 @@ def cli(cfg: DictConfig) -> None:
         target = uris.pop()
     for local, dest, n in sync(args.source, target):
         print(f"run {local} -> {target} run {dest}: {n} metric values")
+    for line in mark_stale_runs(MlflowClient(target)):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from typing import Any
 from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.tracking import MlflowClient
 
+from pipeline.tracking.heartbeat import Heartbeat, reopen
+
 FALLBACK_DB = "mlflow_fallback.db"
 ORIGINAL_RUN_TAG = "ctr.original_run_id"
 ORIGINAL_URI_TAG = "ctr.original_tracking_uri"
@@ -124,19 +126,25 @@ def write_fallback(calls: list[Call], run_id: str, experiment: str, uri: str, fo
 class TrackedMLflowLogger(MLFlowLogger):
     """Lightning's MLflow logger with a probe at the start and a queue during the run (see module doc)."""
 
-    def __init__(self, *args: Any, retry_max_s: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, retry_max_s: float = 30.0, heartbeat_s: float = 30.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._retry_max_s = retry_max_s
+        self._retry_max_s, self._heartbeat_s = retry_max_s, heartbeat_s
+        self._resumed = kwargs.get("run_id") is not None
         self._status = "FINISHED"
+        self._heartbeat: Heartbeat | None = None
 
     @property
     def tracking_uri(self) -> str:
         return self._tracking_uri
 
     def start(self) -> str:
-        """Create (or find) the run now, synchronously, then queue every later call; returns the run id."""
-        _ = self.experiment
-        self._mlflow_client = QueuedClient(self._mlflow_client, self._retry_max_s)
+        """Create (or find) the run now, synchronously — a resumed one RUNNING again
+        (:mod:`pipeline.tracking.heartbeat`) — start its heartbeat, then queue every later call; returns the run id."""
+        client = self.experiment
+        if self._resumed:
+            reopen(client, self.run_id)
+        self._heartbeat = Heartbeat(client, self.run_id, self._heartbeat_s).start()
+        self._mlflow_client = QueuedClient(client, self._retry_max_s)
         return self.run_id
 
     def finalize(self, status: str = "success") -> None:
@@ -152,6 +160,7 @@ class TrackedMLflowLogger(MLFlowLogger):
         client = self._mlflow_client
         if not isinstance(client, QueuedClient):
             return []
+        self._heartbeat.stop()
         client.set_terminated(self.run_id, self._status)
         left = client.close(timeout_s)
         if not left:

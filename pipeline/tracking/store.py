@@ -27,6 +27,7 @@ from pipeline.config import LoggerConfig
 from pipeline.runtime.errors import TrackingUnavailableError
 from pipeline.runtime.launch import global_rank
 from pipeline.runtime.signals import Preempted
+from pipeline.tracking.heartbeat import mark_stale_runs
 from pipeline.tracking.logger import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger
 
 log = logging.getLogger(__name__)
@@ -109,18 +110,24 @@ def make_logger(cfg: LoggerConfig, run_id: str | None = None, uri: str | None = 
                         run_id, uri)
             run_id = None
     return TrackedMLflowLogger(experiment_name=cfg.experiment_name, run_name=cfg.run_name, tracking_uri=uri,
-                               log_model=False, run_id=run_id, tags=tags or None, retry_max_s=cfg.retry_max_s)
+                               log_model=False, run_id=run_id, tags=tags or None, retry_max_s=cfg.retry_max_s,
+                               heartbeat_s=cfg.heartbeat_s)
 
 
 def start_logger(cfg: LoggerConfig, output_dir: Path, run_id: str | None, tags: dict[str, str]
                  ) -> TrackedMLflowLogger | bool:
     """The started logger of global rank 0 (False on other ranks: creating the client there would race on
-    the store's creation)."""
+    the store's creation). Runs of the store whose heartbeat stopped are marked FAILED, and said so."""
     if global_rank() != 0:
         return False
     uri, fallback_tags = tracking_uri(cfg, output_dir)
     logger = make_logger(cfg, run_id, uri, {**fallback_tags, **tags})
     logger.start()
+    try:
+        for line in mark_stale_runs(MlflowClient(uri), skip=logger.run_id):
+            print(line, flush=True)
+    except MlflowException as e:  # looking for dead runs never stops this one
+        log.warning("MLflow: could not look for runs whose heartbeat stopped: %s", e)
     return logger
 
 
