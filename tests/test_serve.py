@@ -1,10 +1,13 @@
 """``ctr serve`` as a real server on 127.0.0.1 (2 worker processes): every request format answers what
 ``ctr predict`` writes for the same rows, bad requests get a 400 naming the column or field and never
-kill a worker, ``/metrics`` counts what was sent, and a new version published under load is swapped in
-with no request lost and no answer mixing versions (float32 → int8, each checked against predict)."""
+kill a worker, ``/metrics`` counts what was sent, a flood of 64 clients is shed with 503 while memory
+stays bounded and ``/ping`` answers, and new versions published under load are swapped in on both
+workers with no request lost and no answer mixing versions (float32 → int8 → fp16 → int4, each checked
+against predict), the versions no worker uses leaving the serve directory."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -84,7 +87,7 @@ def served_rows(own_data_run, tmp_path_factory):
 def test_every_request_format_answers_what_predict_writes_and_bad_ones_get_a_400(served_rows):
     model, rows, tmp = served_rows
     want = predicted(model, rows, tmp)
-    server = Server(tmp / "workdir", f"model={model}", "serve.workers=2")
+    server = Server(tmp / "workdir", f"model={model}", "serve.workers=2", f"serve.max_queued_mb={FLOOD_BOUND_MB}")
     try:
         records = json.loads(rows.to_json(orient="records"))
         bodies = {
@@ -144,24 +147,106 @@ def test_every_request_format_answers_what_predict_writes_and_bad_ones_get_a_400
                  if line.startswith(f'ctr_serve_requests_total{{status="{status}"}}')}
         assert count == {"200": len(bodies) + 2 + 4, "400": len(bad) + 1 + 4}, count  # summed over both workers
         assert "ctr_serve_batch_rows_bucket" in metrics and 'ctr_serve_request_seconds_recent{quantile="0.99"}' in metrics
+
+        # 64 clients flood it with 6 MiB bodies (the rows, then spaces) for 6 s: each worker holds at most
+        # serve.max_queued_mb of them, sheds the rest with 503 + Retry-After, and keeps answering /ping
+        body = split_body(rows) + b" " * (6 << 20)
+        workers = [int(p.stem) for p in (tmp / "workdir" / "workers").glob("*.json")]
+        assert len(workers) == 2
+        idle = {pid: _status_kib(pid, "VmRSS") for pid in workers}
+        for pid in workers:  # the peak resident size (VmHWM) counts from here
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        statuses, pings = flood(server.port, body, clients=64, seconds=6)
+        grown = {pid: (_status_kib(pid, "VmHWM") - idle[pid]) / 1024 for pid in workers}
+        assert statuses.get(503, 0) > 0 and statuses.get(200, 0) > 0 and set(statuses) <= {200, 503}, statuses
+        # the bound is 8 MiB of bodies; unbounded, the workers grew by 240-343 MiB in the same flood
+        assert max(grown.values()) < 128, grown
+        assert len(pings) >= 10 and max(pings) < 5.0, pings
+        metrics = server.get("/metrics")[1].decode()
+        shed = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("ctr_serve_shed_total"))
+        assert shed == statuses[503]
+        status, answer, _ = server.post(split_body(rows))  # and after it, answers as before
+        assert status == 200
+        np.testing.assert_allclose(probabilities(answer), want, atol=1e-6)
     finally:
         server.stop()
 
 
-def test_a_version_published_under_load_is_swapped_in_without_losing_or_mixing_answers(served_rows):
-    """The watched folder gets day_1/model (int8 tables) while 6 clients send requests: every request is
-    answered (200), each answer is wholly one version's — the one its X-Model-Version names — and after
-    the swap the int8 version answers, equal to predict with the int8 folder."""
+FLOOD_BOUND_MB = 8
+
+
+def _status_kib(pid: int, key: str) -> int:
+    return next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith(key + ":"))
+
+
+def flood(port: int, body: bytes, clients: int, seconds: float) -> tuple[dict[int, int], list[float]]:
+    """``clients`` threads posting ``body`` without pause for ``seconds`` (a 503 must say Retry-After), and one
+    that GETs /ping every 0.2 s; returns the count of each status and the /ping latencies."""
+    statuses: dict[int, int] = {}
+    pings: list[float] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not stop.is_set():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            try:
+                conn.request("POST", "/invocations", body, {"Content-Type": "application/json"})
+                answer = conn.getresponse()
+                answer.read()
+                assert answer.status != 503 or answer.getheader("Retry-After") == "1"
+                with lock:
+                    statuses[answer.status] = statuses.get(answer.status, 0) + 1
+            finally:
+                conn.close()
+
+    def ping() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=30) as r:
+                assert r.status == 200
+            pings.append(time.perf_counter() - t0)
+            time.sleep(0.2)
+
+    errors: list[BaseException] = []
+
+    def guarded(target) -> None:
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 — reported by the test
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=guarded, args=(client,)) for _ in range(clients)]
+    threads.append(threading.Thread(target=guarded, args=(ping,)))
+    for t in threads:
+        t.start()
+    stop.wait(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    return statuses, pings
+
+
+def test_versions_published_under_load_swap_in_on_both_workers_and_old_ones_are_deleted(served_rows):
+    """Two workers; the watched folder gets day_1 (int8 tables), day_2 (fp16), day_3 (int4), each published by
+    rename once both workers serve the one before, while 6 clients send requests: every request is answered
+    (200), each answer is wholly one version's — the one its X-Model-Version names, equal to predict with
+    that folder — both workers end on day_3, and of the fused table buffers in the serve directory only
+    day_3's stay (day_1's and day_2's are deleted once no worker uses them)."""
     from pipeline.serving.export import export_model
 
     model, rows, tmp = served_rows
-    watched = tmp / "daily"
-    export_model(model, watched / "day_0" / "model")
-    export_model(model, tmp / "int8", "int8")
-    want = {"day_0": predicted(watched / "day_0" / "model", rows, tmp), "day_1": predicted(tmp / "int8", rows, tmp)}
-    assert np.abs(want["day_0"] - want["day_1"]).max() > 1e-5  # the versions are told apart by their answers
-    server = Server(tmp / "workdir_swap", f"model={watched / 'day_0' / 'model'}", f"serve.watch={watched}",
-                    "serve.watch_interval_s=0.5")
+    watched, workdir = tmp / "daily", tmp / "workdir_swap"
+    days = {"day_0": "none", "day_1": "int8", "day_2": "fp16", "day_3": "int4"}
+    for day, kind in days.items():
+        export_model(model, (watched if day == "day_0" else tmp / "exports") / day / "model", kind)
+    want = {day: predicted((watched if day == "day_0" else tmp / "exports") / day / "model", rows, tmp) for day in days}
+    assert min(np.abs(want[a] - want[b]).max() for a in days for b in days if a < b) > 1e-5  # told apart by answers
+    server = Server(workdir, f"model={watched / 'day_0' / 'model'}", f"serve.watch={watched}",
+                    "serve.watch_interval_s=0.5", "serve.workers=2")
     answers: list[tuple[int, int, dict, str | None]] = []
     stop = threading.Event()
 
@@ -173,18 +258,28 @@ def test_a_version_published_under_load_is_swapped_in_without_losing_or_mixing_a
             answers.append((start, status, answer, version))
             i += 1
 
+    def served_by_workers() -> set[str]:
+        uses = [json.loads(p.read_text())["folders"] for p in (workdir / "workers").glob("*.json")]
+        return {Path(folders[0]).parent.name for folders in uses if len(folders) == 1} if len(uses) == 2 else set()
+
     clients = [threading.Thread(target=client, args=(k,)) for k in range(6)]
     try:
         for t in clients:
             t.start()
-        time.sleep(2)
-        (watched / "day_1").mkdir()
-        os.rename(tmp / "int8", watched / "day_1" / "model")  # published as a daily run does: by rename
-        deadline = time.time() + 120
-        while "day_1" not in json.loads(server.get("/version")[1])["model"]:
-            assert time.time() < deadline, "the published version was not swapped in"
+        for day in list(days)[1:]:
+            time.sleep(1)
+            os.rename(tmp / "exports" / day, watched / day)  # published as a daily run does: by rename
+            deadline = time.time() + 120
+            while served_by_workers() != {day}:
+                assert time.time() < deadline, f"{day} was not swapped in on both workers: {served_by_workers()}"
+                time.sleep(0.2)
+        deadline = time.time() + 60
+        while len(list((workdir / "fused").iterdir())) > 1:  # the watcher prunes every 0.5 s
+            assert time.time() < deadline, sorted(p.name for p in (workdir / "fused").iterdir())
             time.sleep(0.2)
-        time.sleep(2)
+        used = {name for p in (workdir / "workers").glob("*.json") for name in json.loads(p.read_text())["fused"]}
+        assert [p.name for p in (workdir / "fused").iterdir()] == list(used)  # day_3's, which both workers map
+        time.sleep(1)
     finally:
         stop.set()
         for t in clients:
@@ -193,10 +288,11 @@ def test_a_version_published_under_load_is_swapped_in_without_losing_or_mixing_a
     assert answers and all(status == 200 for _, status, _, _ in answers), [a for a in answers if a[1] != 200][:3]
     seen = []
     for start, _, answer, version in answers:
-        day = "day_1" if "day_1" in version else "day_0"
-        np.testing.assert_allclose(probabilities(answer), want[day][start:start + 10], atol=1e-6)
+        day = Path(version).parent.name
+        np.testing.assert_allclose(probabilities(answer), want[day][start:start + 10], atol=1e-6, err_msg=day)
         seen.append(day)
-    assert "day_0" in seen and seen[-1] == "day_1" and seen.count("day_1") >= 6, seen[-10:]
+    assert set(seen) == set(days) and seen[-1] == "day_3" and seen.count("day_3") >= 6, seen[-10:]
+    assert not list((workdir / "workers").glob("*.json"))  # the workers took their names back on exit
 
 
 def test_recent_latency_quantiles_keep_moving_past_the_window():

@@ -19,12 +19,16 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import MISSING, DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.server.versions import Version
 
 log = logging.getLogger("ctr.serve")
 
@@ -39,16 +43,21 @@ class ServeSettings:
     threads: int = 1
     max_batch_rows: int = 4096
     max_wait_ms: float = 0.0
+    max_queued_mb: float = 256.0
+    max_queued_requests: int = 4096
+    max_connections: int = 1024
     watch: str = ""
     watch_interval_s: float = 30.0
     dir: str = ""
 
     def __post_init__(self) -> None:
-        for key in ("workers", "threads", "max_batch_rows"):
+        for key in ("workers", "threads", "max_batch_rows", "max_queued_requests", "max_connections"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"serve.{key}={getattr(self, key)}: expected a whole number ≥ 1")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port={self.port}: expected 0 … 65535")
+        if not self.max_queued_mb > 0:
+            raise ConfigError(f"serve.max_queued_mb={self.max_queued_mb}: expected MiB > 0")
         if self.max_wait_ms < 0:
             raise ConfigError(f"serve.max_wait_ms={self.max_wait_ms}: expected ≥ 0")
         if self.watch_interval_s <= 0:
@@ -64,19 +73,24 @@ class ServeArgs:
     serve: ServeSettings = field(default_factory=ServeSettings)
 
 
-def _watch(args: ServeArgs, workdir: Path, current: str, stop: threading.Event) -> None:
-    """Publish each newer version of ``serve.watch`` (a version that fails to prepare is logged and skipped)."""
+def _watch(args: ServeArgs, workdir: Path, current: Version, stop: threading.Event) -> None:
+    """Publish each newer version of ``serve.watch`` (a version that fails to prepare is logged and skipped);
+    after each look, delete the versions older than the current and the previous one that no worker uses."""
+    from pipeline.server.old_versions import prune
     from pipeline.server.versions import newest, prepare, publish
 
-    seen = current
+    seen, kept = current.label, [current.folder]
     while not stop.wait(args.serve.watch_interval_s):
         try:
             spec = newest(args.serve.watch)
-            if spec is None or spec == seen:
-                continue
-            seen = spec
-            publish(prepare(spec, workdir), workdir)
-            log.warning("published %s", spec)
+            if spec is not None and spec != seen:
+                seen = spec
+                version = prepare(spec, workdir)
+                publish(version, workdir)
+                kept = [kept[-1], version.folder]
+                log.warning("published %s", spec)
+            for path in prune(workdir, kept):
+                log.warning("deleted the old version %s", path)
         except Exception:  # noqa: BLE001 — the server keeps its version
             log.exception("serve.watch=%s: cannot prepare its newest version", args.serve.watch)
 
@@ -97,21 +111,24 @@ def run(args: ServeArgs) -> None:
             old.unlink()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     from pipeline.server.app import SETTINGS_ENV, Settings
+    from pipeline.server.old_versions import prune
     from pipeline.server.versions import prepare, publish
 
-    spec = args.model
-    version = prepare(spec, workdir)
+    version = prepare(args.model, workdir)
     publish(version, workdir)
-    os.environ[SETTINGS_ENV] = json.dumps(asdict(Settings(str(workdir), s.max_batch_rows, s.max_wait_ms, s.threads,
-                                                          poll_s=min(1.0, s.watch_interval_s))))
+    prune(workdir, [version.folder])  # what an earlier server left in serve.dir and no live worker uses
+    os.environ[SETTINGS_ENV] = json.dumps(asdict(Settings(
+        str(workdir), s.max_batch_rows, s.max_wait_ms, s.threads, poll_s=min(1.0, s.watch_interval_s),
+        max_queued_bytes=int(s.max_queued_mb * 2**20), max_queued_requests=s.max_queued_requests)))
     stop = threading.Event()
     if s.watch:
-        threading.Thread(target=_watch, args=(args, workdir, spec, stop), daemon=True, name="watch").start()
+        threading.Thread(target=_watch, args=(args, workdir, version, stop), daemon=True, name="watch").start()
     print(f"Serving {version.label} on http://{s.host}:{s.port} ({s.workers} worker(s) × {s.threads} thread(s); "
           f"POST /invocations; GET /ping /version /metrics){'; watching ' + s.watch if s.watch else ''}", flush=True)
     try:
         uvicorn.run("pipeline.server.app:create_app", factory=True, host=s.host, port=s.port, workers=s.workers,
-                    log_level="warning", access_log=False, timeout_graceful_shutdown=30)
+                    log_level="warning", access_log=False, timeout_graceful_shutdown=30,
+                    limit_concurrency=s.max_connections)
     finally:
         stop.set()
 

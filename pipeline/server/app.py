@@ -3,15 +3,19 @@ scoring protocol so that any MLflow client keeps working:
 
     POST /invocations   a body of :mod:`.requests` → 200 {"predictions": [{"probability": p}, ...]}
                         (header X-Model-Version: the version that scored it);
-                        400 {"error_code": "BAD_REQUEST", "message": ...} naming the column or field
+                        400 {"error_code": "BAD_REQUEST", "message": ...} naming the column or field;
+                        503 + Retry-After when the worker holds its bound of requests (:mod:`.admission`)
     GET  /ping, /health 200 once a model is loaded
     GET  /version       {"model": <version>, "folder": ..., "mlflow": <MLflow's version>}
     GET  /metrics       Prometheus text (:mod:`.metrics`)
 
 One app per worker process. At start it loads the version published in the serve directory
 (:mod:`.versions`); a task polls that file and loads a new version beside the one serving, then swaps
-(:meth:`pipeline.server.batcher.Batcher.swap`): requests in flight finish on the old one. A bad body
-never reaches the model; a bug while scoring answers 500 and the worker goes on.
+(:meth:`pipeline.server.batcher.Batcher.swap`): requests in flight finish on the old one; the worker
+names the versions it uses in the serve directory, so that old ones are deleted only once unused
+(:mod:`.old_versions`). A bad body never reaches the model; a bug while scoring answers 500 and the
+worker goes on. The event loop only moves bytes: loading, parsing, scoring and encoding answers run
+in threads.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import torch
 
 from pipeline.server import metrics
+from pipeline.server.admission import RETRY_AFTER_S, Admission
 from pipeline.server.batcher import Batcher, Served
+from pipeline.server.old_versions import forget_use, record_use
 from pipeline.server.requests import RequestError
 from pipeline.server.versions import Version, published, slug
 from pipeline.serving.scorer import Scorer
@@ -45,14 +52,22 @@ class Settings:
     max_wait_ms: float = 0.0
     threads: int = 1
     poll_s: float = 1.0
+    max_queued_bytes: int = 256 << 20
+    max_queued_requests: int = 4096
+
+
+def fused_dir(version: Version, workdir: Path) -> Path:
+    """Where a version's fused table buffers go (a folder replaced in place gets new ones)."""
+    written = (Path(version.folder) / "model.json").stat().st_mtime_ns
+    return workdir / "fused" / slug(f"{version.folder}:{written}")
 
 
 def load(version: Version, workdir: Path) -> Served:
     """A version's scorer: float tables read through the model folder's mapped files, quantized ones
     through a buffer file in the serve directory (:func:`pipeline.serving.quantize.share_fused_buffers`):
     one copy in the page cache for all workers."""
-    written = (Path(version.folder) / "model.json").stat().st_mtime_ns  # a folder replaced in place: new buffers
-    return Served(version, Scorer(version.folder, shared_dir=workdir / "fused" / slug(f"{version.folder}:{written}")))
+    shared = fused_dir(version, workdir)
+    return Served(version, Scorer(version.folder, shared_dir=shared), shared)
 
 
 class ScoringApp:
@@ -60,8 +75,10 @@ class ScoringApp:
         self.settings = settings
         self.workdir = Path(settings.workdir)
         self.batcher: Batcher | None = None
+        self.admission = Admission(settings.max_queued_bytes, settings.max_queued_requests)
         self._stamp = 0
         self._poller: asyncio.Task | None = None
+        self._about: dict[str, str] = {}
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
@@ -85,13 +102,16 @@ class ScoringApp:
                     self._poller.cancel()
                 if self.batcher is not None:
                     await self.batcher.stop()
+                forget_use(self.workdir)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
     async def _start(self) -> None:
         torch.set_num_threads(self.settings.threads)
+        loop = asyncio.get_running_loop()
+        self._about["mlflow"] = await loop.run_in_executor(None, package_version, "mlflow")
         version, self._stamp = published(self.workdir)
-        served = await asyncio.get_running_loop().run_in_executor(None, load, version, self.workdir)
+        served = await loop.run_in_executor(None, self._load, version)
         self.batcher = Batcher(served, self.settings.max_batch_rows, self.settings.max_wait_ms)
         self.batcher.start()
         self._poller = asyncio.get_running_loop().create_task(self._poll())
@@ -110,16 +130,27 @@ class ScoringApp:
                 self._stamp = stamp
                 continue
             try:
-                served = await loop.run_in_executor(None, load, version, self.workdir)
+                served = await loop.run_in_executor(None, self._load, version, self.batcher.served)
             except Exception:  # noqa: BLE001 — a version that does not load: keep serving the old one
                 log.exception("worker %d: cannot load %s; still serving %s", os.getpid(), version.label,
                               self.batcher.served.version.label)
                 self._stamp = stamp
+                await loop.run_in_executor(None, self._use, self.batcher.served)
                 continue
             self._stamp = stamp
             self.batcher.swap(served)
+            await loop.run_in_executor(None, self._use, served)
             metrics.SWAPS.inc()
             log.warning("worker %d now serves %s", os.getpid(), version.label)
+
+    def _load(self, version: Version, serving: Served | None = None) -> Served:
+        """Load ``version``, named as in use (beside the one ``serving``) before any of its files is read."""
+        record_use(self.workdir, [version.folder, *([serving.version.folder] if serving else [])],
+                   [fused_dir(version, self.workdir), *([serving.fused_dir] if serving else [])])
+        return load(version, self.workdir)
+
+    def _use(self, served: Served) -> None:
+        record_use(self.workdir, [served.version.folder], [served.fused_dir])
 
     async def _http(self, scope: dict, receive, send) -> None:
         path, method = scope["path"], scope["method"]
@@ -129,10 +160,8 @@ class ScoringApp:
             ready = self.batcher is not None
             await _reply(send, 200 if ready else 503, b"\n", b"text/plain")
         elif path == "/version" and method == "GET":
-            import mlflow
-
             served = self.batcher.served.version
-            await _json(send, 200, {"model": served.label, "folder": served.folder, "mlflow": mlflow.__version__})
+            await _json(send, 200, {"model": served.label, "folder": served.folder, **self._about})
         elif path == "/metrics" and method == "GET":
             await _reply(send, 200, metrics.exposition(), metrics.CONTENT_TYPE.encode())
         else:
@@ -140,37 +169,80 @@ class ScoringApp:
                                     f"(POST /invocations; GET /ping, /health, /version, /metrics)"})
 
     async def _invocations(self, scope: dict, receive, send) -> None:
-        body = await _body(receive)
         t0 = time.perf_counter()
-        if body is None:
-            status, answer, headers = 413, {"error_code": "BAD_REQUEST",
-                                            "message": f"request body over {MAX_BODY >> 20} MiB"}, []
-        else:
-            status, answer, headers = await self._score(body, _header(scope, b"content-type"))
-        await _json(send, status, answer, headers)
-        metrics.observe(status, time.perf_counter() - t0)
-
-    async def _score(self, body: bytes, content_type: str) -> tuple[int, Any, list]:
+        if not self.admission.enter():
+            await _drain(receive)
+            return await self._shed(send, t0)
+        held = 0
         try:
-            probability, label = await self.batcher.score(body, content_type)
+            declared = _header(scope, b"content-length")
+            if declared.isdigit() and int(declared) <= MAX_BODY:
+                held = int(declared)
+                if not self.admission.take(held):
+                    held = 0
+                    await _drain(receive)
+                    return await self._shed(send, t0)
+            body, held = await self._body(receive, held)
+            if body is _SHED:
+                return await self._shed(send, t0)
+            if body is None:
+                status, answer, headers = 413, _error("BAD_REQUEST", f"request body over {MAX_BODY >> 20} MiB"), []
+            else:
+                status, answer, headers = await self._score(body, _header(scope, b"content-type"))
+            await _reply(send, status, answer, b"application/json", headers)
+            metrics.observe(status, time.perf_counter() - t0)
+        finally:
+            self.admission.leave(held)
+
+    async def _body(self, receive, held: int) -> tuple[bytes | None | object, int]:
+        """The request's body (None: over MAX_BODY, _SHED: over the worker's bound) and the bytes now held
+        for it (``held`` already taken from its Content-Length)."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > held and size <= MAX_BODY:
+                if not self.admission.take(size - held):
+                    if message.get("more_body", False):
+                        await _drain(receive)
+                    return _SHED, held
+                held = size
+            if size <= MAX_BODY:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return (b"".join(chunks) if size <= MAX_BODY else None), held
+
+    async def _shed(self, send, t0: float) -> None:
+        """503 with Retry-After (the body was read and dropped: a client that sends its whole body before it
+        reads then sees the answer, not a reset connection)."""
+        metrics.SHED.inc()
+        await _reply(send, 503, _error("TEMPORARILY_UNAVAILABLE", "the server holds as many requests as it may "
+                                       "(serve.max_queued_mb, serve.max_queued_requests); retry later"),
+                     b"application/json", [(b"retry-after", str(RETRY_AFTER_S).encode())])
+        metrics.observe(503, time.perf_counter() - t0)
+
+    async def _score(self, body: bytes, content_type: str) -> tuple[int, bytes, list]:
+        try:
+            answer, label = await self.batcher.score(body, content_type)
         except RequestError as e:
-            return 400, {"error_code": "BAD_REQUEST", "message": str(e)}, []
+            return 400, _error("BAD_REQUEST", str(e)), []
         except Exception as e:  # noqa: BLE001 — logged by the batcher
-            return 500, {"error_code": "INTERNAL_ERROR", "message": f"{type(e).__name__}: {e}"}, []
-        return 200, {"predictions": [{"probability": p} for p in probability.tolist()]}, \
-            [(b"x-model-version", label.encode())]
+            return 500, _error("INTERNAL_ERROR", f"{type(e).__name__}: {e}"), []
+        return 200, answer, [(b"x-model-version", label.encode())]
 
 
-async def _body(receive) -> bytes | None:
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size <= MAX_BODY:
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks) if size <= MAX_BODY else None
+_SHED = object()
+
+
+async def _drain(receive) -> None:
+    """Read the rest of a request's body, keeping nothing."""
+    while (await receive()).get("more_body", False):
+        pass
+
+
+def _error(code: str, message: str) -> bytes:
+    return json.dumps({"error_code": code, "message": message}).encode()
 
 
 def _header(scope: dict, name: bytes) -> str:

@@ -11,17 +11,19 @@ then encoded request by request and the others are scored. The whole batch is sc
 version, read once per batch, so a hot swap (:meth:`Batcher.swap`) never mixes versions inside an
 answer.
 
-The event loop only moves HTTP bytes; parsing, encoding and the model run in the scoring thread, one
-batch after another, so the two threads do not take the GIL from each other mid-request (PyTorch
+The event loop only moves HTTP bytes; parsing, encoding, the model and the answers' JSON run in the
+scoring thread, one batch after another, so the two threads do not take the GIL from each other mid-request (PyTorch
 releases it while the model computes, so requests keep arriving meanwhile).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +45,7 @@ class Served:
 
     version: Version
     scorer: Scorer
+    fused_dir: Path  # where its fused table buffers are (if it has any)
 
 
 @dataclass
@@ -72,8 +75,9 @@ class Batcher:
         """Answer with ``served`` from the next batch on."""
         self.served = served
 
-    async def score(self, body: bytes, content_type: str) -> tuple[np.ndarray, str]:
-        """The request's probabilities and the version that scored them (:class:`RequestError`: a bad body)."""
+    async def score(self, body: bytes, content_type: str) -> tuple[bytes, str]:
+        """The request's answer (JSON of its probabilities) and the version that scored them
+        (:class:`RequestError`: a bad body)."""
         future = asyncio.get_running_loop().create_future()
         await self.queue.put(_Waiting(body, content_type, future))
         return await future
@@ -93,7 +97,7 @@ class Batcher:
         while True:
             batch = await self._next_batch()
             try:
-                outcomes, label = await loop.run_in_executor(self.pool, score_batch, self.served,
+                outcomes, label = await loop.run_in_executor(self.pool, answer_batch, self.served,
                                                              [(w.body, w.content_type) for w in batch], self.max_rows)
             except Exception as e:  # noqa: BLE001 — a bug: every request of the batch answers 500, the server lives
                 log.exception("scoring a batch of %d requests failed", len(batch))
@@ -105,6 +109,18 @@ class Batcher:
                     waiting.future.set_exception(outcome)
                 else:
                     waiting.future.set_result((outcome, label))
+
+
+def answer_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int
+                 ) -> tuple[list[bytes | Exception], str]:
+    """:func:`score_batch`, each request's probabilities as the JSON of its answer."""
+    outcomes, label = score_batch(served, bodies, max_rows)
+    return [o if isinstance(o, Exception) else answer_json(o) for o in outcomes], label
+
+
+def answer_json(probability: np.ndarray) -> bytes:
+    """MLflow's answer: ``{"predictions": [{"probability": p}, ...]}``."""
+    return json.dumps({"predictions": [{"probability": p} for p in probability.tolist()]}).encode()
 
 
 def score_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int

@@ -7,6 +7,8 @@
     ctr_serve_request_seconds_recent{quantile} p50 / p90 / p99 of the last 2,000 requests (a worker's;
                                                with several workers the highest of theirs)
     ctr_serve_model_swaps_total                model versions switched to since start
+    ctr_serve_shed_total                       requests answered 503 at once: the worker held its bound
+                                               (:mod:`pipeline.server.admission`; also in requests_total)
 
 With ``serve.workers`` > 1 every worker writes its counts to ``PROMETHEUS_MULTIPROC_DIR`` (set by
 ``ctr serve`` before the workers start) and ``/metrics``, answered by any worker, sums them.
@@ -35,6 +37,7 @@ LATENCY = Histogram("ctr_serve_request_seconds", "Seconds from a request's body 
 RECENT = Gauge("ctr_serve_request_seconds_recent", f"Latency quantiles of the last {WINDOW} requests",
                ["quantile"], multiprocess_mode="max")
 SWAPS = Counter("ctr_serve_model_swaps_total", "Model versions switched to since start")
+SHED = Counter("ctr_serve_shed_total", "Requests shed with 503: the worker held its bound of requests or bytes")
 
 _recent: deque[float] = deque(maxlen=WINDOW)
 _observed = [0]  # requests seen by this worker (the window's length stops at WINDOW; this does not)
