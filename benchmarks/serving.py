@@ -2,7 +2,7 @@
 both real servers on 127.0.0.1, measured in one run.
 
     python benchmarks/serving.py --model <model folder> --rows <raw file of the model's dataset> \
-        [--quantize none] [--sizes 1 10 1000] [--clients 1 4 16 64] [--workers 1] [--seconds 8]
+        [--quantize none] [--sizes 1 10 1000] [--clients 1 4 16 64] [--workers 1] [--seconds 8] [--collection]
 
 For each table format (``--quantize``: none = float32, int8, ...) the script exports the model folder
 (``ctr export``), saves it as the project's MLflow pyfunc model (with its signature, as a run logs it),
@@ -10,7 +10,9 @@ and starts each server with ``--workers`` processes of 1 PyTorch thread. Request
 (``dataframe_split`` JSON, taken from ``--rows``) of 1, 10 and 1,000 rows, sent by 1, 4, 16 and 64
 concurrent clients — one asyncio process, one keep-alive connection per client, each cell bounded by
 ``--requests`` requests per client and ``--seconds`` — after a warm-up. It prints p50 / p99 latency,
-requests/s and rows/s per cell, the ratio of ``ctr serve``'s requests/s to MLflow's, and checks that
+requests/s and rows/s per cell, the ratios of ``ctr serve``'s requests/s and p50 to MLflow's (with
+``--collection`` also of ``ctr serve serve.small_batch_rows=0``: the float collection for every model
+call, the server before small batches went to the fused kernel), and checks that
 both servers answer the same probabilities (1e-6). The clients share the machine's cores with the
 servers: on 2 cores, absolute numbers are lower than on a separate client machine.
 """
@@ -22,6 +24,7 @@ import asyncio
 import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,21 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def stop(server: subprocess.Popen) -> None:
+    """End a server and every process it started (workers that outlive it would take the cores from the next
+    server measured: MLflow's kept scoring their backlog after its parent had exited)."""
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(server.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(server.pid, signal.SIGKILL)
 
 
 def request_body(columns: list[str], data: list[list], rows: int, offset: int) -> bytes:
@@ -49,7 +67,10 @@ def start(kind: str, model: Path, pyfunc: Path, port: int, workers: int, workdir
     else:
         cmd = [sys.executable, "-m", "pipeline.commands.serve", f"model={model}", f"serve.port={port}",
                f"serve.workers={workers}", f"serve.dir={workdir}"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kind == "ctr_collection":  # the float collection for every call (before small batches went fused)
+            cmd.append("serve.small_batch_rows=0")
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -118,6 +139,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000, help="at most this many requests per client and cell")
     p.add_argument("--seconds", type=float, default=8.0, help="at most this long per cell")
     p.add_argument("--workers", type=int, default=1, help="server processes (both servers)")
+    p.add_argument("--collection", action="store_true",
+                   help="also ctr serve with serve.small_batch_rows=0 (the float collection for every model call)")
     args = p.parse_args()
 
     from pipeline.data.other_readers import open_reader
@@ -133,13 +156,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     print(f"{len(frame):,} rows of {args.rows}; each server: {args.workers} worker(s) × 1 thread; {os.cpu_count()} "
           f"cores, shared with the clients (one asyncio process)\n")
-    print("| tables | rows/request | clients | server | requests | p50 ms | p99 ms | requests/s | rows/s | ctr / mlflow |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    kinds = ("mlflow", "ctr", *(["ctr_collection"] if args.collection else []))
+    print("| tables | rows/request | clients | server | requests | p50 ms | p99 ms | requests/s | rows/s | "
+          "requests/s ÷ mlflow's | p50 ÷ mlflow's |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for q in args.quantize:
         folder = export_model(args.model, tmp / f"model_{q}", q)
         pyfunc = save_pyfunc(folder, frame.head(5), tmp / f"pyfunc_{q}")
         results: dict[tuple[str, int, int], tuple] = {}
-        for kind in ("mlflow", "ctr"):
+        for kind in kinds:
             port = free_port()
             server = start(kind, folder, pyfunc, port, args.workers, tmp / f"serve_{q}")
             try:
@@ -149,18 +174,18 @@ def main() -> None:
                     for clients in args.clients:
                         results[kind, size, clients] = load(port, bodies, clients, args.requests, args.seconds)
             finally:
-                server.terminate()
-                server.wait(60)
+                stop(server)
         for size in args.sizes:
             for clients in args.clients:
-                rps = {}
-                for kind in ("mlflow", "ctr"):
+                rps, p50 = {}, {}
+                for kind in kinds:
                     latencies, wall, _ = results[kind, size, clients]
                     ms = np.array(latencies) * 1e3
-                    rps[kind] = len(ms) / wall
-                    ratio = f"**{rps['ctr'] / rps['mlflow']:.1f}×**" if kind == "ctr" else ""
-                    print(f"| {q} | {size:,} | {clients} | {kind} | {len(ms)} | {np.percentile(ms, 50):.2f} | "
-                          f"{np.percentile(ms, 99):.2f} | {rps[kind]:,.0f} | {rps[kind] * size:,.0f} | {ratio} |",
+                    rps[kind], p50[kind] = len(ms) / wall, np.percentile(ms, 50)
+                    ratios = f"**{rps[kind] / rps['mlflow']:.1f}×** | **{p50[kind] / p50['mlflow']:.2f}×**" \
+                        if kind != "mlflow" else " | "
+                    print(f"| {q} | {size:,} | {clients} | {kind} | {len(ms)} | {p50[kind]:.2f} | "
+                          f"{np.percentile(ms, 99):.2f} | {rps[kind]:,.0f} | {rps[kind] * size:,.0f} | {ratios} |",
                           flush=True)
                 ctr_answers, mlflow_answers = results["ctr", size, clients][2], results["mlflow", size, clients][2]
                 for j in set(ctr_answers) & set(mlflow_answers):

@@ -42,6 +42,7 @@ class ServeSettings:
     workers: int = 1
     threads: int = 1
     max_batch_rows: int = 4096
+    small_batch_rows: int = 64
     max_wait_ms: float = 0.0
     max_queued_mb: float = 256.0
     max_queued_requests: int = 4096
@@ -56,6 +57,8 @@ class ServeSettings:
                 raise ConfigError(f"serve.{key}={getattr(self, key)}: expected a whole number ≥ 1")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port={self.port}: expected 0 … 65535")
+        if self.small_batch_rows < 0:
+            raise ConfigError(f"serve.small_batch_rows={self.small_batch_rows}: expected a whole number ≥ 0")
         if not self.max_queued_mb > 0:
             raise ConfigError(f"serve.max_queued_mb={self.max_queued_mb}: expected MiB > 0")
         if self.max_wait_ms < 0:
@@ -119,7 +122,8 @@ def run(args: ServeArgs) -> None:
     prune(workdir, [version.folder])  # what an earlier server left in serve.dir and no live worker uses
     os.environ[SETTINGS_ENV] = json.dumps(asdict(Settings(
         str(workdir), s.max_batch_rows, s.max_wait_ms, s.threads, poll_s=min(1.0, s.watch_interval_s),
-        max_queued_bytes=int(s.max_queued_mb * 2**20), max_queued_requests=s.max_queued_requests)))
+        max_queued_bytes=int(s.max_queued_mb * 2**20), max_queued_requests=s.max_queued_requests,
+        small_batch_rows=s.small_batch_rows)))
     stop = threading.Event()
     if s.watch:
         threading.Thread(target=_watch, args=(args, workdir, version, stop), daemon=True, name="watch").start()

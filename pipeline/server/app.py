@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
+from pipeline.runtime.library_noise import quiet_libraries
 from pipeline.server import metrics
 from pipeline.server.admission import RETRY_AFTER_S, Admission
 from pipeline.server.batcher import Batcher, Served
@@ -54,6 +55,7 @@ class Settings:
     poll_s: float = 1.0
     max_queued_bytes: int = 256 << 20
     max_queued_requests: int = 4096
+    small_batch_rows: int = 64
 
 
 def fused_dir(version: Version, workdir: Path) -> Path:
@@ -62,12 +64,13 @@ def fused_dir(version: Version, workdir: Path) -> Path:
     return workdir / "fused" / slug(f"{version.folder}:{written}")
 
 
-def load(version: Version, workdir: Path) -> Served:
-    """A version's scorer: float tables read through the model folder's mapped files, quantized ones
-    through a buffer file in the serve directory (:func:`pipeline.serving.quantize.share_fused_buffers`):
-    one copy in the page cache for all workers."""
+def load(version: Version, workdir: Path, small_batch_rows: int) -> Served:
+    """A version's scorer: float tables read through the model folder's mapped files, quantized ones —
+    and the fused copy of float ones for model calls of at most ``small_batch_rows`` rows — through a
+    buffer file in the serve directory (:func:`pipeline.serving.quantize.share_fused_buffers`): one copy
+    in the page cache for all workers."""
     shared = fused_dir(version, workdir)
-    return Served(version, Scorer(version.folder, shared_dir=shared), shared)
+    return Served(version, Scorer(version.folder, shared_dir=shared, small_batch_rows=small_batch_rows), shared)
 
 
 class ScoringApp:
@@ -147,7 +150,7 @@ class ScoringApp:
         """Load ``version``, named as in use (beside the one ``serving``) before any of its files is read."""
         record_use(self.workdir, [version.folder, *([serving.version.folder] if serving else [])],
                    [fused_dir(version, self.workdir), *([serving.fused_dir] if serving else [])])
-        return load(version, self.workdir)
+        return load(version, self.workdir, self.settings.small_batch_rows)
 
     def _use(self, served: Served) -> None:
         record_use(self.workdir, [served.version.folder], [served.fused_dir])
@@ -262,4 +265,5 @@ async def _reply(send, status: int, body: bytes, content_type: bytes, headers: l
 
 def create_app() -> ScoringApp:
     """The app of one worker, from the settings ``ctr serve`` put in the environment."""
+    quiet_libraries()  # a worker is a fresh process
     return ScoringApp(Settings(**json.loads(os.environ[SETTINGS_ENV])))

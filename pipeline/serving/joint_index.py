@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from pipeline.data.hashing import hash_keys
+from pipeline.data.hashing import hash_keys, splitmix64
 from pipeline.data.vocab_growth import FREE
 
 
@@ -29,10 +29,12 @@ class JointVocabIndex:
         self.index = pd.Index(np.concatenate(salted) if salted else np.zeros(0, np.uint64), dtype=np.uint64)
         self.table_of = np.concatenate(tables) if tables else np.zeros(0, np.int16)
         self.positions = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+        # hash_keys(t, k) = splitmix64(k ^ salt_t): the tables' salts once, not per lookup
+        self.salts = splitmix64(splitmix64(np.arange(len(self.tables), dtype=np.uint64) ^ splitmix64(np.uint64(0))))
 
     def positions_of(self, keys: np.ndarray, tables: np.ndarray) -> np.ndarray:
         """Position of each ``keys[i]`` in the vocabulary of table number ``tables[i]``, -1 where absent."""
-        found = self.index.get_indexer(hash_keys(tables.astype(np.uint64), keys))
+        found = self.index.get_indexer(splitmix64(keys ^ self.salts[tables]))
         if not len(self.positions):
             return np.full(len(keys), -1, np.int64)
         hit = (found >= 0) & (self.table_of[np.maximum(found, 0)] == tables)

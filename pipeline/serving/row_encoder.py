@@ -20,7 +20,7 @@ from pipeline.checkpoint.run_description import declaration_from
 from pipeline.data.dataset import DataConfig
 from pipeline.data.encoding import encode_ids, hashed_ids, ids_of, raw_ids, transform_dense
 from pipeline.data.features import FeatureBlock, extract
-from pipeline.data.hashing import factorized_string_keys
+from pipeline.data.hashing import factorized_string_keys, string_keys
 from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays, has_raw_ids
 from pipeline.data.vocab_files import read_vocabulary, vocabulary_file
 from pipeline.runtime.errors import BundleError
@@ -28,6 +28,7 @@ from pipeline.serving.joint_index import JointVocabIndex
 
 
 Columns = Mapping[str, Sequence[Any]]  # raw column → its values, one per row
+HASH_EACH_UP_TO = 1024  # categorical values of a request batch hashed one by one; more: factorized first
 
 
 class RowEncoder:
@@ -107,8 +108,13 @@ class RowEncoder:
         numeric = [f.source for f in decls if f.type == "numeric"]
         categorical = [f for f in decls if f.type == "categorical"]
         sources = list(dict.fromkeys(f.source for f in categorical))
-        codes, distinct = factorized_string_keys(_strings([v for c in sources for v in columns[c]]))
-        keys = distinct[codes].reshape(len(sources), rows)[[sources.index(f.source) for f in categorical]].ravel()
+        values = _strings([v for c in sources for v in columns[c]])
+        if len(values) <= HASH_EACH_UP_TO:  # a few rows: each value hashed (factorizing first costs more)
+            keys = string_keys(values)
+        else:
+            codes, distinct = factorized_string_keys(values)
+            keys = distinct[codes]
+        keys = keys.reshape(len(sources), rows)[[sources.index(f.source) for f in categorical]].ravel()
         if self.raw:
             ids = np.concatenate([self._rows(t, raw_ids(part, t)) for part, t in
                                   zip(keys.reshape(len(categorical), rows), (self.spec.table_of(f.name) for f in categorical))])
