@@ -92,9 +92,8 @@ def _sharded_worker(rank: int, world_size: int, stack: bool) -> None:
     for bad in (20, -1):
         batch = _batch([0, bad, 5, 3])
         with pytest.raises(IdOutOfRangeError, match=rf"^feature 'c': id {bad} is outside its table's rows \[0, 20\)$"):
-            dmp(batch.dense_features, batch.sparse_features).sum().backward()
+            dmp(batch.dense_features, batch.sparse_features)  # the forward raises: no output, so no backward
         assert lookups[0] == 0  # refused before any lookup
-        assert all(torch.equal(a, b) for a, b in zip(trained, state()))  # nor any update
     dmp(valid.dense_features, valid.sparse_features).sum().backward()
     assert lookups[0] == len(kernels)  # the counter sees lookups: a valid batch makes one per kernel
 
@@ -104,10 +103,24 @@ def test_sharded_model_refuses_an_id_outside_its_table_without_fbgemms_check():
         run_workers(_sharded_worker, 1, stack)
 
 
-def test_train_on_a_store_with_an_id_past_its_table_ends_with_a_user_error(small_overrides, cache_dir, tmp_path):
+def test_the_look_ahead_refuses_an_id_outside_its_table_before_a_row_cache_sees_it():
+    """The ssd tier's look-ahead hands the next batch's ids to the row caches' C loops from SparseArch.inputs,
+    before that batch's forward: the ids are checked there too."""
+    arch = DeepFM(SPEC, embedding_dim=8, mlp=[16, 8]).sparse_arch
+    assert [c for c, _ in arch.inputs(_batch([0, 19, 5, 3]).sparse_features)] == [arch.ebc]
+    for bad in (20, -1):
+        with pytest.raises(IdOutOfRangeError, match=rf"^feature 'c': id {bad} is outside its table's rows \[0, 20\)$"):
+            arch.inputs(_batch([0, bad, 5, 3]).sparse_features)
+
+
+def test_train_on_the_ssd_tier_with_look_ahead_on_a_store_with_a_bad_id_ends_with_a_user_error(
+        small_overrides, cache_dir, tmp_path):
+    """A store with an id below its table (-1, row 5,000: batch 4 of 1,024 rows, which the look-ahead meets
+    first) and one past it; every table on the ssd tier, look-ahead on: the run ends with the user error."""
     from pipeline.config import parse_config
     from pipeline.data.sources import store_dir
     from pipeline.data.store import ColumnarStore
+    from tests.test_ssd_tier import ALL_ON_SSD, SMALL_CACHE
 
     cfg = parse_config(compose_config(small_overrides))
     source = store_dir(cfg.data, cache_dir)
@@ -117,11 +130,14 @@ def test_train_on_a_store_with_an_id_past_its_table_ends_with_a_user_error(small
     feature = store.categorical_names[2]
     rows = store.table_sizes[feature]
     sparse = np.load(Path(copy) / "train" / "sparse.npy", mmap_mode="r+")
-    sparse[5, 2] = rows  # one past the last row of its table
+    sparse[5000, 2] = -1
+    sparse[9000, 2] = rows  # one past the last row of its table
     sparse.flush()
     del sparse
     proc, _ = train_cli([*small_overrides, f"paths.cache_dir={tmp_path / 'cache'}", "trainer.max_epochs=1",
-                         f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"], tmp_path / "run", check=False)
+                         "trainer.shuffle=false", f"topology.ssd.path={tmp_path}/ssd", ALL_ON_SSD, SMALL_CACHE,
+                         "topology.ssd.look_ahead=true", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"],
+                        tmp_path / "run", check=False)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert (f"Error (IdOutOfRangeError): feature '{feature}': id {rows} is outside its table's rows "
+    assert (f"Error (IdOutOfRangeError): feature '{feature}': id -1 is outside its table's rows "
             f"[0, {rows})") in proc.stdout + proc.stderr

@@ -221,7 +221,10 @@ class SparseArch(nn.Module):
 
     def inputs(self, features: KeyedJaggedTensor) -> list[tuple[nn.Module, KeyedJaggedTensor]]:
         """(collection, the KJT :meth:`forward` calls it with) for each collection: what the ``ssd`` tier's
-        row caches look ahead with (:mod:`modules.embedding.ssd_tier.rows_ahead`)."""
+        row caches look ahead with (:mod:`modules.embedding.ssd_tier.rows_ahead`). The ids are checked
+        first, as :meth:`forward` checks them: no row cache ever sees an id outside its table."""
+        if features.values().device.type == "cpu":
+            check_ids(features, self._table_rows)
         bags, sequences = self._parts(features)
         out = [(self.ebc, self._bag_keys(bags))] if self.ebc is not None else []
         if self.ec is not None:
