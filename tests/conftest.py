@@ -132,5 +132,6 @@ def own_data_run(tmp_path_factory: pytest.TempPathFactory):
             f"paths.cache_dir={folder / 'cache'}", f"logger.tracking_uri=sqlite:///{folder / 'mlflow.db'}",
             "trainer.batch_size=512", "trainer.max_epochs=3", "model.mlp=[32]", "model.embedding_dim=8",
             "trainer.enable_progress_bar=false", "topology.sharding_types=[table_wise]"]
-    _, result = train_cli([*args, "logger.register_model_as=mylog_ctr"], folder / "run")
+    proc, result = train_cli([*args, "logger.register_model_as=mylog_ctr"], folder / "run")
+    (folder / "run.log").write_text(proc.stdout + proc.stderr)  # what the user read (tests/test_own_data.py)
     return folder, conf, args, result, frame, p

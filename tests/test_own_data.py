@@ -49,6 +49,28 @@ def test_yaml_dataset_outside_the_repo_trains_and_its_multi_hot_column_matters(o
     assert result_without.test_auc <= result.test_auc - 0.1, numbers
 
 
+NOISE = ("LeafSpec", "is_fx_tracing", "Downloading artifacts", "deprecating ShardedTensor")
+
+
+def test_a_run_prints_no_library_noise_and_library_filters_keep_other_warnings(own_data_run):
+    """The run that logged and registered its model printed none of the libraries' notes that are not the
+    user's business (pipeline/runtime/library_noise.py); the filters take those messages only."""
+    import warnings
+
+    from pipeline.runtime.library_noise import quiet_libraries
+
+    printed = (own_data_run[0] / "run.log").read_text()
+    assert "RESULT " in printed and not [n for n in NOISE if n in printed], [n for n in NOISE if n in printed]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_libraries()
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning)
+        warnings.warn("tables x: our own warning", FutureWarning)
+        warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", UserWarning)
+    assert [str(w.message) for w in seen] == ["tables x: our own warning",
+                                             "Please use DTensor instead and we are deprecating ShardedTensor."]
+
+
 def test_csv_tsv_gz_and_parquet_give_identical_stores(log, tmp_path):
     _, frame, _ = log
     rows = frame.iloc[:5000]

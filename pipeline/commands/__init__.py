@@ -3,3 +3,7 @@ report, sync, serve — each a thin entry point: compose the config, call one fu
 
 May import: training, tracking, config, server, serving, checkpoint, data, runtime, modules
 """
+
+from pipeline.runtime.library_noise import quiet_libraries
+
+quiet_libraries()

@@ -34,6 +34,7 @@ import modules
 import pipeline
 from pipeline.data.dataset import DataConfig
 from pipeline.runtime.errors import BundleError
+from pipeline.runtime.library_noise import quiet_libraries
 from pipeline.serving.scorer import Scorer
 from pipeline.serving.source import model_source
 
@@ -49,6 +50,7 @@ class CTRModel(mlflow.pyfunc.PythonModel):
     set once per process (``load_context``); a request only encodes its rows and runs the model."""
 
     def load_context(self, context: Any) -> None:
+        quiet_libraries()  # in MLflow's scoring server: not through a ctr command
         torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
         self.scorer = Scorer(context.artifacts["bundle"], fused=True)
 
