@@ -5,11 +5,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from pipeline.training.result import RunResult, read_result
-from tests.conftest import PYTHON, ROOT, MlflowServer, free_port, subprocess_env, train_cli
+from tests.conftest import PYTHON, ROOT, MlflowServer, compose_config, free_port, subprocess_env, train_cli
 
 MIN_AUC = 0.72  # small data (100k rows, 2 epochs, oracle AUC ≈ 0.90); a model that learns nothing gives 0.5
 
@@ -43,14 +45,33 @@ def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, t
         _check_run(MlflowClient(tracking_uri=server.uri), result, epochs=2)
 
 
-# dcnv2 trains end to end in CI; wide_deep and dcn share its path (their layers: tests/test_models.py)
-@pytest.mark.parametrize("model", [pytest.param("wide_deep", marks=pytest.mark.slow),
-                                   pytest.param("dcn", marks=pytest.mark.slow), "dcnv2"])
-def test_other_models_train(small_overrides, tmp_path, model):
-    extra = ["model.low_rank=8"] if model == "dcnv2" else []
-    result = _train([*small_overrides, f"model={model}", "model.mlp=[64,32]", "trainer.max_epochs=1", *extra],
-                    f"sqlite:///{tmp_path}/m.db", tmp_path / "run")
-    assert result.test_auc > MIN_AUC, result
+def test_every_other_model_trains_to_the_bar_and_its_model_folder_scores_its_test_auc(small_overrides, cache_dir,
+                                                                                       tmp_path):
+    """wide_deep, dcn and dcnv2 (DeepFM: the other tests), one sweep job each in one process (Hydra's basic
+    launcher: one interpreter start): each learns (test AUC over the bar), and its model folder, scored in
+    this process, gives the test split the run's own test AUC."""
+    from torchmetrics.functional.classification import binary_auroc
+
+    from pipeline.config import parse_config
+    from pipeline.data.sources import store_dir
+    from pipeline.data.store import ColumnarStore
+    from pipeline.serving.scorer import Scorer
+
+    models = ["wide_deep", "dcn", "dcnv2"]
+    cmd = [PYTHON, "-m", "pipeline.commands.train", "-m", *small_overrides, f"model={','.join(models)}",
+           "model.mlp=[64,32]", "trainer.max_epochs=1", "logger.log_model=true",
+           f"logger.tracking_uri=sqlite:///{tmp_path}/m.db", f"hydra.sweep.dir={tmp_path}/sweep"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    test = ColumnarStore(store_dir(parse_config(compose_config(small_overrides)).data, cache_dir)).split("test")
+    labels = torch.from_numpy(np.asarray(test.label).astype(np.int64))
+    for job, model in enumerate(models):
+        result = read_result(tmp_path / "sweep" / str(job))
+        assert result.test_auc > MIN_AUC, (model, result)
+        scorer = Scorer(tmp_path / "sweep" / str(job) / "model")
+        assert scorer.model_cfg.name == model
+        auc = float(binary_auroc(torch.from_numpy(scorer.score(test)), labels))
+        assert auc == pytest.approx(result.test_auc, abs=1e-6), model
 
 
 # slow: 19 s; hierarchical merging over 2 × 2 ranks: tests/test_kstep_merging.py::test_hierarchical_merging_two_nodes_of_two
