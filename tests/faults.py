@@ -1,4 +1,4 @@
-"""Fault injection for the tests, as Lightning callbacks a test adds to a CLI run:
+"""Fault injection (and what a test must see inside a run) as Lightning callbacks a test adds to a CLI run:
 
     python -m pipeline.commands.train ... 'trainer.callbacks=[{_target_: tests.faults.KillRank, rank: 0, step: 33}]'
 """
@@ -74,3 +74,27 @@ class RaiseAtStep(Callback):
                            batch_idx: int) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError("injected failure")
+
+
+class SsdFilesAtEnd(Callback):
+    """When training ends (the run deletes its ``ssd`` files at exit), copy rank 0's table weight files from
+    ``folder`` (its ``rank0``) into ``record`` with ``tables.json``: per file, its TBE's tables and their
+    offsets in it (every row written there first)."""
+
+    def __init__(self, folder: str, record: str) -> None:
+        self.folder, self.record = Path(folder) / "rank0", Path(record)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import shutil
+
+        from modules.embedding.ssd_tier.cached_tbe import cached_tbes, sync_tables
+
+        sync_tables(pl_module.model)
+        self.record.mkdir(parents=True, exist_ok=True)
+        layout = {}
+        for tbe in cached_tbes(pl_module.model):
+            first = tbe.table_names[0]
+            path = next(f for f in self.folder.glob("*.weights.f32") if f.name.split(".")[0].split("+")[0] == first)
+            shutil.copy(path, self.record / path.name)
+            layout[path.name] = [[name, int(tbe.weights_offsets[i])] for i, name in enumerate(tbe.table_names)]
+        (self.record / "tables.json").write_text(json.dumps(layout))

@@ -13,16 +13,15 @@ tier           kernel                where the table lives
                                      a row cache in host memory (:mod:`modules.embedding.ssd_tier.files`)
 =============  ====================  ==============================================================
 
-On CPU, the host budget is what the stated memory leaves for tables once the process itself is
-counted: ``nodes × (ddr_cap_gb × (1 − ddr_reserve) − ranks per node × process)``, where *process* is
-the memory the planning process holds (measured, :mod:`modules.sharding.resident_memory`: Python,
-torch and their libraries' code, the data's index, …) plus a step's working set (estimated from the model,
-:func:`modules.sharding.step_memory.step_bytes`); ``ddr_reserve`` is left to the page cache.
-Every table stays in host memory while the tables fit that budget (weights + optimizer state);
-otherwise the budget is shared between whole tables in host memory and the row caches
-(:mod:`modules.embedding.ssd_tier.row_cache`) of tables on ``ssd`` by the lookups each byte serves,
-from the id-frequency statistics (:mod:`modules.sharding.cache_allocation`; tables forced to a tier in
-``table_overrides`` stay there). ``ssd.cache_mb`` sets the caches outright instead (then the largest
+On CPU, the host budget is what the stated memory leaves for tables once the process itself is counted:
+``nodes × (ddr_cap_gb × (1 − ddr_reserve) − ranks per node × process)``, *process* being what the planning
+process holds (measured, :mod:`modules.sharding.resident_memory`) plus a step's working set (estimated,
+:func:`modules.sharding.step_memory.step_bytes`) and any per-row state training keeps beside the tables;
+``ddr_reserve`` is left to the page cache. Every table stays in host memory while the tables fit that budget
+(weights + optimizer state); otherwise the budget is shared between whole tables in host memory and the
+row caches (:mod:`modules.embedding.ssd_tier.row_cache`) of tables on ``ssd`` by the lookups each byte
+serves, from the id-frequency statistics (:mod:`modules.sharding.cache_allocation`; tables forced to a tier
+in ``table_overrides`` stay there). ``ssd.cache_mb`` sets the caches outright instead (then the largest
 tables move until the rest fit). The ``ssd`` budget is ``ssd.cap_gb`` per node, or the free space of
 ``ssd.path`` when ``cap_gb`` is 0.
 
@@ -129,24 +128,26 @@ class Placement:
 
     @property
     def hbm_bytes(self) -> float:
-        if self.tier == "hbm":
-            return self.bytes
-        return self.bytes * (self.cache_load_factor or 0.0) if self.tier in ("uvm_cache", "ssd") else 0.0
+        cached = self.bytes * (self.cache_load_factor or 0.0) if self.tier in ("uvm_cache", "ssd") else 0.0
+        return self.bytes if self.tier == "hbm" else cached
 
 
-def _gb(x: float) -> str:
-    return f"{x / GB:,.1f} GB"
+def _gb(x: float) -> str: return f"{x / GB:,.1f} GB"  # noqa: E704
 
 
 def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer: str,
-                 fusable: bool = True, process_bytes: float = 0.0, batch_rows: int = 0) -> dict[str, Placement]:
-    """Choose each table's tier (see the module docstring); ``process_bytes``: what one training process
-    holds besides its tables, ``batch_rows``: the most samples one lookup sees (CPU topologies)."""
+                 fusable: bool = True, process_bytes: float = 0.0, batch_rows: int = 0,
+                 row_state_bytes: int = 0) -> dict[str, Placement]:
+    """Choose each table's tier (module docstring); ``process_bytes``: what one training process holds besides
+    its tables, ``batch_rows``: the most samples one lookup sees (CPU), ``row_state_bytes``: host memory per
+    table row wherever it lives (the every-row L2's last steps: :class:`modules.optim.embedding_l2.LazyRowsL2`)."""
     overrides: Mapping[str, TableOverride] = topology.table_overrides
     unknown = sorted(set(overrides) - {t.name for t in tables})
     if unknown:
         raise ValueError(f"topology.table_overrides: unknown tables {unknown}; tables are {sorted(t.name for t in tables)}")
+    row_state = float(row_state_bytes * sum(t.rows for t in tables))
     if topology.compute_device != "cuda":
+        process_bytes += row_state / topology.world_size
         return _place_on_cpu(tables, topology, optimizer, fusable, process_bytes, batch_rows)
     hosted = sorted(name for name, o in overrides.items() if o.tier == "host")
     if hosted:
@@ -166,6 +167,7 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
                                   forced=t.name in overrides)
 
     budget = topology.budgets()
+    budget["host"] -= row_state
     use = lambda tier: sum(p.bytes for p in place.values() if p.tier == tier)  # noqa: E731
     hbm_use = lambda: sum(p.hbm_bytes for p in place.values())  # noqa: E731
 
@@ -305,6 +307,4 @@ def _row_caches(place: dict[str, Placement], topology: TopologySpec, left: float
 def _existing(path: str) -> str:
     """``path`` or its nearest existing parent (the disk it will be on)."""
     p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    return p
+    return p if os.path.exists(p) else _existing(os.path.dirname(p))

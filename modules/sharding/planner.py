@@ -178,19 +178,21 @@ def file_backed_names(placements: Mapping[str, Placement]) -> set[str]:
 def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: TopologySpec,
                coverage: Mapping[str, Mapping[float, int]] | None = None,
                collective: bool | dist.ProcessGroup = False,
-               table_of: Mapping[str, str] | None = None, batch_rows: int = 0, eval_rows: int = 0) -> PlanResult:
+               table_of: Mapping[str, str] | None = None, batch_rows: int = 0, eval_rows: int = 0,
+               row_state_bytes: int = 0) -> PlanResult:
     """Place every table on a tier and plan its sharding over ``topology.world_size`` ranks (a topology
     :meth:`~modules.sharding.placement.TopologySpec.for_world`); ``collective`` plans on rank 0 (of all ranks, or
     of the process group given) and broadcasts.
     ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once in a training / evaluation step
-    (the larger sizes the ``ssd`` tier's row caches; both the step's working set)."""
+    (the larger sizes the ``ssd`` tier's row caches; both the step's working set); ``row_state_bytes``: host
+    memory per table row kept beside the tables (:func:`modules.sharding.placement.place_tables`)."""
     ebcs = {name: m for name, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))}
     fusable = is_fusable(embedding_optim, topology.compute_device)
     placements: dict[str, Placement] = {}
     process = process_bytes(model, batch_rows, topology.world_size, eval_rows)
     for ebc in ebcs.values():
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
-                                       process, max(batch_rows, eval_rows)))
+                                       process, max(batch_rows, eval_rows), row_state_bytes))
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
     # on CPU the planner would count file-backed tables against host memory: those plans are built here
@@ -243,8 +245,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
                 device: torch.device, data_parallel: bool = True, qcomm: dict | None = None,
                 coverage: Mapping[str, Mapping[float, int]] | None = None,
                 table_of: Mapping[str, str] | None = None,
-                batch_rows: int = 0, eval_rows: int = 0, group: dist.ProcessGroup | None = None
-                ) -> tuple[DistributedModelParallel, PlanResult]:
+                batch_rows: int = 0, eval_rows: int = 0, group: dist.ProcessGroup | None = None,
+                row_state_bytes: int = 0) -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
@@ -264,7 +266,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     world = dist.get_world_size(group)
     topology = topology.on_ranks(world)
     result = plan_model(model, embedding_optim, topology, coverage, collective=group or True, table_of=table_of,
-                        batch_rows=batch_rows * world, eval_rows=eval_rows * world)  # table-wise kernels: every rank's batch
+                        batch_rows=batch_rows * world, eval_rows=eval_rows * world,  # table-wise kernels: every rank's batch
+                        row_state_bytes=row_state_bytes)
     if group is not None and result.file_backed:
         raise PlacementError(f"tables {sorted(result.file_backed)} go to the ssd tier, whose files are one rank's: "
                              f"they cannot be replicated (trainer.merging.tables=replicated); use sharded")

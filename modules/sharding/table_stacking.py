@@ -30,7 +30,7 @@ from modules.sharding.topology import TopologySpec
 
 def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec, optimizer: OptimizerSpec,
                     coverage: Mapping[str, Mapping[float, int]] | None = None,
-                    batch_rows: int = 0, eval_rows: int = 0) -> tuple[ModelConfig, str]:
+                    batch_rows: int = 0, eval_rows: int = 0, row_state_bytes: int = 0) -> tuple[ModelConfig, str]:
     """``cfg`` with ``stack_tables`` true or false, and why. ``topology``: as run (its world size);
     ``batch_rows`` / ``eval_rows``: the samples one kernel sees at once, as :func:`modules.sharding.planner.plan_model` takes them
     (the tables are placed as the plan will place them). Leaves the random state as it was: ``auto``
@@ -48,7 +48,7 @@ def decide_stacking(cfg: ModelConfig, spec: FeatureSpec, topology: TopologySpec,
             placements = place_tables(table_infos(ebc, coverage), topology, optimizer.name,
                                       is_fusable(optimizer, topology.compute_device),
                                       process_bytes(net, batch_rows, topology.world_size, eval_rows),
-                                      max(batch_rows, eval_rows))
+                                      max(batch_rows, eval_rows), row_state_bytes)
             why = stacking_blocker(placements, tables, topology)
         except PlacementError as e:  # the plan of the unstacked model says it again
             why = f"the tables cannot be placed ({e})"

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from modules.embedding.sparse_arch import FeatureSpec
 from modules.models import build_model
+from modules.optim.embedding_l2 import row_state_bytes
 from modules.sharding.plan_report import format_plan
 from modules.sharding.planner import plan_model
 from modules.sharding.table_stacking import decide_stacking
@@ -55,10 +56,12 @@ def plan_for_config(cfg: DictConfig) -> str:
     optim = run.optim.embedding
     # row caches and the step's working set as training sizes them (CTRTask): both batches, every rank's
     batch_rows, eval_rows = (n * topology.world_size for n in (run.trainer.batch_size, run.trainer.eval_batch_size))
-    model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage, batch_rows, eval_rows)
+    l2_state = row_state_bytes(run.optim.embedding_l2_scope)
+    model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage, batch_rows, eval_rows,
+                                          l2_state)
     model = build_model(model_cfg, feature_spec, device=torch.device("meta"))
     result = plan_model(model, optim, topology, coverage, table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse},
-                        batch_rows=batch_rows, eval_rows=eval_rows)
+                        batch_rows=batch_rows, eval_rows=eval_rows, row_state_bytes=l2_state)
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "

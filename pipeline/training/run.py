@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from modules.embedding.ssd_tier.path_lock import release_rank_folders
 from modules.sharding.topology import TopologySpec
 from pipeline.checkpoint.discovery import complete_checkpoints
 from pipeline.checkpoint.resume import resume_checkpoint
@@ -70,6 +71,8 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
             raise
         found = complete_checkpoints(t.checkpoint.dir) if t.checkpoint.dir else []
         raise collective_failure(e, trainer.strategy.peers, t.collective_timeout_s, found[-1] if found else None) from e
+    finally:
+        release_rank_folders()  # the ssd tier's files: every row is in the checkpoints and the model by now
     register_model(run_cfg, logger, bundle, undelivered)
     return run_result(trainer, test, logger, output_dir)
 

@@ -23,7 +23,7 @@ from modules.embedding.ssd_tier.cached_tbe import cached_tbes, reload_tables, sy
 from modules.embedding.ssd_tier.backing import CacheStats
 from modules.optim.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding.sparse_arch import is_table_parameter
-from modules.optim.embedding_l2 import DecayRule
+from modules.optim.embedding_l2 import DecayRule, row_state_bytes
 from modules.models import ModelConfig, build_model, onednn_linear
 from modules.optim.optimizers import OptimizerChain, build_optimizer, replicated_parameters
 from modules.optim.scaling_rules import auto_caveat, scale_hyperparameters
@@ -79,13 +79,11 @@ class CTRTask(L.LightningModule):
         self.zch: ZchStage | None = None  # model.zch: raw ids → rows (pipeline/training/zch_stage.py)
         self.plan: PlanResult | None = None
         self.cowclip = CowClipHooks()
-        self.val_metrics = CTRMetrics()
-        self.test_metrics = CTRMetrics()
+        self.val_metrics, self.test_metrics = CTRMetrics(), CTRMetrics()
         self._skip_step = False
         self.row_cache_totals = CacheStats()  # the ssd tier's row caches over training (modules.embedding.ssd_tier.row_cache)
         self.row_cache_bytes = [0.0, 0.0]     # read, written
-        self.onednn_mlp_used = False  # decided with the model (configure_model); logged to MLflow
-        self.overlap_embedding_backward_used = False  # likewise
+        self.onednn_mlp_used = self.overlap_embedding_backward_used = False  # decided in configure_model; logged
 
     def scaled_hyperparameters(self) -> dict[str, float]:
         return {f"scaled/{k}": v for k, v in asdict(self.scaled).items()}
@@ -119,7 +117,8 @@ class CTRTask(L.LightningModule):
                                             group=self.link.shard_group(),
                                             qcomm=qcomm_registry(self.link.comms), coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},
-                                            batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1])
+                                            batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1],
+                                            row_state_bytes=row_state_bytes(self.l2_scope))
         if self.model_cfg.zch.enabled:
             check_zch_model(self.model)
             self.zch = ZchStage(self.model_cfg.zch, spec, inits, int(data.store.meta.get("vocabulary_day", 0)))
@@ -148,7 +147,8 @@ class CTRTask(L.LightningModule):
             why = f"as {source.path}"
         else:
             cfg, why = decide_stacking(self.model_cfg, data.feature_spec, self.topology, self.embedding_optim,
-                                       data.coverage, *(n * self.topology.world_size for n in self.batch_rows))
+                                       data.coverage, *(n * self.topology.world_size for n in self.batch_rows),
+                                       row_state_bytes(self.l2_scope))
         if self.model_cfg.stack_tables == "auto":
             log.info("model.stack_tables=auto: %s (%s)", str(cfg.stack_tables).lower(), why)
         return cfg

@@ -16,9 +16,9 @@ File-backed tables sit in TBEs of their own: their parameter shardings carry a c
 TBEs by their fused parameters.
 
 Files: ``<path>/rank<r>/<table>[+<table>...].<state>.f32`` (state ``weights`` or ``momentum1``) and the
-row cache's sorted runs ``<table>[+<table>...].run<n>.{keys,records}`` (:mod:`.sorted_runs`), re-created
-by each run (a resumed run loads the checkpoint into the table files). A rank's folder is locked by one run at
-a time (:mod:`.path_lock`): a second run there is refused, naming the first.
+row cache's sorted runs ``<table>[+<table>...].run<n>.{keys,records}`` (:mod:`.sorted_runs`), made by each
+run and deleted when it ends (a resumed run loads the checkpoint into new table files). A rank's folder is
+locked by one run at a time (:mod:`.path_lock`): a second run there is refused, naming the first.
 """
 
 from __future__ import annotations
@@ -117,15 +117,14 @@ def file_backed_tables(tables: Mapping[str, CachedTable], folder: str | os.PathL
                 raise RuntimeError("file-backed tables: TorchRec built its FBGEMM module with positional arguments")
             specs = list(kwargs["embedding_specs"])
             optimizer = kwargs.get("optimizer", OptimType.EXACT_SGD)
-            stem = lock_rank_folder(Path(folder) / f"rank{rank}") / _group_file_stem(names)  # before any file
+            # the lock before any file (taking it deletes a killed run's files)
+            stem = lock_rank_folder(Path(folder) / f"rank{rank}") / _group_file_stem(names)
             buffers = {state: mapped_file(stem.with_name(f"{stem.name}.{state}.f32"), n)
                        for state, n in state_sizes(specs, optimizer).items()}
             made.extend(stem.with_name(f"{stem.name}.{state}.f32") for state in buffers)
             kwargs["preallocated_host_buffers"] = buffers
             original(self, *args, **kwargs)
             slots = [min(tables[n].slots, rows) for n, (rows, *_) in zip(names, specs)]
-            for old in stem.parent.glob(f"{stem.name}.run*"):  # a killed run's leftovers: stale
-                old.unlink()
             CachedRowsTBE.attach(self, kwargs, slots, [tables[n].init for n in names], policy, stem)
             return
         if names and set(names) & set(tables):
