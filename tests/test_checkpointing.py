@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from pipeline.checkpoint.discovery import complete_checkpoints, read_rank0_state
 from pipeline.checkpoint.manifest import verify_checkpoint
@@ -107,7 +108,10 @@ def test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_and_resumes_
     stopped, result = _run([*args, "trainer.callbacks=[{_target_:tests.faults.SignalDuringStep,rank:1,step:27}]"],
                            tmp_path, check=False)
     assert stopped.returncode != 0 and result is None, stopped.stderr[-3000:]
-    assert "Stopped by SIGTERM after step 27" in stopped.stderr
+    assert "Stopped by SIGTERM after step 27" in stopped.stderr and "MLflow run marked KILLED" in stopped.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert [r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])] \
+        == ["KILLED"]
     # each rank ended with 128 + SIGTERM (torchrun's report lists every failed rank with its exit code)
     assert len(re.findall(r"exitcode\s*: 143 ", stopped.stderr)) == 2, stopped.stderr[-3000:]
     assert [p.name for p in complete_checkpoints(ckpt)][-2:] == ["step-000000020", "step-000000027"]
@@ -120,6 +124,10 @@ def test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_and_resumes_
     _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_tensors, ("state_dict/", "fused_optimizer/"))
 
 
+# slow: 68 s; the ssd tier on two ranks killed and resumed runs in CI in
+# tests/test_zch.py::test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches, its export in
+# tests/test_ssd_tier.py (one process) and tests/test_model_use.py (two processes)
+@pytest.mark.slow
 def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_overrides, tmp_path):
     """Every table in memory-mapped files (modules/embedding/ssd_tier/files.py), checkpoints in 50 KB row chunks: killed at
     step 33, resumed from step 30, it ends with the uninterrupted host-memory run's tensors and metrics, and its

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from filelock import FileLock
 from mlflow.tracking import MlflowClient
 
@@ -22,6 +23,9 @@ def _runs(uri: str) -> list:
     return [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
 
 
+# slow: 52 s; SIGTERM mid-epoch → checkpoint, exit 143, MLflow run KILLED, exact resume of the same run runs in CI
+# with two ranks: tests/test_checkpointing.py::test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_and_resumes_exactly
+@pytest.mark.slow
 def test_sigterm_mid_epoch_checkpoints_exits_143_and_resumes_exactly(small_overrides, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     ckpt = tmp_path / "ckpt"

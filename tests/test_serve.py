@@ -2,7 +2,7 @@
 ``ctr predict`` writes for the same rows, bad requests get a 400 naming the column or field and never
 kill a worker, ``/metrics`` counts what was sent, a flood of 64 clients is shed with 503 while memory
 stays bounded and ``/ping`` answers, and new versions published under load are swapped in on both
-workers with no request lost and no answer mixing versions (float32 → int8 → fp16 → int4, each checked
+workers with no request lost and no answer mixing versions (float32 → int8 → int4, each checked
 against predict), the versions no worker uses leaving the serve directory."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
 
@@ -35,19 +37,23 @@ def predicted(model: Path, rows: pd.DataFrame, folder: Path) -> np.ndarray:
 
 
 class Server:
+    """``ctr serve`` with ``args``; ready once every worker has loaded its model (named it in ``workers/``)."""
+
     def __init__(self, workdir: Path, *args: str) -> None:
         self.port = free_port()
+        workers = int(next((a.split("=")[1] for a in args if a.startswith("serve.workers=")), 1))
         self.proc = subprocess.Popen([PYTHON, "-m", "pipeline.commands.serve", *args, f"serve.port={self.port}",
                                       f"serve.dir={workdir}"], cwd=ROOT, env=subprocess_env(),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.time() + 180
         while True:
             try:
-                if self.get("/ping")[0] == 200:
+                if self.get("/ping")[0] == 200 and len(list((workdir / "workers").glob("*.json"))) == workers:
                     break
             except OSError:
-                assert self.proc.poll() is None and time.time() < deadline, self.proc.stderr.read().decode()[-3000:]
-                time.sleep(0.5)
+                pass
+            assert self.proc.poll() is None and time.time() < deadline, self.proc.stderr.read().decode()[-3000:]
+            time.sleep(0.5)
 
     def get(self, path: str) -> tuple[int, bytes]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
@@ -148,7 +154,7 @@ def test_every_request_format_answers_what_predict_writes_and_bad_ones_get_a_400
         assert count == {"200": len(bodies) + 2 + 4, "400": len(bad) + 1 + 4}, count  # summed over both workers
         assert "ctr_serve_batch_rows_bucket" in metrics and 'ctr_serve_request_seconds_recent{quantile="0.99"}' in metrics
 
-        # 64 clients flood it with 6 MiB bodies (the rows, then spaces) for 6 s: each worker holds at most
+        # 64 clients flood it with 6 MiB bodies (the rows, then spaces) for 4 s: each worker holds at most
         # serve.max_queued_mb of them, sheds the rest with 503 + Retry-After, and keeps answering /ping
         body = split_body(rows) + b" " * (6 << 20)
         workers = [int(p.stem) for p in (tmp / "workdir" / "workers").glob("*.json")]
@@ -156,12 +162,12 @@ def test_every_request_format_answers_what_predict_writes_and_bad_ones_get_a_400
         idle = {pid: _status_kib(pid, "VmRSS") for pid in workers}
         for pid in workers:  # the peak resident size (VmHWM) counts from here
             Path(f"/proc/{pid}/clear_refs").write_text("5")
-        statuses, pings = flood(server.port, body, clients=64, seconds=6)
+        statuses, pings = flood(server.port, body, clients=64, seconds=4)
         grown = {pid: (_status_kib(pid, "VmHWM") - idle[pid]) / 1024 for pid in workers}
         assert statuses.get(503, 0) > 0 and statuses.get(200, 0) > 0 and set(statuses) <= {200, 503}, statuses
         # the bound is 8 MiB of bodies; unbounded, the workers grew by 240-343 MiB in the same flood
         assert max(grown.values()) < 128, grown
-        assert len(pings) >= 10 and max(pings) < 5.0, pings
+        assert len(pings) >= 5 and max(pings) < 5.0, pings
         metrics = server.get("/metrics")[1].decode()
         shed = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("ctr_serve_shed_total"))
         assert shed == statuses[503]
@@ -231,16 +237,16 @@ def flood(port: int, body: bytes, clients: int, seconds: float) -> tuple[dict[in
 
 
 def test_versions_published_under_load_swap_in_on_both_workers_and_old_ones_are_deleted(served_rows):
-    """Two workers; the watched folder gets day_1 (int8 tables), day_2 (fp16), day_3 (int4), each published by
-    rename once both workers serve the one before, while 6 clients send requests: every request is answered
-    (200), each answer is wholly one version's — the one its X-Model-Version names, equal to predict with
-    that folder — both workers end on day_3, and of the fused table buffers in the serve directory only
-    day_3's stay (day_1's and day_2's are deleted once no worker uses them)."""
+    """Two workers; the watched folder gets day_1 (int8 tables), then day_2 (int4), each published by rename once
+    both workers serve the one before, while 6 clients send requests: every request is answered (200), each
+    answer is wholly one version's — the one its X-Model-Version names, equal to predict with that folder —
+    both workers end on day_2, and of the fused table buffers in the serve directory only day_2's stay
+    (day_0's small-batch copy and day_1's are deleted once no worker uses them)."""
     from pipeline.serving.export import export_model
 
     model, rows, tmp = served_rows
     watched, workdir = tmp / "daily", tmp / "workdir_swap"
-    days = {"day_0": "none", "day_1": "int8", "day_2": "fp16", "day_3": "int4"}
+    days = {"day_0": "none", "day_1": "int8", "day_2": "int4"}
     for day, kind in days.items():
         export_model(model, (watched if day == "day_0" else tmp / "exports") / day / "model", kind)
     want = {day: predicted((watched if day == "day_0" else tmp / "exports") / day / "model", rows, tmp) for day in days}
@@ -278,7 +284,7 @@ def test_versions_published_under_load_swap_in_on_both_workers_and_old_ones_are_
             assert time.time() < deadline, sorted(p.name for p in (workdir / "fused").iterdir())
             time.sleep(0.2)
         used = {name for p in (workdir / "workers").glob("*.json") for name in json.loads(p.read_text())["fused"]}
-        assert [p.name for p in (workdir / "fused").iterdir()] == list(used)  # day_3's, which both workers map
+        assert [p.name for p in (workdir / "fused").iterdir()] == list(used)  # day_2's, which both workers map
         time.sleep(1)
     finally:
         stop.set()
@@ -291,7 +297,7 @@ def test_versions_published_under_load_swap_in_on_both_workers_and_old_ones_are_
         day = Path(version).parent.name
         np.testing.assert_allclose(probabilities(answer), want[day][start:start + 10], atol=1e-6, err_msg=day)
         seen.append(day)
-    assert set(seen) == set(days) and seen[-1] == "day_3" and seen.count("day_3") >= 6, seen[-10:]
+    assert set(seen) == set(days) and seen[-1] == "day_2" and seen.count("day_2") >= 6, seen[-10:]
     assert not list((workdir / "workers").glob("*.json"))  # the workers took their names back on exit
 
 
@@ -306,3 +312,66 @@ def test_recent_latency_quantiles_keep_moving_past_the_window():
     newest = list(metrics._recent)[-metrics.WINDOW:]
     # the gauge was last set at most 99 requests ago: its median is that of a window of mostly fast requests
     assert metrics.RECENT.labels("0.5")._value.get() == pytest.approx(float(np.median(newest)))
+
+
+@pytest.fixture(scope="module")
+def served_in_process(served_rows):
+    """The model of ``served_rows`` loaded as a server worker loads it (small batches fused), and its answers
+    to the rows as predict writes them."""
+    from pipeline.server.app import load
+    from pipeline.server.versions import Version
+
+    model, rows, tmp = served_rows
+    return load(Version("fuzz", str(model)), tmp / "fuzz", 64), rows, predicted(model, rows.iloc[:3], tmp)
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**400, 10**400), st.floats(allow_nan=True),
+                    st.text(max_size=12), st.lists(st.text(max_size=4), max_size=3),
+                    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+
+@st.composite
+def _bodies(draw, columns: list[str]) -> tuple[bytes, str]:
+    """A request body: one of MLflow's JSON forms over the model's columns (some dropped, some extra) with
+    values of any JSON type, any JSON at all, a CSV, or bytes."""
+    kind = draw(st.sampled_from(["split", "records", "instances", "inputs", "json", "csv", "bytes"]))
+    cols = draw(st.lists(st.sampled_from(columns + ["extra"]), unique=True, max_size=len(columns) + 1))
+    cols = cols if draw(st.booleans()) else columns
+    n = draw(st.integers(0, 3))
+    rows = [[draw(_VALUES) for _ in cols] for _ in range(n)]
+    if kind == "split":
+        body: object = {"dataframe_split": {"columns": cols, "data": rows if draw(st.booleans()) else
+                                            draw(st.lists(st.lists(_VALUES, max_size=4), max_size=2))}}
+    elif kind in ("records", "instances"):
+        body = {"dataframe_records" if kind == "records" else "instances": [dict(zip(cols, r)) for r in rows]}
+    elif kind == "inputs":
+        body = {"inputs": {c: [r[i] for r in rows] for i, c in enumerate(cols)}}
+    elif kind == "json":
+        body = draw(st.recursive(_VALUES, lambda inner: st.lists(inner, max_size=3) |
+                                 st.dictionaries(st.sampled_from(["dataframe_split", "instances", "columns", "data"]),
+                                                 inner, max_size=2), max_leaves=6))
+    elif kind == "csv":
+        text = ",".join(cols) + "\n" + "\n".join(",".join(str(v) for v in r) for r in rows)
+        return text.encode(), "text/csv"
+    else:
+        return draw(st.binary(max_size=64)), draw(st.sampled_from(["application/json", "text/csv"]))
+    return json.dumps(body, default=str).encode(), "application/json"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_body_is_answered_or_refused_alone_and_never_fails_a_good_request_beside_it(served_in_process, data):
+    """Fuzzed bodies (Hypothesis), each batched with a good request as the scoring thread batches them: the
+    fuzzed one gets probabilities (one per row) or a 400 naming what is wrong — never another exception, which
+    would be a 500 — and the good one its right answer (a 400-digit integer failed whole batches with 500s)."""
+    from pipeline.server.batcher import answer_batch
+    from pipeline.server.requests import RequestError
+
+    served, rows, want = served_in_process
+    body, content_type = data.draw(_bodies(list(rows.columns)))
+    outcomes, _ = answer_batch(served, [(body, content_type), (split_body(rows.iloc[:3]), "application/json")], 4096)
+    assert isinstance(outcomes[0], (bytes, RequestError)), (body[:300], outcomes[0])
+    if isinstance(outcomes[0], RequestError):
+        assert str(outcomes[0]).strip(), body[:300]
+    np.testing.assert_allclose(probabilities(json.loads(outcomes[1])), want, atol=1e-6)

@@ -23,7 +23,7 @@ def _train(args: list[str], tracking_uri: str, run_dir: Path) -> RunResult:
     return result
 
 
-def _check_run(client: MlflowClient, result: RunResult, epochs: int) -> None:
+def _check_run(client: MlflowClient, result: RunResult, epochs: int, model: str = "deepfm") -> None:
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
     m = run.data.metrics
@@ -32,12 +32,15 @@ def _check_run(client: MlflowClient, result: RunResult, epochs: int) -> None:
     assert m["train/samples_per_s"] > 0
     assert len(client.get_metric_history(run.info.run_id, "val/auc")) == epochs
     assert len(client.get_metric_history(run.info.run_id, "train/loss")) > 1
-    assert run.data.params["model/name"] == "deepfm"
+    assert run.data.params["model/name"] == model
     assert run.data.params["trainer/batch_size"] == "1024"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"resolved_config.yaml", "sharding_plan.txt"} <= artifacts
 
 
+# slow: 37 s; training logging to a real mlflow server runs in CI in
+# test_every_other_model_trains_to_the_bar_and_its_model_folder_scores_its_test_auc (the same checks of each run)
+@pytest.mark.slow
 def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, tmp_path):
     with MlflowServer(tmp_path) as server:
         result = _train(small_overrides, server.uri, tmp_path / "run")
@@ -48,8 +51,9 @@ def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, t
 def test_every_other_model_trains_to_the_bar_and_its_model_folder_scores_its_test_auc(small_overrides, cache_dir,
                                                                                        tmp_path):
     """wide_deep, dcn and dcnv2 (DeepFM: the other tests), one sweep job each in one process (Hydra's basic
-    launcher: one interpreter start): each learns (test AUC over the bar), and its model folder, scored in
-    this process, gives the test split the run's own test AUC."""
+    launcher: one interpreter start) logging to a real ``mlflow server``: each learns (test AUC over the bar),
+    its MLflow run holds what it reported, and its model folder, scored in this process, gives the test
+    split the run's own test AUC."""
     from torchmetrics.functional.classification import binary_auroc
 
     from pipeline.config import parse_config
@@ -58,11 +62,14 @@ def test_every_other_model_trains_to_the_bar_and_its_model_folder_scores_its_tes
     from pipeline.serving.scorer import Scorer
 
     models = ["wide_deep", "dcn", "dcnv2"]
-    cmd = [PYTHON, "-m", "pipeline.commands.train", "-m", *small_overrides, f"model={','.join(models)}",
-           "model.mlp=[64,32]", "trainer.max_epochs=1", "logger.log_model=true",
-           f"logger.tracking_uri=sqlite:///{tmp_path}/m.db", f"hydra.sweep.dir={tmp_path}/sweep"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    with MlflowServer(tmp_path / "srv") as server:
+        cmd = [PYTHON, "-m", "pipeline.commands.train", "-m", *small_overrides, f"model={','.join(models)}",
+               "model.mlp=[64,32]", "trainer.max_epochs=1", "logger.log_model=true",
+               f"logger.tracking_uri={server.uri}", f"hydra.sweep.dir={tmp_path}/sweep"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+        for job, model in enumerate(models):
+            _check_run(MlflowClient(tracking_uri=server.uri), read_result(tmp_path / "sweep" / str(job)), 1, model)
     test = ColumnarStore(store_dir(parse_config(compose_config(small_overrides)).data, cache_dir)).split("test")
     labels = torch.from_numpy(np.asarray(test.label).astype(np.int64))
     for job, model in enumerate(models):

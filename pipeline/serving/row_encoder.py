@@ -108,7 +108,10 @@ class RowEncoder:
         numeric = [f.source for f in decls if f.type == "numeric"]
         categorical = [f for f in decls if f.type == "categorical"]
         sources = list(dict.fromkeys(f.source for f in categorical))
-        values = _strings([v for c in sources for v in columns[c]])
+        try:
+            values = _strings([v for c in sources for v in columns[c]])
+        except _NotOneValue as e:
+            raise _not_one_value(sources[e.index // rows], e.index % rows, e.value) from None
         if len(values) <= HASH_EACH_UP_TO:  # a few rows: each value hashed (factorizing first costs more)
             keys = string_keys(values)
         else:
@@ -144,7 +147,8 @@ class RowEncoder:
         data = self.reading(label=False)
         self._check_columns(data, columns)
         arrays = {c: pa.array(_numbers(c, columns[c]), pa.float64()) for c in data.number_columns}
-        arrays.update({c: _texts(columns[c]) for c in data.text_columns})
+        sequences = {f.source for f in data.declared() if f.type == "sequence"}
+        arrays.update({c: _texts(c, columns[c], c in sequences) for c in data.text_columns})
         try:
             return extract(pa.table(arrays), data, lambda i: f"row {i}", {})
         except ValueError as e:  # a derivation or sequence that cannot read a value: the message names it
@@ -173,19 +177,34 @@ def frame_columns(frame: pd.DataFrame) -> dict[str, np.ndarray]:
 
 def _number_matrix(columns: Columns, names: list[str], rows: int) -> np.ndarray:
     """[rows, len(names)] float32 of numeric columns (NaN = missing); one conversion when every value is a
-    number, a numeric string or null, else column by column to name the first bad one."""
+    number, a numeric string or null, else column by column to name the first bad one. A value past float32's
+    range (the model computes in float32; an infinity too) is refused naming column and row."""
     if not names:
         return np.zeros((rows, 0), np.float32)
     try:
-        return np.array([columns[c] for c in names], dtype=np.float32).T.copy()  # transformed in place
+        m = np.array([columns[c] for c in names], dtype=np.float64).T
     except (ValueError, TypeError, OverflowError):  # "" (missing), pd.NA, a bad value or one past float's range
-        return np.stack([_numbers(c, columns[c]) for c in names], axis=1).astype(np.float32)
+        m = np.stack([_numbers(c, columns[c]) for c in names], axis=1)
+    _check_range(names, m)
+    return m.astype(np.float32)
+
+
+def _check_range(names: Sequence[str], m: np.ndarray) -> None:
+    """Refuse a value of ``m`` [rows, len(names)] past float32's range, naming its column and row."""
+    past = np.abs(m) > np.finfo(np.float32).max
+    if past.any():
+        row, j = (int(x) for x in np.argwhere(past)[0])
+        raise BundleError(f"column {names[j]!r}, row {row}: {m[row, j]:g} is past the float32 range the model "
+                          f"computes in (about ±3.4e38)")
 
 
 def _numbers(column: str, values: Sequence[Any]) -> np.ndarray:
-    """A numeric column as float64: numbers or numeric strings; null, NaN and "" are missing."""
+    """A numeric column as float64: numbers or numeric strings; null, NaN and "" are missing; a value past
+    float32's range is refused."""
     if isinstance(values, np.ndarray) and values.dtype.kind in "iufb":
-        return values.astype(np.float64)
+        out = values.astype(np.float64)
+        _check_range([column], out[:, None])
+        return out
     out = np.empty(len(values))
     for row, v in enumerate(values):
         try:
@@ -196,22 +215,43 @@ def _numbers(column: str, values: Sequence[Any]) -> np.ndarray:
         except OverflowError:
             raise BundleError(f"column {column!r}, row {row}: a number of {len(str(v))} digits is past the float "
                               f"range (about 1e308)") from None
+    _check_range([column], out[:, None])
     return out
 
 
-def _texts(values: Sequence[Any]) -> pa.Array:
-    """A categorical or sequence column: strings (numbers are read as their text), lists of strings."""
-    if any(isinstance(v, (list, tuple, np.ndarray)) for v in values):
-        return pa.array([None if v is None else [str(x) for x in v] for v in values], pa.list_(pa.string()))
-    return _strings(values)
+def _texts(column: str, values: Sequence[Any], sequence: bool) -> pa.Array:
+    """A categorical column (strings; numbers are read as their text) or a sequence column (also lists of
+    strings). A list or an object where one value is declared: :class:`BundleError` naming column and row."""
+    if sequence and any(isinstance(v, (list, tuple, np.ndarray)) for v in values):
+        return pa.array([None if v is None else [str(x) for x in v] if isinstance(v, (list, tuple, np.ndarray))
+                         else [str(v)] for v in values], pa.list_(pa.string()))
+    try:
+        return _strings(values)
+    except _NotOneValue as e:
+        raise _not_one_value(column, e.index, e.value) from None
+
+
+class _NotOneValue(ValueError):
+    def __init__(self, index: int, value: Any) -> None:
+        super().__init__(index)
+        self.index, self.value = index, value
+
+
+def _not_one_value(column: str, row: int, value: Any) -> BundleError:
+    return BundleError(f"column {column!r}, row {row}: {str(value)[:60]} is not one value (the declaration reads "
+                       f"a string or a number there)")
 
 
 def _strings(values: Sequence[Any]) -> pa.Array:
     """Raw values as an Arrow string array: each as its text, null where missing (null, NaN, ""). Strings
-    and nulls only (JSON, CSV) convert in one call; numbers and NaN value by value."""
+    and nulls only (JSON, CSV) convert in one call; numbers and NaN value by value; a list or an object
+    raises :class:`_NotOneValue` with its position."""
     try:
         strings = pa.array(values, pa.string())
     except (pa.ArrowTypeError, pa.ArrowInvalid):
+        bad = next((i for i, v in enumerate(values) if isinstance(v, (list, tuple, dict, np.ndarray))), None)
+        if bad is not None:
+            raise _NotOneValue(bad, values[bad]) from None
         return pa.array([None if _missing(v) else str(v) for v in values], pa.string())
     empty = pc.equal(strings, "")
     return pc.if_else(empty, pa.scalar(None, pa.string()), strings) if pc.any(empty).as_py() else strings
