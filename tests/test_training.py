@@ -39,7 +39,7 @@ def _check_run(client: MlflowClient, result: RunResult, epochs: int, model: str 
 
 
 # slow: 37 s; training logging to a real mlflow server runs in CI in
-# test_every_other_model_trains_to_the_bar_and_its_model_folder_scores_its_test_auc (the same checks of each run)
+# test_every_other_model_trains_to_the_bar_and_its_export_scores_its_test_auc (the same checks of each run)
 @pytest.mark.slow
 def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, tmp_path):
     with MlflowServer(tmp_path) as server:
@@ -48,23 +48,23 @@ def test_single_process_training_logs_to_a_real_mlflow_server(small_overrides, t
         _check_run(MlflowClient(tracking_uri=server.uri), result, epochs=2)
 
 
-def test_every_other_model_trains_to_the_bar_and_its_model_folder_scores_its_test_auc(small_overrides, cache_dir,
-                                                                                       tmp_path):
+def test_every_other_model_trains_to_the_bar_and_its_export_scores_its_test_auc(small_overrides, cache_dir, tmp_path):
     """wide_deep, dcn and dcnv2 (DeepFM: the other tests), one sweep job each in one process (Hydra's basic
     launcher: one interpreter start) logging to a real ``mlflow server``: each learns (test AUC over the bar),
-    its MLflow run holds what it reported, and its model folder, scored in this process, gives the test
-    split the run's own test AUC."""
+    its MLflow run holds what it reported, and its checkpoint exported (``ctr export``'s function) and scored
+    in this process gives the test split the run's own test AUC."""
     from torchmetrics.functional.classification import binary_auroc
 
     from pipeline.config import parse_config
     from pipeline.data.sources import store_dir
     from pipeline.data.store import ColumnarStore
+    from pipeline.serving.export import export_model
     from pipeline.serving.scorer import Scorer
 
     models = ["wide_deep", "dcn", "dcnv2"]
     with MlflowServer(tmp_path / "srv") as server:
         cmd = [PYTHON, "-m", "pipeline.commands.train", "-m", *small_overrides, f"model={','.join(models)}",
-               "model.mlp=[64,32]", "trainer.max_epochs=1", "logger.log_model=true",
+               "model.mlp=[64,32]", "trainer.max_epochs=1", "trainer.checkpoint.dir=${hydra:runtime.output_dir}/ckpt",
                f"logger.tracking_uri={server.uri}", f"hydra.sweep.dir={tmp_path}/sweep"]
         proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
@@ -75,7 +75,7 @@ def test_every_other_model_trains_to_the_bar_and_its_model_folder_scores_its_tes
     for job, model in enumerate(models):
         result = read_result(tmp_path / "sweep" / str(job))
         assert result.test_auc > MIN_AUC, (model, result)
-        scorer = Scorer(tmp_path / "sweep" / str(job) / "model")
+        scorer = Scorer(export_model(tmp_path / "sweep" / str(job) / "ckpt", tmp_path / f"model{job}"))
         assert scorer.model_cfg.name == model
         auc = float(binary_auroc(torch.from_numpy(scorer.score(test)), labels))
         assert auc == pytest.approx(result.test_auc, abs=1e-6), model
