@@ -37,7 +37,7 @@ def predicted(model: Path, rows: pd.DataFrame, folder: Path) -> np.ndarray:
 
 
 class Server:
-    """``ctr serve`` with ``args``; ready once every worker has loaded its model (named it in ``workers/``)."""
+    """``ctr serve`` with ``args``; ready once every worker serves its model (says so in ``workers/``)."""
 
     def __init__(self, workdir: Path, *args: str) -> None:
         self.port = free_port()
@@ -48,9 +48,10 @@ class Server:
         deadline = time.time() + 180
         while True:
             try:
-                if self.get("/ping")[0] == 200 and len(list((workdir / "workers").glob("*.json"))) == workers:
+                uses = [json.loads(p.read_text()) for p in (workdir / "workers").glob("*.json")]
+                if self.get("/ping")[0] == 200 and len(uses) == workers and all(u["serving"] for u in uses):
                     break
-            except OSError:
+            except (OSError, ValueError):  # not answering yet; a worker's file being replaced
                 pass
             assert self.proc.poll() is None and time.time() < deadline, self.proc.stderr.read().decode()[-3000:]
             time.sleep(0.5)
@@ -265,8 +266,8 @@ def test_versions_published_under_load_swap_in_on_both_workers_and_old_ones_are_
             i += 1
 
     def served_by_workers() -> set[str]:
-        uses = [json.loads(p.read_text())["folders"] for p in (workdir / "workers").glob("*.json")]
-        return {Path(folders[0]).parent.name for folders in uses if len(folders) == 1} if len(uses) == 2 else set()
+        uses = [json.loads(p.read_text()) for p in (workdir / "workers").glob("*.json")]
+        return {Path(u["serving"]).parent.name for u in uses if len(u["folders"]) == 1} if len(uses) == 2 else set()
 
     clients = [threading.Thread(target=client, args=(k,)) for k in range(6)]
     try:

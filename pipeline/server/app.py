@@ -115,6 +115,7 @@ class ScoringApp:
         self._about["mlflow"] = await loop.run_in_executor(None, package_version, "mlflow")
         version, self._stamp = published(self.workdir)
         served = await loop.run_in_executor(None, self._load, version)
+        await loop.run_in_executor(None, self._use, served)
         self.batcher = Batcher(served, self.settings.max_batch_rows, self.settings.max_wait_ms)
         self.batcher.start()
         self._poller = asyncio.get_running_loop().create_task(self._poll())
@@ -149,11 +150,12 @@ class ScoringApp:
     def _load(self, version: Version, serving: Served | None = None) -> Served:
         """Load ``version``, named as in use (beside the one ``serving``) before any of its files is read."""
         record_use(self.workdir, [version.folder, *([serving.version.folder] if serving else [])],
-                   [fused_dir(version, self.workdir), *([serving.fused_dir] if serving else [])])
+                   [fused_dir(version, self.workdir), *([serving.fused_dir] if serving else [])],
+                   serving.version.folder if serving else None)
         return load(version, self.workdir, self.settings.small_batch_rows)
 
     def _use(self, served: Served) -> None:
-        record_use(self.workdir, [served.version.folder], [served.fused_dir])
+        record_use(self.workdir, [served.version.folder], [served.fused_dir], served.version.folder)
 
     async def _http(self, scope: dict, receive, send) -> None:
         path, method = scope["path"], scope["method"]

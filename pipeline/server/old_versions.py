@@ -26,12 +26,13 @@ FUSED = "fused"
 VERSION_PREFIXES = ("mlflow-", "checkpoint-")
 
 
-def record_use(workdir: Path, folders: list[str], fused: list[Path]) -> None:
-    """This worker uses (serves or is loading) the model ``folders`` and the ``fused`` buffer folders."""
+def record_use(workdir: Path, folders: list[str], fused: list[Path], serving: str | None) -> None:
+    """This worker uses (serves or is loading) the model ``folders`` and the ``fused`` buffer folders, and
+    answers with ``serving`` (None: still loading its first)."""
     folder = workdir / WORKERS
     folder.mkdir(exist_ok=True)
     tmp = folder / f".{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"folders": folders, "fused": [p.name for p in fused]}))
+    tmp.write_text(json.dumps({"folders": folders, "fused": [p.name for p in fused], "serving": serving}))
     os.replace(tmp, folder / f"{os.getpid()}.json")
     for path in fused:
         if path.is_dir():
