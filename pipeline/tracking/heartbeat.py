@@ -53,7 +53,10 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="mlflow-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        self.beat()
+        try:
+            self.beat()
+        except Exception:  # noqa: BLE001 — the store is away: the thread beats when it is back
+            pass
         self._thread.start()
         return self
 

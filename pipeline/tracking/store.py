@@ -126,7 +126,7 @@ def start_logger(cfg: LoggerConfig, output_dir: Path, run_id: str | None, tags: 
     try:
         for line in mark_stale_runs(MlflowClient(uri), skip=logger.run_id):
             print(line, flush=True)
-    except MlflowException as e:  # looking for dead runs never stops this one
+    except Exception as e:  # noqa: BLE001 — looking for dead runs never stops this one
         log.warning("MLflow: could not look for runs whose heartbeat stopped: %s", e)
     return logger
 

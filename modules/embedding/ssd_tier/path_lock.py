@@ -8,8 +8,9 @@ file names its holder (host, pid, start time) for the refusal's message.
 
 Nothing is left behind: when a run ends (finished, failed, preempted: :func:`release_rank_folders`, called
 by :func:`pipeline.training.run.train`; or at the process's normal exit), its folders' files are deleted —
-every row lives in the checkpoints and the model folder by then. A run that was killed leaves its files; the next run that takes the lock deletes them
-first (nobody holds them: they are stale), whatever tables they were for.
+every row lives in the checkpoints and the model folder by then. A run that was killed leaves its files;
+the next run that takes the lock deletes them first (nobody holds them: they are stale), whatever tables
+they were for.
 """
 
 from __future__ import annotations
