@@ -127,12 +127,12 @@ class _LazyKernel:
     iteration0: int | None = None   # FBGEMM's iteration count before step 0 (Adam's bias correction)
 
 
-LAST_STEP_BYTES = 4  # LazyRowsL2: the last step of each table row (int32), in host memory wherever the row lives
+LAST_STEP = torch.int32  # LazyRowsL2: the last step of each table row, in host memory wherever the row lives
 
 
 def row_state_bytes(l2_scope: str) -> int:
     """Host bytes per table row the embedding L2 term keeps (``optim.embedding_l2_scope``), for placement."""
-    return LAST_STEP_BYTES if l2_scope == "all" else 0
+    return torch.empty(0, dtype=LAST_STEP).element_size() if l2_scope == "all" else 0
 
 
 class LazyRowsL2:
@@ -155,7 +155,7 @@ class LazyRowsL2:
             raise ValueError("optim.embedding_l2_scope=all: tables with a UVM cache (topology tier 'host' with "
                              "caching) are not supported by the lazy L2 replay; place them on the device")
         rows = [w.shape[0] for w in emb.split_embedding_weights()]
-        entry = _LazyKernel(kernel, _features_per_table(kernel), [torch.full((n,), -1, dtype=torch.int32) for n in rows])
+        entry = _LazyKernel(kernel, _features_per_table(kernel), [torch.full((n,), -1, dtype=LAST_STEP) for n in rows])
         self.kernels.append(entry)
         kernel.register_forward_pre_hook(self._pre_hook(entry))
 
