@@ -12,7 +12,18 @@ over k steps is small, and fp16 keeps ~11 bits of it where θ itself would lose 
 
     θ ← b + (1/W) Σ_r (θ_r − b)   (b: θ at the last merge over all ranks, equal everywhere)
 
-optionally together with Adam's first and second moments m, v (``moments=True``). Hierarchical
+optionally together with Adam's first and second moments m, v (``moments=True``).
+
+Overlapped (``overlap=True``): a merge's bytes travel while the next ``k`` steps compute (on a thread of its own:
+:mod:`modules.optim.in_flight`) and the mean lands one pass late, at the next merge. Each rank sends its own
+update of the pass δ_r (θ_r now minus θ_r at the last merge, which holds its own unmerged update of the pass
+before) and, when the mean arrives, trades its own update for it:
+
+    θ_r ← θ_r + (1/W) Σ_s δ_s − δ_r
+
+so every rank holds the merged model of the passes before plus its own last pass: up to 2k steps of staleness
+instead of k. The final merge (below) waits for the merge in flight and merges the last pass at once: the
+replicas then agree to float rounding (not bit for bit: each rank adds the means to its own sum). Hierarchical
 variant: every ``k_intra`` steps the mean is taken inside each node, every ``k`` steps over all
 workers (``k`` a multiple of ``k_intra``). A final merge happens at the end of each epoch and before
 evaluation and checkpoints (:meth:`KStepMerger.merge`), and parameters start identical (broadcast
@@ -27,6 +38,7 @@ merged at the same steps, row by row (:mod:`modules.optim.sparse_merging`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Iterable, Optional
 
 import torch
@@ -34,7 +46,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
 from modules.comm_accounting import comm_category
-from modules.optim.sparse_merging import TableMerger
+from modules.optim.in_flight import InFlight
+from modules.optim.sparse_merging import TableMerger, TablePass
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 TABLES = ("auto", "sharded", "replicated")
@@ -53,6 +66,7 @@ class MergeConfig:
     k_intra: Optional[int] = None
     moments: bool = False
     tables: str = "auto"
+    overlap: bool = False  # each merge's bytes travel during the next k steps (never chosen by k=auto: below)
 
     def __post_init__(self) -> None:
         if self.tables not in TABLES:
@@ -62,6 +76,10 @@ class MergeConfig:
             raise ValueError(f"tables=replicated with k={self.k!r}, k_intra={self.k_intra!r}: replicated tables "
                              f"are merged every k steps over all ranks; set an integer k (1 merges every step) "
                              f"and no k_intra")
+        if self.overlap and (isinstance(self.k, bool) or not isinstance(self.k, int)
+                                     or self.k_intra is not None):
+            raise ValueError(f"overlap=true with k={self.k!r}, k_intra={self.k_intra!r}: a merge travels while the "
+                             f"next k steps train; set an integer k and no k_intra")
         if self.k == "auto":
             if self.k_intra is not None:
                 raise ValueError(f"k_intra={self.k_intra}: needs an integer k (k=auto is chosen from the link)")
@@ -76,9 +94,18 @@ class MergeConfig:
         return self.k not in (None, "auto")
 
 
+@dataclass
+class DensePass:
+    """One rank's part of an overlapped merge: its updates of the pass (fp32, kept) and the moments (if merged)."""
+
+    updates: torch.Tensor
+    moments: torch.Tensor | None
+
+
 class KStepMerger:
     def __init__(self, params: Iterable[torch.nn.Parameter], cfg: MergeConfig,
-                 ranks_per_node: int | None = None, tables: TableMerger | None = None, dense: str = "fp32") -> None:
+                 ranks_per_node: int | None = None, tables: TableMerger | None = None, dense: str = "fp32",
+                 timeout: timedelta | None = None) -> None:
         self.params = [p for p in params]
         self.dense_dtype = DENSE_DTYPES[dense]  # what the dense part's updates travel in
         self.tables = tables  # replicated embedding tables, merged sparsely with the dense part
@@ -88,6 +115,9 @@ class KStepMerger:
         self.merges = 0
         self.dirty = False
         self.node_group = None
+        self.overlap = cfg.overlap
+        self.in_flight: InFlight | None = None  # an overlapped merge: its bytes travelling
+        self.merge_group = dist.new_group(backend="gloo", timeout=timeout) if self.overlap else None
         world = dist.get_world_size()
         if cfg.k_intra is not None:
             per_node = ranks_per_node or world
@@ -102,9 +132,9 @@ class KStepMerger:
         self._base = self._snapshot()
 
     def _snapshot(self) -> list[torch.Tensor]:
-        """The replicated parameters at a merge over all ranks (equal everywhere): what updates are measured from
-        when they travel in half precision."""
-        return [p.detach().clone() for p in self.params] if self.dense_dtype != torch.float32 else []
+        """The replicated parameters at the last merge over all ranks: what updates are measured from when they
+        travel in half precision (equal everywhere) or overlapped (each rank's own)."""
+        return [p.detach().clone() for p in self.params] if self.dense_dtype != torch.float32 or self.overlap else []
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose Adam moments are merged with ``moments=True``."""
@@ -152,7 +182,7 @@ class KStepMerger:
         self.steps += 1
         self.dirty = True
         if self.steps % self.cfg.k == 0:
-            self.merge()
+            self._launch() if self.overlap else self.merge()
             return True
         if self.node_group is not None and self.steps % self.cfg.k_intra == 0:
             self.merge(self.node_group)
@@ -162,5 +192,58 @@ class KStepMerger:
 
     def merge_if_dirty(self) -> None:
         """Final merge (end of epoch, before evaluation / checkpoints) unless nothing changed."""
-        if self.dirty:
+        if self.overlap and (self.dirty or self.in_flight is not None):
+            self._launch()
+            self._land()  # the last pass at once: the replicas agree
+            self._base = self._snapshot()
+            self.dirty = False
+        elif self.dirty:
             self.merge()
+
+    @torch.no_grad()
+    def _launch(self) -> None:
+        """An overlapped merge: take this pass's updates, land the merge in flight, send this one."""
+        sent = self._pass(), self.tables.snapshot() if self.tables is not None else None
+        self._land()
+        self._base = self._snapshot()
+        self.in_flight = InFlight(self._exchange, *sent)
+        self.merges += 1
+
+    def _pass(self) -> DensePass:
+        updates = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(self.params, self._base)]) \
+            if self.params else torch.zeros(0)
+        moments = self._moments()
+        return DensePass(updates, torch.cat([m.reshape(-1) for m in moments]).clone() if moments else None)
+
+    def _exchange(self, dense: DensePass, tables: TablePass | None) -> tuple:
+        """Every rank's mean update and moments, and the tables' merged rows (on the merge's own thread)."""
+        world = dist.get_world_size(self.merge_group)
+        with torch.no_grad(), comm_category("merge"):
+            mean = dense.updates.to(self.dense_dtype, copy=True)
+            dist.all_reduce(mean, group=self.merge_group)
+            moments = dense.moments.clone() if dense.moments is not None else None
+            if moments is not None:
+                dist.all_reduce(moments, group=self.merge_group)
+        rows = self.tables.exchange(tables, self.merge_group) if tables is not None else None
+        return dense, mean.float() / world, None if moments is None else moments / world, tables, rows
+
+    @torch.no_grad()
+    def _land(self) -> None:
+        """Wait for the merge in flight and trade each rank's own updates of its pass for everyone's mean."""
+        if self.in_flight is None:
+            return
+        dense, mean, moments, tables, rows = self.in_flight.result()
+        self.in_flight = None
+        _add_flat(self.params, mean - dense.updates)
+        if moments is not None:
+            _add_flat(self._moments(), moments - dense.moments)
+        if rows is not None:
+            self.tables.add_late(tables, rows)
+
+
+def _add_flat(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Add consecutive pieces of ``flat`` to ``tensors`` in place."""
+    at = 0
+    for t in tensors:
+        t.add_(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()

@@ -29,6 +29,7 @@ the pooled all-to-all of sharded tables does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -37,6 +38,15 @@ import torch.distributed as dist
 from modules.comm_accounting import comm_category
 
 UPDATE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass
+class TablePass:
+    """One rank's part of a merge: the rows it looked up (indices over all tables, sorted: ``ids``) and, per
+    table, (name, its rows, their updates ``w − b``, their ``b``)."""
+
+    ids: torch.Tensor
+    parts: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _checksum(table: torch.Tensor, block: int = 1 << 16) -> float:
@@ -107,34 +117,74 @@ class TableMerger:
 
     @torch.no_grad()
     def merge(self, group: dist.ProcessGroup | None = None) -> int:
-        """Apply the updates of the rows looked up since the last merge (the module's formula); returns how many
-        rows that was."""
+        """Apply the updates of the rows looked up since the last merge (the module's formula, each row set to
+        ``b`` plus its merged update: equal on every rank); returns how many rows that was."""
+        sent = self.snapshot()
+        merged = self.exchange(sent, group)
+        mine = {name: (own, base) for name, own, _, base in sent.parts}
+        for name, ids, update in merged:
+            own, base = mine[name]
+            rows = self.tables[name][ids].clone()  # b where no rank here updated the row since the last merge
+            rows[torch.searchsorted(ids, own)] = base
+            self.tables[name][ids] = rows + update
+        return sum(ids.numel() for _, ids, _ in merged)
+
+    @torch.no_grad()
+    def snapshot(self) -> "TablePass":
+        """This rank's part of a merge, taken now: the rows it looked up since the last merge, their ``b`` and
+        their updates ``w − b``; the next pass starts (rows met from now on are kept as they are then)."""
         local = self.touched.nonzero().squeeze(1)
-        with comm_category("merge"):
-            union = self._union(local, group)
-            by_dim: dict[int, list[tuple[str, torch.Tensor]]] = {}
-            for name in self.names:  # one all-reduce per row width
+        parts = []
+        for name in self.names:
+            lo = self.first_row[name]
+            ids = local[(local >= lo) & (local < lo + self.tables[name].shape[0])] - lo
+            base = self._bases(name, ids + lo)
+            parts.append((name, ids, self.tables[name][ids] - base, base))
+        self.touched[local] = False
+        self._base.clear()
+        return TablePass(local.to(self.id_dtype), parts)
+
+    def exchange(self, sent: "TablePass", group: dist.ProcessGroup | None = None) -> list[tuple[str, torch.Tensor,
+                                                                                             torch.Tensor]]:
+        """The merged update ``Σ_r (w_r − b) / √n`` of every row some rank looked up, as (table, its rows, the
+        update); reads no table (it may run while training goes on)."""
+        with torch.no_grad(), comm_category("merge"):
+            union = self._union(sent.ids, group)
+            by_dim: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            for i, (name, _, delta, _) in enumerate(sent.parts):  # one all-reduce per row width
                 lo = self.first_row[name]
-                hi = lo + self.tables[name].shape[0]
-                part = union[(union >= lo) & (union < hi)]
+                part = union[(union >= lo) & (union < lo + self.tables[name].shape[0])] - lo
                 if part.numel():
-                    by_dim.setdefault(self.tables[name].shape[1], []).append((name, part))
+                    by_dim.setdefault(delta.shape[1], []).append((i, part))
+            out = []
             for dim, parts in sorted(by_dim.items()):
-                bases = [self._bases(name, ids) for name, ids in parts]
-                buf = torch.cat([torch.cat([self.tables[name][ids - self.first_row[name]] - base,
-                                            self.touched[ids].to(base.dtype).unsqueeze(1)], dim=1)
-                                 for (name, ids), base in zip(parts, bases)]).to(self.update_dtype)
+                bufs = []
+                for i, ids in parts:
+                    _, own, delta, _ = sent.parts[i]
+                    buf = torch.zeros(ids.numel(), dim + 1)
+                    at = torch.searchsorted(ids, own)
+                    buf[at, :dim], buf[at, dim] = delta, 1.0
+                    bufs.append(buf)
+                buf = torch.cat(bufs).to(self.update_dtype)
                 dist.all_reduce(buf, group=group)  # [Σ_r (w_r − b), n]
                 buf = buf.float()
                 buf = buf[:, :dim] / buf[:, dim:].sqrt()
                 at = 0
-                for (name, ids), base in zip(parts, bases):
-                    self.tables[name][ids - self.first_row[name]] = base + buf[at:at + ids.numel()]
+                for i, ids in parts:
+                    out.append((sent.parts[i][0], ids, buf[at:at + ids.numel()]))
                     at += ids.numel()
-        self.touched[local] = False
-        self._base.clear()
-        self.merged_rows += union.numel()
-        return union.numel()
+        self.merged_rows += sum(ids.numel() for _, ids, _ in out)
+        return out
+
+    @torch.no_grad()
+    def add_late(self, sent: "TablePass", merged: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Apply a merge one pass late (``trainer.merging.overlap``): every row gets the merged update and loses
+        this rank's own update of that pass, which it already holds — ``w ← w + Σ_r δ_r / √n − δ_own`` — so what
+        it learned since stays on top."""
+        for name, ids, update in merged:
+            self.tables[name].index_add_(0, ids, update)
+        for name, own, delta, _ in sent.parts:
+            self.tables[name].index_add_(0, own, delta, alpha=-1.0)
 
     def _bases(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """``b`` of the rows ``ids`` (indices over all tables) of ``name``: kept by :meth:`record` where this rank

@@ -187,11 +187,12 @@ class LinkSettings:
     def describe(self) -> str:
         """One line for the log and ``ctr plan``: what runs, and why."""
         merging, comms, choice = self.merging, self.comms, self.choice
-        merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}"
+        late = ", each merge travelling during the next k steps (overlapped)" if merging.overlap else ""
+        merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}{late}"
         if merging.tables == "replicated":
             line = (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
-                    f"every k={merging.k} steps, updates in {comms.embedding_backward} (no embedding all-to-all); "
-                    f"dense updates {comms.dense}.")
+                    f"every k={merging.k} steps{late}, updates in {comms.embedding_backward} (no embedding "
+                    f"all-to-all); dense updates {comms.dense}.")
         else:
             line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, "
                     f"{comms.embedding_backward} backward; dense {'all-reduce' if merging.k is None else 'updates'} "
@@ -203,7 +204,7 @@ class LinkSettings:
         """What ran for the link (MLflow parameters ``link/*``): the merge period, precisions, estimates."""
         c = self.choice
         return {"link/merging_k": "null" if self.merging.k is None else self.merging.k,
-                "link/tables": self.merging.tables,
+                "link/tables": self.merging.tables, "link/overlap": self.merging.overlap,
                 "link/embedding_forward": self.comms.embedding_forward,
                 "link/embedding_backward": self.comms.embedding_backward, "link/dense": self.comms.dense,
                 **({"link/estimated_step_s": round(c.step_s, 4), "link/estimated_ddp_fp32_step_s": round(c.default_step_s, 4),

@@ -32,7 +32,8 @@ def build_callbacks(cfg: RunConfig, topology: TopologySpec, guard: SignalGuard,
     t = cfg.trainer
     # k=auto may resolve to a period once the model is built (pipeline/training/link_choice.py): the callback
     # then reads the resolved one from the task
-    merging = KStepMerging(ranks_per_node=topology.ranks_per_node or 1) if t.merging.k is not None else None
+    merging = KStepMerging(topology.ranks_per_node or 1, timedelta(seconds=t.collective_timeout_s)) \
+        if t.merging.k is not None else None
     callbacks: list[L.Callback] = [merging] if merging else []
     callbacks += [CommAccounting(), TrainThroughput(), CowClipLogging(), TrainingState(), NextBatchRows(),
                   BestValidation("val/auc", t.plateau_lr_factor, t.plateau_patience, t.early_stopping_patience,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
@@ -19,8 +20,9 @@ class KStepMerging(Callback):
     for the link when ``trainer.merging.k=auto``); a run that resolved to DDP merges nothing. With
     ``trainer.merging.tables=replicated`` the looked-up rows of the tables are merged with the dense part."""
 
-    def __init__(self, ranks_per_node: int) -> None:
+    def __init__(self, ranks_per_node: int, timeout: timedelta | None = None) -> None:
         self.ranks_per_node = ranks_per_node
+        self.timeout = timeout  # of an overlapped merge's own process group
         self.merger: KStepMerger | None = None
         self._counters = {"steps": 0, "merges": 0}
 
@@ -38,7 +40,7 @@ class KStepMerging(Callback):
         tables = attach_table_merger(pl_module.model, pl_module.link.comms.embedding_backward) \
             if cfg.tables == "replicated" else None
         self.merger = KStepMerger(params, cfg, ranks_per_node=self.ranks_per_node, tables=tables,
-                                  dense=pl_module.link.comms.dense)
+                                  dense=pl_module.link.comms.dense, timeout=self.timeout)
         self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
         self.merger.attach_optimizer(trainer.optimizers[0])
 

@@ -1,0 +1,113 @@
+"""Overlapped k-step merging (``trainer.merging.overlap``: modules/optim/kstep_merging.py, a merge landing one pass
+late) on gloo processes, against the formula computed with numpy: every rank's updates are drawn from seeds, so
+each process computes what every rank holds after every step — the merged passes before, plus its own last pass
+and the steps since — without reading anything the merger wrote."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_workers
+
+DENSE = 6
+TABLES = {"wide": (30, 1), "a": (20, 4)}
+STEPS, K = 9, 2
+
+
+def _updates(rank: int, step: int) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Rank ``rank``'s update at ``step``: of the dense vector, and per table (rows looked up, their updates)."""
+    rng = np.random.default_rng([rank, step])
+    tables = {}
+    for name, (rows, dim) in TABLES.items():
+        ids = np.sort(rng.choice(rows, rows // 4, replace=False))
+        tables[name] = (ids, rng.normal(size=(len(ids), dim)).astype(np.float32))
+    return rng.normal(size=DENSE).astype(np.float32), tables
+
+
+def _pass_updates(rank: int, steps: range) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A rank's summed updates over ``steps``: dense, per table the rows' sums and which rows it looked up."""
+    dense = np.zeros(DENSE)
+    rows = {n: np.zeros(s) for n, s in TABLES.items()}
+    hit = {n: np.zeros(s[0], bool) for n, s in TABLES.items()}
+    for step in steps:
+        d, t = _updates(rank, step)
+        dense += d
+        for name, (ids, v) in t.items():
+            rows[name][ids] += v
+            hit[name][ids] = True
+    return dense, rows, hit
+
+
+def _merged(world: int, steps: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A pass's merge: the mean dense update; per row Σ_r δ_r / √n over the n ranks that looked it up."""
+    parts = [_pass_updates(r, steps) for r in range(world)]
+    dense = np.mean([p[0] for p in parts], axis=0)
+    tables = {}
+    for name in TABLES:
+        n = np.sum([p[2][name] for p in parts], axis=0)
+        tables[name] = np.sum([p[1][name] for p in parts], axis=0) / np.sqrt(np.maximum(n, 1))[:, None]
+    return dense, tables
+
+
+def _expected(rank: int, world: int, step: int, flushed: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """What ``rank`` holds after ``step``: the passes that landed merged, its own steps since on top (after a final
+    merge: every pass merged, the same everywhere)."""
+    landed = (step // K - 1) * K if not flushed else step  # the pass that ended last is still in flight
+    dense = np.zeros(DENSE)
+    tables = {n: np.zeros(s) for n, s in TABLES.items()}
+    for start in range(1, landed + 1, K):
+        d, t = _merged(world, range(start, min(start + K, landed + 1)))
+        dense += d
+        for name in TABLES:
+            tables[name] += t[name]
+    d, t, _ = _pass_updates(rank, range(max(landed, 0) + 1, step + 1))
+    return dense + d, {name: tables[name] + t[name] for name in TABLES}
+
+
+def _worker(rank: int, world: int, updates: str) -> None:
+    from modules.comm_accounting import CommCounter, install
+    from modules.optim.kstep_merging import KStepMerger, MergeConfig
+    from modules.optim.sparse_merging import TableMerger
+
+    dense = torch.nn.Parameter(torch.zeros(DENSE))
+    tables = {name: torch.zeros(shape) for name, shape in TABLES.items()}
+    merger = KStepMerger([dense], MergeConfig(k=K, overlap=True), tables=TableMerger(tables, updates), dense=updates)
+    install()  # in this worker process, which ends with the test
+    counter = CommCounter()
+    tol = 1e-5 if updates == "fp32" else 5e-3  # fp16 keeps ~11 bits of an update (these are ~N(0, 1) over 2 steps)
+    counter.start()
+    for step in range(1, STEPS + 1):
+        d, t = _updates(rank, step)
+        with torch.no_grad():
+            for name, (ids, v) in t.items():
+                merger.tables.record(name, torch.from_numpy(ids))  # before the update, as the lookup
+                tables[name][torch.from_numpy(ids)] += torch.from_numpy(v)
+            dense += torch.from_numpy(d)
+        assert merger.after_step() == (step % K == 0)
+        want_dense, want_tables = _expected(rank, world, step, flushed=False)
+        np.testing.assert_allclose(dense.detach().numpy(), want_dense, rtol=0, atol=tol, err_msg=f"step {step}")
+        for name in TABLES:
+            np.testing.assert_allclose(tables[name].numpy(), want_tables[name], rtol=0, atol=tol,
+                                       err_msg=f"{name}, step {step}")
+    merger.merge_if_dirty()
+    counter.stop()
+    want_dense, want_tables = _expected(rank, world, STEPS, flushed=True)
+    np.testing.assert_allclose(dense.detach().numpy(), want_dense, rtol=0, atol=tol)
+    for name in TABLES:
+        np.testing.assert_allclose(tables[name].numpy(), want_tables[name], rtol=0, atol=tol)
+    assert merger.in_flight is None and merger.merges == STEPS // K + 1
+    # each merge's dense updates in the chosen precision: 5 merges (4 passes and the final one)
+    assert counter.bytes["merge"] > 5 * DENSE * (4 if updates == "fp32" else 2)
+    ours = torch.cat([dense.detach().reshape(-1)] + [t.reshape(-1) for t in tables.values()])
+    everyone = [torch.empty_like(ours) for _ in range(world)]
+    dist.all_gather(everyone, ours)
+    for other in everyone:  # after the final merge the replicas agree (to rounding: each adds the means itself)
+        torch.testing.assert_close(other, ours, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("updates", ["fp32", "fp16"])
+def test_overlapped_merges_land_one_pass_late_and_the_final_merge_makes_replicas_agree(updates):
+    run_workers(_worker, 2, updates)
