@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 _category: contextvars.ContextVar[str] = contextvars.ContextVar("comm_category", default="embedding")
-_active: list["CommCounter"] = []
+# the counters started in this context: a merge sent from a thread of its own (modules/optim/in_flight.py) runs in a
+# copy of the context that sent it, so its bytes count to the step that sent them
+_active: contextvars.ContextVar[tuple["CommCounter", ...]] = contextvars.ContextVar("comm_counters", default=())
 WRAPPED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
            "reduce_scatter", "all_gather", "all_to_all")
 _originals: dict[str, Callable[..., Any]] = {}
@@ -77,9 +79,10 @@ def _sent_bytes(name: str, args: tuple, kwargs: dict) -> int:
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _active:
+        counters = _active.get()
+        if counters:
             n = _sent_bytes(name, args, kwargs)
-            for counter in _active:
+            for counter in counters:
                 counter.add(_category.get(), n)
         return fn(*args, **kwargs)
 
@@ -112,11 +115,10 @@ class CommCounter:
         self.bytes[category] += n
 
     def start(self) -> None:
-        _active.append(self)
+        _active.set(_active.get() + (self,))
 
     def stop(self) -> None:
-        if self in _active:
-            _active.remove(self)
+        _active.set(tuple(c for c in _active.get() if c is not self))
 
 
 def ddp_counting_hook(state, bucket):  # no annotations: DDP checks them against the real classes

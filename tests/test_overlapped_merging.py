@@ -67,6 +67,19 @@ def _expected(rank: int, world: int, step: int, flushed: bool) -> tuple[np.ndarr
     return dense + d, {name: tables[name] + t[name] for name in TABLES}
 
 
+PASSES = [range(start, min(start + K, STEPS + 1)) for start in range(1, STEPS + 1, K)]  # the last, the final merge
+
+
+def _merge_bytes(world: int, steps: range, updates: str) -> int:
+    """What one rank sends in a merge: the dense updates; the count of its rows (int64), its row ids padded to the
+    longest rank's (int32); every row some rank met, its update and a count."""
+    size = 4 if updates == "fp32" else 2
+    hits = [_pass_updates(r, steps)[2] for r in range(world)]
+    longest = max(sum(int(h[name].sum()) for name in TABLES) for h in hits)
+    union = {name: np.any([h[name] for h in hits], axis=0).sum() for name in TABLES}
+    return DENSE * size + 8 + 4 * longest + size * sum(int(union[n]) * (TABLES[n][1] + 1) for n in TABLES)
+
+
 def _worker(rank: int, world: int, updates: str) -> None:
     from modules.comm_accounting import CommCounter, install
     from modules.optim.kstep_merging import KStepMerger, MergeConfig
@@ -78,7 +91,6 @@ def _worker(rank: int, world: int, updates: str) -> None:
     install()  # in this worker process, which ends with the test
     counter = CommCounter()
     tol = 1e-5 if updates == "fp32" else 5e-3  # fp16 keeps ~11 bits of an update (these are ~N(0, 1) over 2 steps)
-    counter.start()
     for step in range(1, STEPS + 1):
         d, t = _updates(rank, step)
         with torch.no_grad():
@@ -86,12 +98,15 @@ def _worker(rank: int, world: int, updates: str) -> None:
                 merger.tables.record(name, torch.from_numpy(ids))  # before the update, as the lookup
                 tables[name][torch.from_numpy(ids)] += torch.from_numpy(v)
             dense += torch.from_numpy(d)
+        counter.start()  # as the training callback counts: a step's window (the merge's thread sends after it)
         assert merger.after_step() == (step % K == 0)
+        counter.stop()
         want_dense, want_tables = _expected(rank, world, step, flushed=False)
         np.testing.assert_allclose(dense.detach().numpy(), want_dense, rtol=0, atol=tol, err_msg=f"step {step}")
         for name in TABLES:
             np.testing.assert_allclose(tables[name].numpy(), want_tables[name], rtol=0, atol=tol,
                                        err_msg=f"{name}, step {step}")
+    counter.start()
     merger.merge_if_dirty()
     counter.stop()
     want_dense, want_tables = _expected(rank, world, STEPS, flushed=True)
@@ -99,8 +114,7 @@ def _worker(rank: int, world: int, updates: str) -> None:
     for name in TABLES:
         np.testing.assert_allclose(tables[name].numpy(), want_tables[name], rtol=0, atol=tol)
     assert merger.in_flight is None and merger.merges == STEPS // K + 1
-    # each merge's dense updates in the chosen precision: 5 merges (4 passes and the final one)
-    assert counter.bytes["merge"] > 5 * DENSE * (4 if updates == "fp32" else 2)
+    assert counter.bytes["merge"] == sum(_merge_bytes(world, steps, updates) for steps in PASSES)
     ours = torch.cat([dense.detach().reshape(-1)] + [t.reshape(-1) for t in tables.values()])
     everyone = [torch.empty_like(ours) for _ in range(world)]
     dist.all_gather(everyone, ours)

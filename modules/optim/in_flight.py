@@ -10,6 +10,7 @@ exit (a peer lost mid-merge fails the run on the training thread; the thread die
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any, Callable, Generic, TypeVar
 
@@ -22,7 +23,8 @@ class InFlight(Generic[T]):
     def __init__(self, fn: Callable[..., T], *args: Any) -> None:
         self._value: Any = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name="merge-in-flight", daemon=True)
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run, fn, args),
+                                        name="merge-in-flight", daemon=True)  # in the sender's context: its counters
         self._thread.start()
 
     def _run(self, fn: Callable[..., T], args: tuple) -> None:

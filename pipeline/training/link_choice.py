@@ -179,6 +179,12 @@ class LinkSettings:
             rank_zero_info(settings.describe())
         return settings
 
+    @property
+    def independent_steps(self) -> bool:
+        """Whether the ranks' training steps share no collective (k-step merging over replicated tables): they
+        need to agree only at merges."""
+        return self.merging.enabled and self.merging.tables == "replicated"
+
     def shard_group(self) -> dist.ProcessGroup | None:
         """The process group the tables are sharded over: this rank's own with replicated tables (every table
         whole here), else all ranks (None)."""

@@ -71,7 +71,7 @@ class CTRTask(L.LightningModule):
         self.l2_scope = cfg.optim.embedding_l2_scope
         self.rates = LearningRates(self.scaled.dense_lr, self.scaled.embedding_lr, self.scaled.warmup_epochs,
                                    cfg.scaling.embedding_warmup_epochs)
-        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite)
+        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, lambda: not self.link.independent_steps)
         self.batch_rows = (cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank: training, evaluation
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
