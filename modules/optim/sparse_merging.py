@@ -93,14 +93,22 @@ class TableMerger:
 
     @torch.no_grad()
     def record(self, table: str, ids: torch.Tensor) -> None:
-        """Mark the rows ``ids`` of ``table`` looked up; call before the step updates them (a forward pre-hook):
-        a row met for the first time since the last merge is kept as it was (its ``b``)."""
-        first = self.first_row[table]
-        at = ids.to(torch.int64) + first
-        new = torch.unique(at[~self.touched[at]])
-        if new.numel():
-            self._base.setdefault(table, []).append((new, self.tables[table][new - first].clone()))
-            self.touched[new] = True
+        """Mark the rows ``ids`` of ``table`` looked up (see :meth:`record_rows`)."""
+        self.record_rows(ids.to(torch.int64) + self.first_row[table])
+
+    @torch.no_grad()
+    def record_rows(self, rows: torch.Tensor) -> None:
+        """Mark ``rows`` (indices over all tables, int64) looked up; call before the step updates them (a forward
+        pre-hook): a row met for the first time since the last merge is kept as it was (its ``b``)."""
+        new = torch.unique(rows[~self.touched[rows]])
+        if not new.numel():
+            return
+        self.touched[new] = True
+        starts = torch.tensor([self.first_row[n] for n in self.names])
+        counts = torch.bincount(torch.searchsorted(starts, new, right=True) - 1, minlength=len(self.names))
+        for name, part in zip(self.names, new.split(counts.tolist())):
+            if part.numel():
+                self._base.setdefault(name, []).append((part, self.tables[name][part - self.first_row[name]].clone()))
 
     def _union(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The sorted union of every rank's ``local`` ids."""

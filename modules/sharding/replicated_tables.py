@@ -56,8 +56,9 @@ def attach_table_merger(model: nn.Module, updates: str = "fp32") -> TableMerger:
         def record(mod: nn.Module, args: tuple, table_of: dict[str, str] = table_of) -> None:
             if not mod.training:
                 return
-            kjt: KeyedJaggedTensor = args[0]
-            for key, ids in zip(kjt.keys(), kjt.values().split(kjt.length_per_key())):
-                merger.record(table_of[key], ids)
+            kjt: KeyedJaggedTensor = args[0]  # each key's ids, moved to its table's rows in the merger's one index
+            first = torch.tensor([merger.first_row[table_of[key]] for key in kjt.keys()])
+            merger.record_rows(kjt.values().to(torch.int64)
+                               + first.repeat_interleave(torch.tensor(kjt.length_per_key())))
         module.register_forward_pre_hook(record)
     return merger
