@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,11 +116,12 @@ def _by_column(key: str, value: dict) -> Parsed:
 
 def _csv(body: bytes) -> Parsed:
     """Every column read as text (as a training file is: "0123" stays "0123"); empty cells are missing."""
-    header = next(csv.reader([body.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")]), [])
+    first_line = re.split(rb"\r\n|\r|\n", body, maxsplit=1)[0]  # as Arrow reads it: any of the three ends a line
     try:
+        header = next(csv.reader([first_line.decode("utf-8", "replace")]), [])
         table = pacsv.read_csv(pa.BufferReader(body), convert_options=pacsv.ConvertOptions(
             column_types={name: pa.string() for name in header}, strings_can_be_null=True))
-    except (pa.ArrowInvalid, ValueError) as e:
+    except (pa.ArrowInvalid, ValueError, csv.Error) as e:
         raise RequestError(f"text/csv body: {e}") from None
     return Parsed(table.num_rows, {name: table.column(name).to_pylist() for name in table.column_names})
 
