@@ -15,7 +15,7 @@ process with one thread and no network. Recipes (Hydra overrides):
     k<K>_half  both;  k<K>_int8: int8 pooled embeddings forward (a scale and bias a row), fp16 backward
     rep<K>   every table whole on every node, its looked-up rows merged with the dense part every K steps
              (trainer.merging.tables=replicated: no embedding all-to-all);  rep<K>_half: the updates in fp16
-    <k or rep recipe>_ov   its merges overlapped with the next K steps (trainer.merging.overlap=true)
+    <k or rep recipe>_ov[J]   each merge travelling during the next K (or J) steps (trainer.merging.overlap=K|J)
 
 Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
 collectives, bytes that left node 0's interface per training step, the link's share of a step
@@ -46,10 +46,12 @@ FP32 = ["trainer.comms.embedding_forward=fp32", "trainer.comms.embedding_backwar
 
 
 def recipe_overrides(name: str, rate_mbit: float) -> list[str]:
-    if name.endswith("_ov"):
-        return [*recipe_overrides(name[:-3], rate_mbit)[:-1], "trainer.merging.overlap=true"]
+    base, ov, late = name.partition("_ov")
+    if ov:  # _ov: land each merge when the next leaves (k steps late); _ov<J>: J steps late
+        k = int(base.split("_")[0].lstrip("krep").rstrip("m"))
+        return [*recipe_overrides(base, rate_mbit)[:-1], f"trainer.merging.overlap={int(late or k)}"]
     if name.startswith(("rep", "k")):
-        return [*_recipe(name, rate_mbit), "trainer.merging.overlap=false"]
+        return [*_recipe(name, rate_mbit), "trainer.merging.overlap=0"]
     return _recipe(name, rate_mbit)
 
 

@@ -1,4 +1,4 @@
-"""Overlapped k-step merging (``trainer.merging.overlap``: modules/optim/kstep_merging.py, a merge landing one pass
+"""Overlapped k-step merging (``trainer.merging.overlap``: modules/optim/kstep_merging.py, a merge landing some steps
 late) on gloo processes, against the formula computed with numpy: every rank's updates are drawn from seeds, so
 each process computes what every rank holds after every step — the merged passes before, plus its own last pass
 and the steps since — without reading anything the merger wrote."""
@@ -14,7 +14,7 @@ from tests.dist_utils import run_workers
 
 DENSE = 6
 TABLES = {"wide": (30, 1), "a": (20, 4)}
-STEPS, K = 9, 2
+STEPS, K = 10, 3
 
 
 def _updates(rank: int, step: int) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -52,10 +52,10 @@ def _merged(world: int, steps: range) -> tuple[np.ndarray, dict[str, np.ndarray]
     return dense, tables
 
 
-def _expected(rank: int, world: int, step: int, flushed: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """What ``rank`` holds after ``step``: the passes that landed merged, its own steps since on top (after a final
-    merge: every pass merged, the same everywhere)."""
-    landed = (step // K - 1) * K if not flushed else step  # the pass that ended last is still in flight
+def _expected(rank: int, world: int, step: int, late: int, flushed: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """What ``rank`` holds after ``step``: the passes that landed (``late`` steps after they ended) merged, its own
+    steps since on top (after a final merge: every pass merged, the same everywhere)."""
+    landed = (step - late) // K * K if not flushed else step  # the passes that ended at least `late` steps ago
     dense = np.zeros(DENSE)
     tables = {n: np.zeros(s) for n, s in TABLES.items()}
     for start in range(1, landed + 1, K):
@@ -80,14 +80,14 @@ def _merge_bytes(world: int, steps: range, updates: str) -> int:
     return DENSE * size + 8 + 4 * longest + size * sum(int(union[n]) * (TABLES[n][1] + 1) for n in TABLES)
 
 
-def _worker(rank: int, world: int, updates: str) -> None:
+def _worker(rank: int, world: int, updates: str, late: int) -> None:
     from modules.comm_accounting import CommCounter, install
     from modules.optim.kstep_merging import KStepMerger, MergeConfig
     from modules.optim.sparse_merging import TableMerger
 
     dense = torch.nn.Parameter(torch.zeros(DENSE))
     tables = {name: torch.zeros(shape) for name, shape in TABLES.items()}
-    merger = KStepMerger([dense], MergeConfig(k=K, overlap=True), tables=TableMerger(tables, updates), dense=updates)
+    merger = KStepMerger([dense], MergeConfig(k=K, overlap=late), tables=TableMerger(tables, updates), dense=updates)
     install()  # in this worker process, which ends with the test
     counter = CommCounter()
     tol = 1e-5 if updates == "fp32" else 5e-3  # fp16 keeps ~11 bits of an update (these are ~N(0, 1) over 2 steps)
@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, updates: str) -> None:
         counter.start()  # as the training callback counts: a step's window (the merge's thread sends after it)
         assert merger.after_step() == (step % K == 0)
         counter.stop()
-        want_dense, want_tables = _expected(rank, world, step, flushed=False)
+        want_dense, want_tables = _expected(rank, world, step, late, flushed=False)
         np.testing.assert_allclose(dense.detach().numpy(), want_dense, rtol=0, atol=tol, err_msg=f"step {step}")
         for name in TABLES:
             np.testing.assert_allclose(tables[name].numpy(), want_tables[name], rtol=0, atol=tol,
@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, updates: str) -> None:
     counter.start()
     merger.merge_if_dirty()
     counter.stop()
-    want_dense, want_tables = _expected(rank, world, STEPS, flushed=True)
+    want_dense, want_tables = _expected(rank, world, STEPS, late, flushed=True)
     np.testing.assert_allclose(dense.detach().numpy(), want_dense, rtol=0, atol=tol)
     for name in TABLES:
         np.testing.assert_allclose(tables[name].numpy(), want_tables[name], rtol=0, atol=tol)
@@ -122,6 +122,8 @@ def _worker(rank: int, world: int, updates: str) -> None:
         torch.testing.assert_close(other, ours, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("updates", ["fp32", "fp16"])
-def test_overlapped_merges_land_one_pass_late_and_the_final_merge_makes_replicas_agree(updates):
-    run_workers(_worker, 2, updates)
+@pytest.mark.parametrize("updates, late", [("fp32", K), ("fp16", K), ("fp32", 1)])
+def test_overlapped_merges_land_late_and_the_final_merge_makes_replicas_agree(updates, late):
+    """``late`` = k: a merge lands when the next leaves; 1: in the middle of the next pass, whose own updates are
+    then measured from a base the landed merge moved too."""
+    run_workers(_worker, 2, updates, late)

@@ -127,7 +127,7 @@ def _model_worker(rank: int, world: int) -> None:
     np.testing.assert_allclose(theirs[0], theirs[1], rtol=1e-6)
     # overlapped merges (trainer.merging.overlap) over the same kernels: replicas differ while merges are in
     # flight; the final merge makes them score alike again
-    late = KStepMerger(params, MergeConfig(k=2, tables="replicated", overlap=True), tables=attach_table_merger(model))
+    late = KStepMerger(params, MergeConfig(k=2, tables="replicated", overlap=1), tables=attach_table_merger(model))
     for step in range(4, 9):
         model.train()
         b = _batch(step, rank)

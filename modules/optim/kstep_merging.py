@@ -14,14 +14,14 @@ over k steps is small, and fp16 keeps ~11 bits of it where θ itself would lose 
 
 optionally together with Adam's first and second moments m, v (``moments=True``).
 
-Overlapped (``overlap=True``): a merge's bytes travel while the next ``k`` steps compute (on a thread of its own:
-:mod:`modules.optim.in_flight`) and the mean lands one pass late, at the next merge. Each rank sends its own
-update of the pass δ_r (θ_r now minus θ_r at the last merge, which holds its own unmerged update of the pass
-before) and, when the mean arrives, trades its own update for it:
+Overlapped (``overlap=j``, 1 ≤ j ≤ k steps): a merge's bytes travel while the next j steps compute (on a thread of
+its own: :mod:`modules.optim.in_flight`) and the mean lands j steps late. Each rank sends its own update of the pass
+δ_r (θ_r at the merge minus θ_r at the last one, landed means excluded) and, when the mean arrives, trades its own
+update for it:
 
-    θ_r ← θ_r + (1/W) Σ_s δ_s − δ_r
+    θ_r ← θ_r + (1/W) Σ_s δ_s − δ_r        (and the same to the pass's base, so its next δ_r stays its own)
 
-so every rank holds the merged model of the passes before plus its own last pass: up to 2k steps of staleness
+so every rank holds the merged model of the landed passes plus its own steps since: up to k + j steps of staleness
 instead of k. The final merge (below) waits for the merge in flight and merges the last pass at once: the
 replicas then agree to float rounding (not bit for bit: each rank adds the means to its own sum). Hierarchical
 variant: every ``k_intra`` steps the mean is taken inside each node, every ``k`` steps over all
@@ -66,7 +66,7 @@ class MergeConfig:
     k_intra: Optional[int] = None
     moments: bool = False
     tables: str = "auto"
-    overlap: bool = False  # each merge's bytes travel during the next k steps (never chosen by k=auto: below)
+    overlap: int = 0  # steps each merge's bytes travel while training goes on before it lands (never chosen by auto)
 
     def __post_init__(self) -> None:
         if self.tables not in TABLES:
@@ -76,10 +76,13 @@ class MergeConfig:
             raise ValueError(f"tables=replicated with k={self.k!r}, k_intra={self.k_intra!r}: replicated tables "
                              f"are merged every k steps over all ranks; set an integer k (1 merges every step) "
                              f"and no k_intra")
-        if self.overlap and (isinstance(self.k, bool) or not isinstance(self.k, int)
-                                     or self.k_intra is not None):
-            raise ValueError(f"overlap=true with k={self.k!r}, k_intra={self.k_intra!r}: a merge travels while the "
-                             f"next k steps train; set an integer k and no k_intra")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
+            raise ValueError(f"overlap={self.overlap!r}: expected the steps a merge travels before it lands (0: none, "
+                             f"up to k)")
+        if self.overlap and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k_intra is not None
+                             or self.overlap > self.k):
+            raise ValueError(f"overlap={self.overlap} with k={self.k!r}, k_intra={self.k_intra!r}: a merge travels "
+                             f"while at most the next k steps train; set an integer k >= overlap and no k_intra")
         if self.k == "auto":
             if self.k_intra is not None:
                 raise ValueError(f"k_intra={self.k_intra}: needs an integer k (k=auto is chosen from the link)")
@@ -117,6 +120,7 @@ class KStepMerger:
         self.node_group = None
         self.overlap = cfg.overlap
         self.in_flight: InFlight | None = None  # an overlapped merge: its bytes travelling
+        self.lands_at = 0  # the step after which it lands
         self.merge_group = dist.new_group(backend="gloo", timeout=timeout) if self.overlap else None
         world = dist.get_world_size()
         if cfg.k_intra is not None:
@@ -181,6 +185,8 @@ class KStepMerger:
         """Call after every optimizer step; merges when the schedule says so. Returns True if it did."""
         self.steps += 1
         self.dirty = True
+        if self.in_flight is not None and self.steps >= self.lands_at:
+            self._land()
         if self.steps % self.cfg.k == 0:
             self._launch() if self.overlap else self.merge()
             return True
@@ -193,20 +199,21 @@ class KStepMerger:
     def merge_if_dirty(self) -> None:
         """Final merge (end of epoch, before evaluation / checkpoints) unless nothing changed."""
         if self.overlap and (self.dirty or self.in_flight is not None):
+            self._land()
             self._launch()
             self._land()  # the last pass at once: the replicas agree
-            self._base = self._snapshot()
             self.dirty = False
         elif self.dirty:
             self.merge()
 
     @torch.no_grad()
     def _launch(self) -> None:
-        """An overlapped merge: take this pass's updates, land the merge in flight, send this one."""
+        """An overlapped merge: take this pass's updates and send them; it lands ``overlap`` steps later."""
+        assert self.in_flight is None, "a merge lands before the next one leaves (overlap <= k)"
         sent = self._pass(), self.tables.snapshot() if self.tables is not None else None
-        self._land()
         self._base = self._snapshot()
         self.in_flight = InFlight(self._exchange, *sent)
+        self.lands_at = self.steps + self.overlap
         self.merges += 1
 
     def _pass(self) -> DensePass:
@@ -235,6 +242,7 @@ class KStepMerger:
         dense, mean, moments, tables, rows = self.in_flight.result()
         self.in_flight = None
         _add_flat(self.params, mean - dense.updates)
+        _add_flat(self._base, mean - dense.updates)  # the pass under way measures its updates from here
         if moments is not None:
             _add_flat(self._moments(), moments - dense.moments)
         if rows is not None:

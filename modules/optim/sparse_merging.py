@@ -186,13 +186,23 @@ class TableMerger:
 
     @torch.no_grad()
     def add_late(self, sent: "TablePass", merged: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """Apply a merge one pass late (``trainer.merging.overlap``): every row gets the merged update and loses
-        this rank's own update of that pass, which it already holds — ``w ← w + Σ_r δ_r / √n − δ_own`` — so what
-        it learned since stays on top."""
+        """Apply a merge late (``trainer.merging.overlap``): every row gets the merged update and loses this rank's
+        own update of that pass, which it already holds — ``w ← w + u − δ_own``, u the merged update — so what it
+        learned since stays on top; the rows the pass under way already met get the same change to their ``b``."""
         for name, ids, update in merged:
             self.tables[name].index_add_(0, ids, update)
+            self._shift_bases(name, ids, update)
         for name, own, delta, _ in sent.parts:
             self.tables[name].index_add_(0, own, delta, alpha=-1.0)
+            self._shift_bases(name, own, -delta)
+
+    def _shift_bases(self, name: str, ids: torch.Tensor, change: torch.Tensor) -> None:
+        """Add ``change`` to the kept ``b`` of those of the rows ``ids`` (of ``name``, sorted) this pass met."""
+        lo = self.first_row[name]
+        for kept_ids, kept_rows in self._base.get(name, []):
+            at = torch.searchsorted(ids, kept_ids - lo).clamp(max=max(ids.numel() - 1, 0))
+            hit = ids[at] == kept_ids - lo if ids.numel() else torch.zeros_like(kept_ids, dtype=torch.bool)
+            kept_rows[hit] += change[at[hit]]
 
     def _bases(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """``b`` of the rows ``ids`` (indices over all tables) of ``name``: kept by :meth:`record` where this rank

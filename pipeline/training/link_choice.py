@@ -193,7 +193,7 @@ class LinkSettings:
     def describe(self) -> str:
         """One line for the log and ``ctr plan``: what runs, and why."""
         merging, comms, choice = self.merging, self.comms, self.choice
-        late = ", each merge travelling during the next k steps (overlapped)" if merging.overlap else ""
+        late = f", each merge travelling during the next {merging.overlap} steps" if merging.overlap else ""
         merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}{late}"
         if merging.tables == "replicated":
             line = (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
