@@ -84,3 +84,27 @@ def test_pass_rows_count_distinct_rows_of_each_table():
     assert rows.union[8] == len({("a", x) for x in sparse[:, 0]} | {("b", x) for x in sparse[:, 1]})
     assert rows.local[2] < rows.local[4] < rows.local[8] <= rows.union[8] and rows.local[2] < rows.union[2]
     assert rows.row_floats == 5.0
+
+
+@pytest.mark.parametrize("nodes, link, k, overlap, want", [
+    (2, 0.0125, "auto", "auto", 2),  # merging chosen for a slow link: each merge lands 2 steps late
+    (2, 0.0125, 8, "auto", 2),       # k set by the user, the link stated: the same
+    (2, 0.0125, 8, 0, 0),            # set by the user: kept
+    (2, None, 8, "auto", 0),         # no link stated: merges block, as before
+    (1, 0.0125, 8, "auto", 0),       # one node: nothing crosses a link
+])
+def test_overlap_at_auto_lands_merges_two_steps_late_only_over_a_stated_link(nodes, link, k, overlap, want):
+    from modules.embedding.sparse_arch import FeatureSpec
+    from modules.models import ModelConfig
+    from modules.optim.kstep_merging import MergeConfig
+    from modules.sharding.comm_precision import CommsConfig
+    from modules.sharding.link_plan import LATE_STEPS
+    from modules.sharding.topology import Bandwidths, TopologySpec
+    from pipeline.training.link_choice import resolve_link
+
+    spec = FeatureSpec(("I1",), ("a", "b"), {"a": 1000, "b": 500})
+    topology = TopologySpec(compute_device="cpu", nodes=nodes, ranks_per_node=2 // nodes,
+                            bandwidth_gbps=Bandwidths(inter_node=link))
+    merging, _, _ = resolve_link(MergeConfig(k=k, overlap=overlap), CommsConfig(), ModelConfig(mlp=[64]), spec,
+                                 topology, local_batch=2048, dense_params=500_000)
+    assert merging.k is not None and merging.overlap == want and LATE_STEPS == 2

@@ -66,7 +66,8 @@ class MergeConfig:
     k_intra: Optional[int] = None
     moments: bool = False
     tables: str = "auto"
-    overlap: int = 0  # steps each merge's bytes travel while training goes on before it lands (never chosen by auto)
+    overlap: Any = "auto"  # steps each merge's bytes travel while training goes on before it lands; auto: chosen
+    #                        with the link (modules/sharding/link_plan.py), 0 where nothing resolves it
 
     def __post_init__(self) -> None:
         if self.tables not in TABLES:
@@ -76,10 +77,11 @@ class MergeConfig:
             raise ValueError(f"tables=replicated with k={self.k!r}, k_intra={self.k_intra!r}: replicated tables "
                              f"are merged every k steps over all ranks; set an integer k (1 merges every step) "
                              f"and no k_intra")
-        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
+        if self.overlap != "auto" and (isinstance(self.overlap, bool) or not isinstance(self.overlap, int)
+                                       or self.overlap < 0):
             raise ValueError(f"overlap={self.overlap!r}: expected the steps a merge travels before it lands (0: none, "
-                             f"up to k)")
-        if self.overlap and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k_intra is not None
+                             f"up to k) or auto")
+        if self.overlap != "auto" and self.overlap and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k_intra is not None
                              or self.overlap > self.k):
             raise ValueError(f"overlap={self.overlap} with k={self.k!r}, k_intra={self.k_intra!r}: a merge travels "
                              f"while at most the next k steps train; set an integer k >= overlap and no k_intra")
@@ -118,7 +120,7 @@ class KStepMerger:
         self.merges = 0
         self.dirty = False
         self.node_group = None
-        self.overlap = cfg.overlap
+        self.overlap = 0 if cfg.overlap == "auto" else cfg.overlap
         self.in_flight: InFlight | None = None  # an overlapped merge: its bytes travelling
         self.lands_at = 0  # the step after which it lands
         self.merge_group = dist.new_group(backend="gloo", timeout=timeout) if self.overlap else None

@@ -26,7 +26,7 @@ from modules.embedding.sparse_arch import is_table_parameter
 from modules.models import ModelConfig
 from modules.optim.kstep_merging import MergeConfig
 from modules.sharding.comm_precision import CommsConfig
-from modules.sharding.link_plan import MERGE_PERIODS, LinkChoice, PassRows, StepShape, choose
+from modules.sharding.link_plan import LATE_STEPS, MERGE_PERIODS, LinkChoice, PassRows, StepShape, choose
 from modules.sharding.replicated_tables import own_group
 from modules.sharding.topology import GB, TopologySpec
 from pipeline.config import RunConfig
@@ -136,8 +136,10 @@ def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, s
     choice = choose(shape, link, compute, fixed=fixed,
                     half_backward="fp16" if topology.compute_device == "cpu" else "bf16")  # TorchRec: no bf16 on gloo
     o = choice.option
-    merging = replace(merging, k=o.k if merging.k == "auto" else merging.k,
-                      tables=o.tables if merging.tables == "auto" else merging.tables)
+    k = o.k if merging.k == "auto" else merging.k
+    late = min(LATE_STEPS, k) if k and shape.remote_share and link and merging.k_intra is None else 0
+    merging = replace(merging, k=k, tables=o.tables if merging.tables == "auto" else merging.tables,
+                      overlap=late if merging.overlap == "auto" else merging.overlap)
     comms = CommsConfig(*(o_value if value == "auto" else value for value, o_value in
                           ((comms.embedding_forward, o.embedding_forward),
                            (comms.embedding_backward, o.embedding_backward), (comms.dense, o.dense))))
