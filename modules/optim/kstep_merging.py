@@ -81,8 +81,8 @@ class MergeConfig:
                                        or self.overlap < 0):
             raise ValueError(f"overlap={self.overlap!r}: expected the steps a merge travels before it lands (0: none, "
                              f"up to k) or auto")
-        if self.overlap != "auto" and self.overlap and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k_intra is not None
-                             or self.overlap > self.k):
+        if self.overlap != "auto" and self.overlap and (isinstance(self.k, bool) or not isinstance(self.k, int)
+                                                        or self.k_intra is not None or self.overlap > self.k):
             raise ValueError(f"overlap={self.overlap} with k={self.k!r}, k_intra={self.k_intra!r}: a merge travels "
                              f"while at most the next k steps train; set an integer k >= overlap and no k_intra")
         if self.k == "auto":

@@ -14,7 +14,7 @@ from pipeline.runtime.signals import SignalGuard
 class StopOnSignal(Callback):
     """After each training step: if any rank got a preemption signal, checkpoint (``save``) and stop. Under k-step
     merging the ranks ask each other only at merge steps (every k: a round trip across a slow link costs a
-    sizeable share of a step)."""
+    sizeable share of a step) and at the last step of an epoch or of the run."""
 
     def __init__(self, guard: SignalGuard, save: Any = None) -> None:
         self.guard, self.save = guard, save
@@ -26,7 +26,8 @@ class StopOnSignal(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         merging = pl_module.link.merging
-        if merging.enabled and trainer.global_step % merging.k:
+        last = trainer.is_last_batch or trainer.global_step == trainer.max_steps  # all ranks agree before test
+        if merging.enabled and trainer.global_step % merging.k and not last:
             return
         if self.stopped_at_step is None and self.guard.agreed():
             self.guard.signum = self.guard.signum or signal.SIGTERM  # a rank that got none stops as its peers
