@@ -1,7 +1,7 @@
 """Overlapped k-step merging (``trainer.merging.overlap``: modules/optim/kstep_merging.py, a merge landing some steps
 late) on gloo processes, against the formula computed with numpy: every rank's updates are drawn from seeds, so
-each process computes what every rank holds after every step — the merged passes before, plus its own last pass
-and the steps since — without reading anything the merger wrote."""
+each process computes what every rank holds after every step — the passes landed so far, merged, plus its own
+steps since — without reading anything the merger wrote."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, updates: str, late: int) -> None:
     merger = KStepMerger([dense], MergeConfig(k=K, overlap=late), tables=TableMerger(tables, updates), dense=updates)
     install()  # in this worker process, which ends with the test
     counter = CommCounter()
-    tol = 1e-5 if updates == "fp32" else 5e-3  # fp16 keeps ~11 bits of an update (these are ~N(0, 1) over 2 steps)
+    tol = 1e-5 if updates == "fp32" else 5e-3  # fp16 keeps ~11 bits of an update (sums of ~N(0, 1) over a pass)
     for step in range(1, STEPS + 1):
         d, t = _updates(rank, step)
         with torch.no_grad():
