@@ -47,11 +47,11 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 
 from modules.comm_accounting import comm_category
 from modules.optim.in_flight import InFlight
-from modules.optim.sparse_merging import TableMerger, TablePass
+from modules.optim.sparse_merging import UPDATE_DTYPES, TableMerger, TablePass
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 TABLES = ("auto", "sharded", "replicated")
-DENSE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DENSE_DTYPES = {**UPDATE_DTYPES, "bf16": torch.bfloat16}  # the tables' update precisions, and bf16
 
 
 @dataclass
