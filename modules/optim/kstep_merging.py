@@ -222,7 +222,7 @@ class KStepMerger:
         updates = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(self.params, self._base)]) \
             if self.params else torch.zeros(0)
         moments = self._moments()
-        return DensePass(updates, torch.cat([m.reshape(-1) for m in moments]).clone() if moments else None)
+        return DensePass(updates, torch.cat([m.reshape(-1) for m in moments]) if moments else None)  # cat copies
 
     def _exchange(self, dense: DensePass, tables: TablePass | None) -> tuple:
         """Every rank's mean update and moments, and the tables' merged rows (on the merge's own thread)."""
@@ -243,8 +243,9 @@ class KStepMerger:
             return
         dense, mean, moments, tables, rows = self.in_flight.result()
         self.in_flight = None
-        _add_flat(self.params, mean - dense.updates)
-        _add_flat(self._base, mean - dense.updates)  # the pass under way measures its updates from here
+        change = mean - dense.updates
+        _add_flat(self.params, change)
+        _add_flat(self._base, change)  # the pass under way measures its updates from here
         if moments is not None:
             _add_flat(self._moments(), moments - dense.moments)
         if rows is not None:

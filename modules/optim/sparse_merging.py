@@ -72,6 +72,7 @@ class TableMerger:
         for name in self.names:
             self.first_row[name] = rows
             rows += self.tables[name].shape[0]
+        self.starts = torch.tensor([self.first_row[n] for n in self.names])  # first rows, in name order
         self.touched = torch.zeros(rows, dtype=torch.bool)
         self.id_dtype = torch.int32 if rows < 2**31 else torch.int64  # the ids all-gathered
         # per table, (ids, rows) as they were before this rank's first update since the last merge
@@ -104,8 +105,7 @@ class TableMerger:
         if not new.numel():
             return
         self.touched[new] = True
-        starts = torch.tensor([self.first_row[n] for n in self.names])
-        counts = torch.bincount(torch.searchsorted(starts, new, right=True) - 1, minlength=len(self.names))
+        counts = torch.bincount(torch.searchsorted(self.starts, new, right=True) - 1, minlength=len(self.names))
         for name, part in zip(self.names, new.split(counts.tolist())):
             if part.numel():
                 self._base.setdefault(name, []).append((part, self.tables[name][part - self.first_row[name]].clone()))
