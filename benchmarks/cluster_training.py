@@ -13,9 +13,11 @@ process with one thread and no network. Recipes (Hydra overrides):
     k<K>     trainer.merging.k=K, fp32 comms;  k<K>m: also Adam's moments merged
     half     DDP with fp16 pooled embeddings both ways, fp16 dense all-reduce
     k<K>_half  both;  k<K>_int8: int8 pooled embeddings forward (a scale and bias a row), fp16 backward
-    rep<K>   every table whole on every node, its looked-up rows merged with the dense part every K steps
+    rep<K>   every table whole on every rank, its looked-up rows merged with the dense part every K steps
              (trainer.merging.tables=replicated: no embedding all-to-all);  rep<K>_half: the updates in fp16
-    <k or rep recipe>_ov[J]   each merge travelling during the next K (or J) steps (trainer.merging.overlap=K|J)
+    node<K>  every table on every node, sharded over its ranks (all-to-all and DDP inside the node), the nodes'
+             copies merged every K steps (trainer.merging.tables=per_node);  node<K>_half: the updates in fp16
+    <k, rep or node recipe>_ov[J]   each merge travelling during the next K (or J) steps (trainer.merging.overlap=K|J)
 
 Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
 collectives, bytes that left node 0's interface per training step, the link's share of a step
@@ -48,9 +50,9 @@ FP32 = ["trainer.comms.embedding_forward=fp32", "trainer.comms.embedding_backwar
 def recipe_overrides(name: str, rate_mbit: float) -> list[str]:
     base, ov, late = name.partition("_ov")
     if ov:  # _ov: land each merge when the next leaves (k steps late); _ov<J>: J steps late
-        k = int(base.split("_")[0].lstrip("krep").rstrip("m"))
+        k = int("".join(ch for ch in base.split("_")[0] if ch.isdigit()))
         return [*recipe_overrides(base, rate_mbit)[:-1], f"trainer.merging.overlap={int(late or k)}"]
-    if name.startswith(("rep", "k")):
+    if name.startswith(("rep", "node", "k")):
         return [*_recipe(name, rate_mbit), "trainer.merging.overlap=0"]
     return _recipe(name, rate_mbit)
 
@@ -62,9 +64,10 @@ def _recipe(name: str, rate_mbit: float) -> list[str]:
         return [f"topology.bandwidth_gbps.inter_node={rate_mbit / 8000:g}"]
     if name == "half":
         return ["trainer.merging.k=null", "trainer.merging.tables=sharded", *HALF]
-    if name.startswith("rep"):
-        k, _, updates = name[3:].partition("_")
-        return [f"trainer.merging.k={int(k)}", "trainer.merging.tables=replicated", *FP32[:1],
+    if name.startswith(("rep", "node")):
+        tables = "replicated" if name.startswith("rep") else "per_node"
+        k, _, updates = name.lstrip("repnod").partition("_")
+        return [f"trainer.merging.k={int(k)}", f"trainer.merging.tables={tables}", *FP32[:1],
                 f"trainer.comms.embedding_backward={'fp16' if updates == 'half' else 'fp32'}", FP32[2]]
     if name.startswith("k"):  # sharded tables, as before replicated ones were weighed
         k, _, comms = name[1:].partition("_")
@@ -73,7 +76,8 @@ def _recipe(name: str, rate_mbit: float) -> list[str]:
         return [f"trainer.merging.k={int(k.rstrip('m'))}", f"trainer.merging.moments={str(moments).lower()}",
                 "trainer.merging.tables=sharded",
                 *precision[:2], "trainer.comms.dense=fp32"]
-    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half|_int8], rep<K>[_half]")
+    raise SystemExit(f"unknown recipe {name!r}: expected one_node, ddp, auto, half, k<K>[m][_half|_int8], "
+                     f"rep<K>[_half], node<K>[_half]")
 
 
 def env() -> dict[str, str]:

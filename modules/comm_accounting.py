@@ -122,10 +122,9 @@ class CommCounter:
 
 
 def ddp_counting_hook(state, bucket):  # no annotations: DDP checks them against the real classes
-    """DDP communication hook: ``state`` (a hook of ``ddp_comm_hooks.default_hooks``: the plain all-reduce or
-    an fp16/bf16 compressing one; None: the plain one) on the bucket, its ``dist.all_reduce`` counted by
-    the wrapper under the category ``dense_allreduce``."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
+    """DDP communication hook: ``state`` = (a hook of ``ddp_comm_hooks.default_hooks``: the plain all-reduce or an
+    fp16/bf16 compressing one, the DDP's process group) on the bucket, its ``dist.all_reduce`` over that group (not
+    all ranks: a DDP may span one node's) counted by the wrapper under the category ``dense_allreduce``."""
+    hook, group = state
     with comm_category("dense_allreduce"):
-        return (state or allreduce_hook)(None, bucket)
+        return hook(group, bucket)

@@ -78,7 +78,10 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
     (["trainer.merging.tables=replicated"], "trainer.merging.tables=replicated with k='auto'"),
     (["trainer.merging.tables=replicated", "trainer.merging.k=null"], "trainer.merging.tables=replicated with k=None"),
     (["trainer.merging.tables=replicated", "trainer.merging.k=4", "trainer.comms.embedding_forward=fp16"],
-     "trainer.merging.tables=replicated with trainer.comms.embedding_forward=fp16: replicated tables send no all-to-all"),
+     "trainer.merging.tables=replicated with trainer.comms.embedding_forward=fp16: copies of the tables send no "
+     "all-to-all"),
+    (["trainer.merging.tables=per_node", "trainer.merging.k=4", "trainer.merging.k_intra=2"],
+     "trainer.merging.tables=per_node with k=4, k_intra=2"),
     (["trainer.merging.tables=replicated", "trainer.merging.k=4", "optim.embedding_l2_scope=all", "optim.embedding_l2=1e-5"],
      "trainer.merging.tables=replicated with optim.embedding_l2_scope=all"),
     (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),

@@ -68,6 +68,22 @@ def test_replicated_tables_send_the_rows_a_pass_met_not_the_pooled_vectors():
     assert choose(shape, 0.0125, compute_s=0.04, fixed={"tables": "sharded"}).option.tables == "sharded"
 
 
+def test_copies_per_node_send_each_shard_of_a_node_pass_once_across_the_link():
+    rows = PassRows(local=ROWS.local, union=ROWS.union, row_floats=17.0, node={2: 25_000, 4: 42_000, 8: 70_000})
+    shape = StepShape(2048, 416, 26, 493_000, world=4, ranks_per_node=2, pass_rows=rows)
+    per_node = link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32", "per_node"))
+    # 2 nodes: each rank exchanges its shard's half of the rows with its peer on the other node
+    assert per_node["embedding"] == pytest.approx(0.5 * (4 * 70_000 + 2 * 4 * 85_000 * (17.0 + 1)) / (8 * 2))
+    replicated = link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32", "replicated"))
+    assert per_node["dense"] == replicated["dense"] and per_node["embedding"] < 0.6 * replicated["embedding"]
+    assert choose(shape, 0.0125, compute_s=0.04).option.tables == "per_node"
+    # one rank a node: a node's copy is a rank's, the same bytes; replicated (listed first) is what is chosen
+    one = StepShape(2048, 416, 26, 493_000, world=2, ranks_per_node=1, pass_rows=ROWS)
+    assert link_bytes(one, LinkOption(8, "fp32", "fp32", "fp32", "per_node")) == pytest.approx(
+        link_bytes(one, LinkOption(8, "fp32", "fp32", "fp32", "replicated")))
+    assert choose(one, 0.0125, compute_s=0.04).option.tables == "replicated"
+
+
 def test_pass_rows_count_distinct_rows_of_each_table():
     import numpy as np
 
@@ -80,9 +96,10 @@ def test_pass_rows_count_distinct_rows_of_each_table():
     n = 8 * 16 * 2  # every row sampled: the largest pass of both ranks is the whole split
     sparse = np.stack([rng.integers(0, 50, n), rng.integers(0, 30, n)], 1).astype(np.int32)
     split = SplitArrays(np.zeros(n, np.int8), np.zeros((n, 1), np.float32), sparse)
-    rows = pass_rows(split, spec, local_batch=16, world=2, row_floats=5.0)
+    rows = pass_rows(split, spec, local_batch=16, world=2, row_floats=5.0, ranks_per_node=2)
     assert rows.union[8] == len({("a", x) for x in sparse[:, 0]} | {("b", x) for x in sparse[:, 1]})
     assert rows.local[2] < rows.local[4] < rows.local[8] <= rows.union[8] and rows.local[2] < rows.union[2]
+    assert rows.node == rows.union  # one node holds both ranks
     assert rows.row_floats == 5.0
 
 

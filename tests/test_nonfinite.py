@@ -32,20 +32,22 @@ def test_skip_counts_bad_losses_and_gradients_only():
 
 def _two_ranks(rank: int, world: int) -> None:
     from modules.comm_accounting import CommCounter, install
+    from modules.sharding.replicated_tables import copy_group
 
+    own = copy_group(1)
     install()  # in this worker process, which ends with the test
     counter = CommCounter()
     loss = torch.tensor(math.nan if rank == 1 else 0.5)
     counter.start()
     together = NonFiniteGuard("skip").bad_loss(loss, "step 3")
     counted = sum(counter.bytes.values())
-    alone = NonFiniteGuard("skip", lockstep=lambda: False).bad_loss(loss, "step 3")
+    alone = NonFiniteGuard("skip", group=lambda: own).bad_loss(loss, "step 3")
     counter.stop()
     assert together and counted == 4  # the flag all-reduced: both ranks skip
     assert alone == (rank == 1) and sum(counter.bytes.values()) == counted  # each decides for itself: no collective
 
 
-def test_ranks_decide_together_in_lockstep_and_each_for_itself_otherwise():
+def test_ranks_decide_together_over_the_group_a_step_spans():
     from tests.dist_utils import run_workers
 
     run_workers(_two_ranks, 2)

@@ -1,7 +1,7 @@
-"""Replicated embedding tables merged row by row (modules/optim/sparse_merging.py) on gloo processes: the merged
-rows against the formula (the updates of the ranks that looked a row up, summed, over √n) computed from every
-rank's tables and lookups with numpy, the bytes it sends, and a real model sharded over each rank's own group
-trained on different data."""
+"""Copies of the embedding tables merged row by row (modules/optim/sparse_merging.py) on gloo processes: the merged
+rows against the formula (the updates of the copies that looked a row up, summed, over √n) computed from every
+rank's tables and lookups with numpy, the bytes it sends, a real model sharded over each rank's own group trained on
+different data, and one sharded row-wise over each node's two ranks (tables=per_node: 2 nodes x 2 ranks)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from tests.dist_utils import run_workers
 from tests.test_kstep_merging import SPEC, _batch
 
 
-def _gathered(t: torch.Tensor) -> list[np.ndarray]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
+def _gathered(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[np.ndarray]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
     return [o.numpy() for o in out]
 
 
@@ -80,14 +80,14 @@ def _model_worker(rank: int, world: int) -> None:
     from modules.optim.kstep_merging import KStepMerger, MergeConfig
     from modules.optim.optimizers import OptimizerSpec, replicated_parameters
     from modules.sharding.planner import shard_model
-    from modules.sharding.replicated_tables import attach_table_merger, own_group
+    from modules.sharding.replicated_tables import attach_table_merger, copy_group
     from modules.sharding.topology import TopologySpec
 
     torch.manual_seed(rank)  # the dense part differs; the tables are drawn from the same seed
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
     topology = TopologySpec(compute_device="cpu", sharding_types=["table_wise"])
     model, _ = shard_model(net, OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"), data_parallel=False,
-                           group=own_group())
+                           group=copy_group(1))
     tables = attach_table_merger(model)
     assert sum(w.shape[0] for w in tables.tables.values()) >= 37  # every table whole on this rank
     params = [p for _, p in replicated_parameters(model)]
@@ -147,3 +147,70 @@ def _model_worker(rank: int, world: int) -> None:
 
 def test_a_model_with_replicated_tables_merges_the_rows_looked_up():
     run_workers(_model_worker, 2)
+
+
+def _per_node_worker(rank: int, world: int) -> None:
+    from modules.models.deepfm import DeepFM
+    from modules.optim.kstep_merging import KStepMerger, MergeConfig
+    from modules.optim.optimizers import OptimizerSpec, replicated_parameters
+    from modules.sharding.planner import shard_model
+    from modules.sharding.replicated_tables import attach_table_merger, copy_group, peer_group
+    from modules.sharding.topology import TopologySpec
+    from pipeline.training.callbacks.comm_accounting import count_dense_allreduce
+
+    node = rank // 2  # ranks 0, 1 are node 0; 2, 3 node 1; a shard's peers: the same local rank on the other node
+    torch.manual_seed(rank)
+    net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
+    topology = TopologySpec(compute_device="cpu", sharding_types=["row_wise"])
+    model, _ = shard_model(net, OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"), data_parallel=True,
+                           group=copy_group(2))
+    count_dense_allreduce(model, "fp32")  # as a run does: DDP's all-reduce through a hook, over the node's ranks
+    tables, peers = attach_table_merger(model), peer_group(2)
+    assert any("@" in name for name in tables.tables) == (rank % 2 == 1)  # row-wise: local rank 1 holds later rows
+    params = [p for _, p in replicated_parameters(model)]
+    merger = KStepMerger(params, MergeConfig(k=3, tables="per_node"), tables=tables, table_group=peers)
+    start = {n: w.clone() for n, w in tables.tables.items()}
+    optimizer = torch.optim.Adam(params, lr=0.01)
+    model.train()
+    met: dict[str, set[int]] = {f: set() for f in SPEC.categorical}  # the ids this node's two ranks looked up
+    for step in range(1, 4):
+        for r in (2 * node, 2 * node + 1):
+            for f, ids in zip(SPEC.categorical, _batch(step, r).sparse_features.to_dict().values()):
+                met[f] |= set(ids.values().tolist())
+        b = _batch(step, rank)
+        F.binary_cross_entropy_with_logits(model(b.dense_features, b.sparse_features), b.labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 3:
+            dense = _gathered(torch.cat([p.detach().reshape(-1) for p in params]))
+            np.testing.assert_array_equal(dense[2 * node], dense[2 * node + 1])  # DDP inside the node
+            assert np.abs(dense[0] - dense[2]).max() > 0  # the nodes trained apart
+            seen = {n: _gathered(tables.touched[tables.first_row[n]:tables.first_row[n] + w.shape[0]].clone(), peers)
+                    for n, w in tables.tables.items()}
+            before = {n: _gathered(w.clone(), peers) for n, w in tables.tables.items()}
+        assert merger.after_step() == (step == 3)
+    for name, w in tables.tables.items():
+        table, _, offsets = name.partition("@")
+        first = int(offsets.split(",")[0]) if offsets else 0
+        hit = np.stack(seen[name])
+        if table.startswith("emb_"):  # the rows the kernel recorded are those the node's batches met in this shard
+            expected = np.zeros(w.shape[0], bool)
+            expected[[i - first for i in met[table[4:]] if first <= i < first + w.shape[0]]] = True
+            np.testing.assert_array_equal(hit[node], expected, err_msg=name)
+        changed = (np.stack(before[name]) != start[name].numpy()).any(-1)
+        assert not (changed & ~hit).any(), name
+        n = hit.sum(0)
+        b = start[name].numpy()
+        want = b + ((np.stack(before[name]) - b) * hit[..., None]).sum(0) / np.sqrt(np.maximum(n, 1))[:, None]
+        np.testing.assert_allclose(w.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert (n == 2).any() or not hit.any(), name
+    model.eval()  # every rank of both nodes now scores a batch alike
+    b = _batch(99, 0)
+    with torch.no_grad():
+        scores = _gathered(model(b.dense_features, b.sparse_features))
+    for other in scores[1:]:
+        np.testing.assert_allclose(other, scores[0], rtol=1e-5, atol=1e-6)
+
+
+def test_tables_per_node_are_sharded_inside_a_node_and_merged_across_nodes():
+    run_workers(_per_node_worker, 4)

@@ -31,8 +31,9 @@ from rank 0). The averaging is ``torch.distributed.algorithms.model_averaging.ut
 
 With SGD, merging every step (k = 1) is exactly synchronous data parallelism (the mean of the
 locally updated parameters is the update with the mean gradient); with Adam it is not, since
-the second moment is not linear in the gradient. Replicated embedding tables (``tables=replicated``) are
-merged at the same steps, row by row (:mod:`modules.optim.sparse_merging`).
+the second moment is not linear in the gradient. Embedding tables with a copy on every rank or node
+(``tables=replicated|per_node``) are merged at the same steps, row by row (:mod:`modules.optim.sparse_merging`),
+each shard with the ranks that hold the same shard (``table_group``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from modules.optim.in_flight import InFlight
 from modules.optim.sparse_merging import UPDATE_DTYPES, TableMerger, TablePass
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-TABLES = ("auto", "sharded", "replicated")
+TABLES = ("auto", "sharded", "replicated", "per_node")
 DENSE_DTYPES = {**UPDATE_DTYPES, "bf16": torch.bfloat16}  # the tables' update precisions, and bf16
 
 
@@ -59,8 +60,9 @@ class MergeConfig:
     """``trainer.merging``; ``k`` None: synchronous data parallelism (no merging); ``auto`` (the default):
     chosen from the stated inter-node link (:mod:`modules.sharding.link_plan`), None until then. ``tables``:
     ``sharded`` (each table on one owner, looked up through the all-to-all), ``replicated`` (every table
-    whole on every rank, its looked-up rows merged every ``k`` steps: :mod:`modules.optim.sparse_merging`) or
-    ``auto`` (the default: sharded unless the stated link makes replicated tables faster and they fit)."""
+    whole on every rank, its looked-up rows merged every ``k`` steps: :mod:`modules.optim.sparse_merging`),
+    ``per_node`` (every table on every node, sharded over its ranks, synchronous inside the node and merged so
+    across nodes) or ``auto`` (the default: sharded unless the stated link makes copies faster and they fit)."""
 
     k: Any = "auto"
     k_intra: Optional[int] = None
@@ -72,11 +74,9 @@ class MergeConfig:
     def __post_init__(self) -> None:
         if self.tables not in TABLES:
             raise ValueError(f"tables={self.tables!r}: expected one of {TABLES}")
-        if self.tables == "replicated" and (isinstance(self.k, bool) or not isinstance(self.k, int)
-                                            or self.k_intra is not None):
-            raise ValueError(f"tables=replicated with k={self.k!r}, k_intra={self.k_intra!r}: replicated tables "
-                             f"are merged every k steps over all ranks; set an integer k (1 merges every step) "
-                             f"and no k_intra")
+        if self.copies and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k_intra is not None):
+            raise ValueError(f"tables={self.tables} with k={self.k!r}, k_intra={self.k_intra!r}: the tables' copies "
+                             f"are merged every k steps; set an integer k (1 merges every step) and no k_intra")
         if self.overlap != "auto" and (isinstance(self.overlap, bool) or not isinstance(self.overlap, int)
                                        or self.overlap < 0):
             raise ValueError(f"overlap={self.overlap!r}: expected the steps a merge travels before it lands (0: none, "
@@ -98,6 +98,11 @@ class MergeConfig:
     def enabled(self) -> bool:
         return self.k not in (None, "auto")
 
+    @property
+    def copies(self) -> bool:
+        """Whether every rank (``replicated``) or node (``per_node``) holds a copy of the tables, merged sparsely."""
+        return self.tables in ("replicated", "per_node")
+
 
 @dataclass
 class DensePass:
@@ -110,10 +115,11 @@ class DensePass:
 class KStepMerger:
     def __init__(self, params: Iterable[torch.nn.Parameter], cfg: MergeConfig,
                  ranks_per_node: int | None = None, tables: TableMerger | None = None, dense: str = "fp32",
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, table_group: dist.ProcessGroup | None = None) -> None:
         self.params = [p for p in params]
         self.dense_dtype = DENSE_DTYPES[dense]  # what the dense part's updates travel in
-        self.tables = tables  # replicated embedding tables, merged sparsely with the dense part
+        self.tables = tables  # this rank's shards of the tables' copies, merged sparsely with the dense part
+        self.table_group = table_group  # the ranks holding the same shards (None: all), with ``timeout``
         self.cfg = cfg
         self.optimizer: torch.optim.Optimizer | None = None
         self.steps = 0
@@ -134,7 +140,7 @@ class KStepMerger:
             for p in self.params:  # identical start on every rank
                 dist.broadcast(p.data, src=0)
             if tables is not None:
-                tables.make_equal()
+                tables.make_equal(table_group)
         self._base = self._snapshot()
 
     def _snapshot(self) -> list[torch.Tensor]:
@@ -167,7 +173,7 @@ class KStepMerger:
             if half and self.params:
                 self._merge_updates(group)
         if self.tables is not None:
-            self.tables.merge(group)
+            self.tables.merge(self.table_group or group)
         self.merges += 1
         if group is dist.group.WORLD:
             self.dirty = False
@@ -233,7 +239,7 @@ class KStepMerger:
             moments = dense.moments.clone() if dense.moments is not None else None
             if moments is not None:
                 dist.all_reduce(moments, group=self.merge_group)
-        rows = self.tables.exchange(tables, self.merge_group) if tables is not None else None
+        rows = self.tables.exchange(tables, self.table_group or self.merge_group) if tables is not None else None
         return dense, mean.float() / world, None if moments is None else moments / world, tables, rows
 
     @torch.no_grad()

@@ -81,16 +81,16 @@ class TableMerger:
 
     @torch.no_grad()
     def make_equal(self, group: dist.ProcessGroup | None = None) -> None:
-        """Give every rank rank 0's tables where they differ (compared by a checksum of each table: a table
-        drawn from the same seed everywhere crosses no link)."""
+        """Give every rank of ``group`` (None: all) its first rank's tables where they differ (compared by a checksum
+        of each table: a table drawn from the same seed everywhere crosses no link)."""
         sums = torch.tensor([_checksum(self.tables[n]) for n in self.names], dtype=torch.float64)
         first = sums.clone()
-        dist.broadcast(first, src=0, group=group)
+        dist.broadcast(first, group=group, group_src=0)
         differ = (sums != first).to(torch.int64)
         dist.all_reduce(differ, group=group)
         for name, d in zip(self.names, differ.tolist()):
             if d:
-                dist.broadcast(self.tables[name], src=0, group=group)
+                dist.broadcast(self.tables[name], group=group, group_src=0)
 
     @torch.no_grad()
     def record(self, table: str, ids: torch.Tensor) -> None:

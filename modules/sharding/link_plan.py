@@ -21,15 +21,24 @@ no pooled vector crosses the link; every k steps the rows a pass met do:
                                                              fp32 or fp16, the option's embedding_backward),
                                                              d: floats a row holds
 
+With every table on every node, sharded over the node's ranks (``per_node``), only the nodes' copies are merged:
+each rank exchanges its shard's part with the rank holding the same shard on each other node (N = W / R nodes),
+
+    embedding = (N − 1)/N · (4 · u_k + 2 · s_bwd · U_k · (d + 1)) / (k · R)   u_k: distinct rows of a node's k
+                                                             batches (R ranks' local batches); R = 1 is the
+                                                             replicated formula
+
+and the pooled all-to-all stays inside the node (not counted: it crosses no link).
+
 s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated without overlap:
 
     t(option) = t_compute + (embedding + dense) / link bandwidth
 
 ``t_compute`` is measured by the caller (the dense network's forward and backward at the local batch).
 Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward (fp16 on CPU)} × the dense
-all-reduce or merge in {fp32, fp16}, and replicated tables at k ∈ {2, 4, 8} with fp32 or fp16 updates (tables and dense
-part) where the caller measured the pass rows (the tables fit whole in one rank's memory and nothing else refuses
-them). The fastest is taken when it saves at least ``min_gain`` of the step against today's default (DDP, fp32);
+all-reduce or merge in {fp32, fp16}, and copies of the tables (replicated, and per node with more than one rank
+a node) at k ∈ {2, 4, 8} with fp32 or fp16 updates (tables and dense part) where the caller measured the pass rows
+(a node's share of the tables fits in each rank's memory and nothing else refuses copies). The fastest is taken when it saves at least ``min_gain`` of the step against today's default (DDP, fp32);
 else the default stays, so a fast link or one node changes nothing. k ≤ 8 and these precisions are what was
 measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
 """
@@ -68,12 +77,14 @@ class StepShape:
 
 @dataclass(frozen=True)
 class PassRows:
-    """Distinct (table, row) pairs a pass of k steps meets, by k: on one rank (``local``) and on all ranks
-    together (``union``); ``row_floats``: the floats a looked-up row holds, on average over the lookups."""
+    """Distinct (table, row) pairs a pass of k steps meets, by k: on one rank (``local``), on one node's ranks
+    (``node``; empty: as ``local``) and on all ranks together (``union``); ``row_floats``: the floats a looked-up
+    row holds, on average over the lookups."""
 
     local: Mapping[int, int] = field(default_factory=dict)
     union: Mapping[int, int] = field(default_factory=dict)
     row_floats: float = 0.0
+    node: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,12 +93,12 @@ class LinkOption:
     embedding_forward: str
     embedding_backward: str
     dense: str                  # DDP's all-reduce precision, or the k-step merges' updates
-    tables: str = "sharded"     # replicated: every table whole on every rank, its met rows merged every k steps
+    tables: str = "sharded"     # replicated / per_node: a copy on every rank / node, its met rows merged every k steps
 
     def describe(self) -> str:
         merge = "DDP" if self.k is None else f"k={self.k}"
-        if self.tables == "replicated":
-            return f"{merge}, tables replicated, updates {self.embedding_backward}"
+        if self.tables != "sharded":
+            return f"{merge}, tables {self.tables.replace('_', ' ')}, updates {self.embedding_backward}"
         return (f"{merge}, embeddings {self.embedding_forward}/{self.embedding_backward} (forward/backward), "
                 f"dense {self.dense}")
 
@@ -99,28 +110,32 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
     """Bytes per rank and step across the link, by kind (the module docstring's formulas)."""
     rho = shape.remote_share
     dense = 2 * rho * shape.dense_params * BYTES[option.dense] / (option.k or 1)
-    if option.tables == "replicated":
+    if option.tables != "sharded":
         rows = shape.pass_rows
-        assert rows is not None and option.k is not None, "replicated tables need the pass rows and a period"
-        updates = BYTES[option.embedding_backward]
-        row_bytes = updates * (rows.row_floats + 1)  # its updates and a count
-        embedding = rho * (4 * rows.local[option.k] + 2 * rows.union[option.k] * row_bytes) / option.k
+        assert rows is not None and option.k is not None, "copies of the tables need the pass rows and a period"
+        row_bytes = BYTES[option.embedding_backward] * (rows.row_floats + 1)  # its updates and a count
+        if option.tables == "replicated":
+            embedding = rho * (4 * rows.local[option.k] + 2 * rows.union[option.k] * row_bytes) / option.k
+        else:
+            nodes, met = shape.world // shape.ranks_per_node, (rows.node or rows.local)[option.k]
+            embedding = ((nodes - 1) / nodes * (4 * met + 2 * rows.union[option.k] * row_bytes)
+                         / (option.k * shape.ranks_per_node))
         return {"embedding": embedding, "dense": dense}
     per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
     embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)
     return {"embedding": embedding, "dense": dense}
 
 
-def options(half_backward: str = "bf16", replicated: bool = False) -> list[LinkOption]:
+def options(half_backward: str = "bf16", copies: bool = False) -> list[LinkOption]:
     """Every option; ``half_backward``: the gradients' precision of the reduced option (fp16 on CPU, where
-    TorchRec sends bf16 as fp16); ``replicated``: also those with every table whole on every rank."""
+    TorchRec sends bf16 as fp16); ``copies``: also those with a copy of the tables on every rank or node."""
     out = []
     for k in MERGE_PERIODS:
         for forward, backward in (("fp32", "fp32"), ("fp16", half_backward)):
             for dense in ("fp32", "fp16"):
                 out.append(LinkOption(k, forward, backward, dense))
-    return out + [LinkOption(k, "fp32", updates, dense, "replicated") for k in MERGE_PERIODS[1:]
-                  for updates in ("fp32", "fp16") for dense in ("fp32", "fp16") if replicated]
+    return out + [LinkOption(k, "fp32", updates, dense, tables) for tables in ("replicated", "per_node")
+                  for k in MERGE_PERIODS[1:] for updates in ("fp32", "fp16") for dense in ("fp32", "fp16") if copies]
 
 
 @dataclass(frozen=True)

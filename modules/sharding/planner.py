@@ -220,14 +220,15 @@ def without_fbgemm_bounds_check(plan: ShardingPlan) -> None:
                 sharding.bounds_check_mode = BoundsCheckMode.NONE
 
 
-def placed_on_global_rank(plan: ShardingPlan, device: torch.device) -> None:
-    """A plan over one rank's own group: its shards' placements name the rank's global number, which the
-    sharded tensors check against the group's members (the plan's ``ranks`` stay the group's own, 0)."""
-    place = torch.distributed._remote_device(f"rank:{dist.get_rank()}/{device}")
+def placed_on_global_rank(plan: ShardingPlan, group: dist.ProcessGroup, device: torch.device) -> None:
+    """A plan over ``group`` (one rank's own, or one node's ranks): its shards' placements name the members' global
+    numbers, which the sharded tensors check against the group's members (the plan's ``ranks`` stay the group's)."""
     for module_plan in plan.plan.values():
         for sharding in module_plan.values():  # type: ignore[union-attr]
             for shard in sharding.sharding_spec.shards if sharding.sharding_spec else ():
-                shard.placement = place
+                member = shard.placement.rank()  # type: ignore[union-attr]
+                shard.placement = torch.distributed._remote_device(
+                    f"rank:{dist.get_global_rank(group, member)}/{device}")
 
 
 class DeviceOnlyWrapper(DataParallelWrapper):
@@ -255,8 +256,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     than one rank and ``data_parallel`` is set; ``data_parallel=False`` leaves them out (for k-step
     merging, :mod:`modules.optim.kstep_merging`). ``qcomm``: TorchRec's quantized-comms codecs for the
     embedding all-to-alls (:func:`modules.sharding.comm_precision.qcomm_registry`; None: fp32). ``group``: shard
-    over this process group instead of all ranks (one rank's own: every table whole on every rank,
-    :mod:`modules.sharding.replicated_tables`; nothing replicated goes into DDP then).
+    over this process group instead of all ranks (one rank's own, or its node's: a copy of every table on every
+    rank or node, :mod:`modules.sharding.replicated_tables`; DDP, if any, then spans that group).
     """
     ebcs = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     if is_fusable(embedding_optim, device.type):
@@ -270,12 +271,12 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
                         row_state_bytes=row_state_bytes)
     if group is not None and result.file_backed:
         raise PlacementError(f"tables {sorted(result.file_backed)} go to the ssd tier, whose files are one rank's: "
-                             f"they cannot be replicated (trainer.merging.tables=replicated); use sharded")
+                             f"their copies cannot be merged (trainer.merging.tables=replicated|per_node); use sharded")
     if group is not None:
-        placed_on_global_rank(result.plan, device)
+        placed_on_global_rank(result.plan, group, device)
     if device.type == "cpu":
         without_fbgemm_bounds_check(result.plan)
-    wrapper = None if data_parallel and world > 1 and group is None else DeviceOnlyWrapper()
+    wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
     env = ShardingEnv.from_process_group(group) if group is not None else None
     with drawn_later(ebcs, result) as cached, \
             file_backed_tables(cached, topology.ssd.path or "", dist.get_rank(), topology.ssd.cache_policy):

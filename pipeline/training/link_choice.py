@@ -27,7 +27,7 @@ from modules.models import ModelConfig
 from modules.optim.kstep_merging import MergeConfig
 from modules.sharding.comm_precision import CommsConfig
 from modules.sharding.link_plan import LATE_STEPS, MERGE_PERIODS, LinkChoice, PassRows, StepShape, choose
-from modules.sharding.replicated_tables import own_group
+from modules.sharding.replicated_tables import copy_group
 from modules.sharding.topology import GB, TopologySpec
 from pipeline.config import RunConfig
 from pipeline.data.store import SplitArrays
@@ -35,7 +35,7 @@ from pipeline.runtime.errors import ConfigError
 
 
 def replication_refused(run: RunConfig) -> str | None:
-    """Why this run's tables cannot be replicated (the setting that refuses it, and why), or None."""
+    """Why this run's tables cannot have copies (the setting that refuses it, and why), or None."""
     if run.model.zch.enabled:
         return "model.zch: its id mapping is each rank's own"
     if run.optim.embedding_l2_scope == "all":
@@ -50,15 +50,15 @@ def check_link_settings(run: RunConfig) -> None:
     bf16 = [k for k in ("embedding_forward", "embedding_backward") if getattr(comms, k) == "bf16"]
     if bf16 and run.topology.compute_device == "cpu":  # torchrec/distributed/fbgemm_qcomm_codec.py falls back
         raise ConfigError(f"trainer.comms.{bf16[0]}=bf16: TorchRec sends bf16 as fp16 on CPU (gloo): use fp16")
-    if merging.tables != "replicated":
+    if not merging.copies:
         return
     sent = [f"{key}={value}" for key, value, allowed in
             (("embedding_forward", comms.embedding_forward, ("auto", "fp32")),
              ("embedding_backward", comms.embedding_backward, ("auto", "fp32", "fp16"))) if value not in allowed]
-    why = (f"trainer.comms.{sent[0]}: replicated tables send no all-to-all (their merges send updates in "
-           f"embedding_backward: fp32 or fp16)") if sent else replication_refused(run)
+    why = (f"trainer.comms.{sent[0]}: copies of the tables send no all-to-all across the link (their merges send "
+           f"updates in embedding_backward: fp32 or fp16)") if sent else replication_refused(run)
     if why:
-        raise ConfigError(f"trainer.merging.tables=replicated with {why}; use trainer.merging.tables=sharded")
+        raise ConfigError(f"trainer.merging.tables={merging.tables} with {why}; use trainer.merging.tables=sharded")
 
 
 def dense_step_seconds(model: ModelConfig, spec: FeatureSpec, local_batch: int, repeats: int = 3) -> float:
@@ -89,10 +89,11 @@ def slowest(seconds: float) -> float:
 
 
 def pass_rows(train: SplitArrays, spec: FeatureSpec, local_batch: int, world: int, row_floats: float,
-              periods: tuple[int, ...] = MERGE_PERIODS[1:], seed: int = 0) -> PassRows:
-    """Distinct (table, row) pairs in a random sample of k local batches (one rank's pass) and of k batches on
-    every rank (all ranks' pass) of the training split, for each k in ``periods`` (the same sample on every
-    rank: the same choice everywhere). One-id features only (sequences are not counted)."""
+              periods: tuple[int, ...] = MERGE_PERIODS[1:], seed: int = 0, ranks_per_node: int = 1) -> PassRows:
+    """Distinct (table, row) pairs in a random sample of k local batches (one rank's pass), of k batches on each of
+    a node's ranks (``ranks_per_node``) and of k batches on every rank (all ranks' pass) of the training split, for
+    each k in ``periods`` (the same sample on every rank: the same choice everywhere). One-id features only
+    (sequences are not counted)."""
     rng = np.random.default_rng(seed)
     n = len(train)
     order = rng.permutation(n)[:min(n, max(periods) * local_batch * world)]
@@ -105,14 +106,15 @@ def pass_rows(train: SplitArrays, spec: FeatureSpec, local_batch: int, world: in
         return int(np.unique(rows[:m]).size)
 
     return PassRows({k: distinct(k * local_batch) for k in periods},
-                    {k: distinct(k * local_batch * world) for k in periods}, row_floats)
+                    {k: distinct(k * local_batch * world) for k in periods}, row_floats,
+                    {k: distinct(k * local_batch * ranks_per_node) for k in periods})
 
 
 def fits_whole(net: nn.Module, topology: TopologySpec) -> bool:
-    """Whether every table and an optimizer state as large fit in one rank's share of its tier's memory (the
-    host's on CPU, the GPU's on CUDA; a topology without a capacity: yes)."""
-    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name))
+    """Whether a node's ranks hold every table and an optimizer state as large, each its share, in its share of its
+    tier's memory (the host's on CPU, the GPU's on CUDA; a topology without a capacity: yes): a copy per node."""
     per_node = topology.ranks_per_node or 1
+    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name)) / per_node
     budget = (topology.hbm_cap_gb * (1 - topology.hbm_reserve) if topology.compute_device == "cuda"
               else topology.ddr_cap_gb * (1 - topology.ddr_reserve) / per_node) * GB
     return not budget or 2 * tables <= budget
@@ -153,7 +155,8 @@ class LinkSettings:
     merging: MergeConfig
     comms: CommsConfig
     choice: Optional[LinkChoice] = None
-    replicable: bool = True  # whether nothing else refuses replicated tables (:func:`replication_refused`)
+    replicable: bool = True  # whether nothing else refuses copies of the tables (:func:`replication_refused`)
+    ranks_per_node: int = 1
 
     @classmethod
     def of(cls, run: RunConfig) -> "LinkSettings":
@@ -171,36 +174,42 @@ class LinkSettings:
         if (train is not None and self.replicable and self.merging.tables != "sharded"
                 and topology.world_size > 1
                 and topology.bandwidth_gbps.inter_node and fits_whole(net, topology)):
-            rows = pass_rows(train, spec, local_batch, topology.world_size, model.embedding_dim + bool(model.wide))
+            rows = pass_rows(train, spec, local_batch, topology.world_size, model.embedding_dim + bool(model.wide),
+                             ranks_per_node=topology.ranks_per_node or 1)
         merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology, local_batch,
                                               dense_params, rows)
-        if merging.tables == "replicated":  # no all-to-all; the backward's precision is the updates' in a merge
+        if merging.copies:  # no all-to-all across the link; the backward's precision is the updates' in a merge
             comms = CommsConfig("fp32", comms.embedding_backward, comms.dense)
-        settings = LinkSettings(merging, comms, choice, self.replicable)
+        settings = LinkSettings(merging, comms, choice, self.replicable, topology.ranks_per_node or 1)
         if topology.world_size > 1:
             rank_zero_info(settings.describe())
         return settings
 
     @property
-    def independent_steps(self) -> bool:
-        """Whether the ranks' training steps share no collective (k-step merging over replicated tables): they
-        need to agree only at merges."""
-        return self.merging.enabled and self.merging.tables == "replicated"
+    def copy_span(self) -> int:
+        """The ranks one copy of the tables spans: 1 (``replicated``), a node's (``per_node``); 0: no copies."""
+        if not (self.merging.enabled and self.merging.copies):
+            return 0
+        return 1 if self.merging.tables == "replicated" else self.ranks_per_node
 
     def shard_group(self) -> dist.ProcessGroup | None:
-        """The process group the tables are sharded over: this rank's own with replicated tables (every table
-        whole here), else all ranks (None)."""
-        return own_group() if self.merging.tables == "replicated" else None
+        """The process group the tables are sharded over, which is also the one a training step's collectives span
+        (the all-to-all, DDP's all-reduce): this rank's own (``replicated``: every table whole here), its node's
+        (``per_node``), else all ranks (None). Between merges the ranks of different groups share no collective."""
+        return copy_group(self.copy_span) if self.copy_span else None
 
     def describe(self) -> str:
         """One line for the log and ``ctr plan``: what runs, and why."""
         merging, comms, choice = self.merging, self.comms, self.choice
         late = f", each merge travelling during the next {merging.overlap} steps" if merging.overlap else ""
         merge = "DDP (every step)" if merging.k is None else f"k-step merging, k={merging.k}{late}"
-        if merging.tables == "replicated":
-            line = (f"link: every table whole on every rank, the rows each rank looked up merged with the dense part "
-                    f"every k={merging.k} steps{late}, updates in {comms.embedding_backward} (no embedding "
-                    f"all-to-all); dense updates {comms.dense}.")
+        if merging.copies:
+            where = ("every table whole on every rank" if merging.tables == "replicated" else
+                     f"every table on every node, sharded over its {self.ranks_per_node} ranks (all-to-all and DDP "
+                     f"inside the node)")
+            line = (f"link: {where}, the rows each copy looked up merged with the dense part every k={merging.k} "
+                    f"steps{late}, updates in {comms.embedding_backward} (no embedding all-to-all across the link); "
+                    f"dense updates {comms.dense}.")
         else:
             line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, "
                     f"{comms.embedding_backward} backward; dense {'all-reduce' if merging.k is None else 'updates'} "

@@ -3,40 +3,39 @@
 A step is non-finite when its loss is NaN/±inf on any rank, or when any dense gradient is after the
 backward (the embedding tables were already updated inside the backward then: FBGEMM's fused
 optimizers). ``stop`` raises ``FloatingPointError`` naming the step; ``skip`` counts the step
-(``skipped``) and tells the caller to skip the dense update. All ranks take the same decision (a max
-all-reduce of the flag), so the collectives of the step stay matched — except where the ranks share no
-collective between merges (k-step merging over replicated tables: ``lockstep`` false), where each rank decides
-for itself: a round trip per check across a slow link would cost more than the rest of the step (under ``stop``
-the other ranks then fail at the next merge, naming the rank that stopped).
+(``skipped``) and tells the caller to skip the dense update. The ranks a step's collectives span take the same
+decision (a max all-reduce of the flag over ``group``), so those collectives stay matched: all ranks, or, with
+k-step merging over copies of the tables, the ranks of one copy (a node's, or each rank alone), which share no
+collective with the others between merges — a round trip per check across a slow link would cost more than the
+rest of the step (under ``stop`` the other ranks then fail at the next merge, naming the rank that stopped).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.launch import group_size
 
-
-def anywhere(flag: torch.Tensor, lockstep: bool = True) -> bool:
-    """True if ``flag`` holds on any rank (``lockstep`` false: on this one)."""
+def anywhere(flag: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True if ``flag`` holds on any rank of ``group`` (None: all ranks)."""
     flag = flag.detach().to(torch.float32).reshape(1)
-    if lockstep and group_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item() > 0)
 
 
 class NonFiniteGuard:
-    """``lockstep()``: whether the ranks must take each step's decision together (asked at each check: a run
+    """``group()``: the ranks that take each step's decision together (None: all; asked at each check: a run
     knows once its model is built)."""
 
-    def __init__(self, policy: str = "stop", lockstep: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, policy: str = "stop",
+                 group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None) -> None:
         if policy not in ("stop", "skip"):
             raise ValueError(f"trainer.nonfinite={policy!r}: expected 'stop' or 'skip'")
         self.policy = policy
-        self.lockstep = lockstep
+        self.group = group
         self.skipped = 0
 
     def _found(self, what: str) -> bool:
@@ -48,7 +47,7 @@ class NonFiniteGuard:
 
     def bad_loss(self, loss: torch.Tensor, where: str) -> bool:
         """True (skip the step) if the loss is non-finite on any rank; raises under ``stop``."""
-        if anywhere(~torch.isfinite(loss), self.lockstep()):
+        if anywhere(~torch.isfinite(loss), self.group()):
             return self._found(f"the loss is {loss.item()} at {where}")
         return False
 
@@ -56,7 +55,7 @@ class NonFiniteGuard:
         """True (skip the dense update) if any gradient is non-finite on any rank; raises under ``stop``."""
         present = [g for g in grads if g is not None]
         bad = torch.stack([~torch.isfinite(g).all() for g in present]).any() if present else torch.tensor(False)
-        if anywhere(bad, self.lockstep()):
+        if anywhere(bad, self.group()):
             return self._found(f"non-finite dense gradients at {where}; embedding tables were already updated in "
                                f"the backward")
         return False

@@ -71,7 +71,7 @@ class CTRTask(L.LightningModule):
         self.l2_scope = cfg.optim.embedding_l2_scope
         self.rates = LearningRates(self.scaled.dense_lr, self.scaled.embedding_lr, self.scaled.warmup_epochs,
                                    cfg.scaling.embedding_warmup_epochs)
-        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, lambda: not self.link.independent_steps)
+        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, lambda: self.link.shard_group())
         self.batch_rows = (cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank: training, evaluation
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
@@ -113,7 +113,7 @@ class CTRTask(L.LightningModule):
         self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch,
                                        data.store.split("train"))
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
-                                            data_parallel=not self.link.merging.enabled,  # merging averages itself
+                                            data_parallel=not self.link.merging.enabled or self.link.copy_span > 1,
                                             group=self.link.shard_group(),
                                             qcomm=qcomm_registry(self.link.comms), coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},

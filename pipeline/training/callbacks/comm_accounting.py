@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from modules.comm_accounting import CommCounter, ddp_counting_hook, install, uninstall
@@ -30,9 +31,7 @@ class CommAccounting(Callback):
             uninstall()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        dense = getattr(pl_module.model, "_dmp_wrapped_module", None)
-        if isinstance(dense, DistributedDataParallel):  # DDP's all-reduce runs in C++: counted by a comm hook
-            dense.register_comm_hook(dense_allreduce_hook(pl_module.link.comms.dense), ddp_counting_hook)
+        count_dense_allreduce(pl_module.model, pl_module.link.comms.dense)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -52,3 +51,11 @@ class CommAccounting(Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for k, v in self.bytes_per_step().items():
             pl_module.log(k, v, sync_dist=True)
+
+
+def count_dense_allreduce(model: nn.Module, precision: str) -> None:
+    """``model``'s DDP (if its dense part has one) all-reduces in ``precision`` over the DDP's own process group (all
+    ranks, or one node's), counted: DDP's all-reduce runs in C++, so through a communication hook."""
+    dense = getattr(model, "_dmp_wrapped_module", None)
+    if isinstance(dense, DistributedDataParallel):
+        dense.register_comm_hook((dense_allreduce_hook(precision), dense.process_group), ddp_counting_hook)

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 
 from modules.optim.kstep_merging import KStepMerger, MergeConfig
 from modules.optim.optimizers import replicated_parameters
-from modules.sharding.replicated_tables import attach_table_merger
+from modules.sharding.replicated_tables import attach_table_merger, peer_group
 
 
 class KStepMerging(Callback):
@@ -18,7 +18,8 @@ class KStepMerging(Callback):
     training step, and a final merge before validation, testing, checkpoints and at each epoch's end.
     Its step and merge counters are saved with checkpoints. The period is the task's ``merging`` (resolved
     for the link when ``trainer.merging.k=auto``); a run that resolved to DDP merges nothing. With
-    ``trainer.merging.tables=replicated`` the looked-up rows of the tables are merged with the dense part."""
+    ``trainer.merging.tables=replicated|per_node`` the looked-up rows of the tables' copies are merged with the
+    dense part, each shard with the ranks that hold it on the other nodes."""
 
     def __init__(self, ranks_per_node: int, timeout: timedelta | None = None) -> None:
         self.ranks_per_node = ranks_per_node
@@ -38,9 +39,12 @@ class KStepMerging(Callback):
             return
         params = [p for _, p in replicated_parameters(pl_module.model)]
         tables = attach_table_merger(pl_module.model, pl_module.link.comms.embedding_backward) \
-            if cfg.tables == "replicated" else None
+            if cfg.copies else None
+        span = pl_module.link.copy_span
         self.merger = KStepMerger(params, cfg, ranks_per_node=self.ranks_per_node, tables=tables,
-                                  dense=pl_module.link.comms.dense, timeout=self.timeout)
+                                  dense=pl_module.link.comms.dense, timeout=self.timeout,
+                                  table_group=peer_group(span, self.timeout) if tables is not None and span > 1
+                                  else None)
         self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
         self.merger.attach_optimizer(trainer.optimizers[0])
 
