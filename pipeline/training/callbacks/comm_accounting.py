@@ -31,7 +31,8 @@ class CommAccounting(Callback):
             uninstall()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        count_dense_allreduce(pl_module.model, pl_module.link.comms.dense)
+        link = pl_module.link  # a DDP inside a node (tables per node) crosses no link: fp32 there
+        count_dense_allreduce(pl_module.model, "fp32" if link.copy_span > 1 else link.comms.dense)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
