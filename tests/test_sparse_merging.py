@@ -76,12 +76,14 @@ def test_merged_rows_get_the_updates_summed_over_root_n():
 
 
 def _model_worker(rank: int, world: int) -> None:
+    from modules.embedding.sparse_arch import is_table_parameter
     from modules.models.deepfm import DeepFM
     from modules.optim.kstep_merging import KStepMerger, MergeConfig
     from modules.optim.optimizers import OptimizerSpec, replicated_parameters
     from modules.sharding.planner import shard_model
     from modules.sharding.replicated_tables import attach_table_merger, copy_group
     from modules.sharding.topology import TopologySpec
+    from pipeline.serving.table_files import holds_rank_0s_copy
 
     torch.manual_seed(rank)  # the dense part differs; the tables are drawn from the same seed
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
@@ -90,6 +92,8 @@ def _model_worker(rank: int, world: int) -> None:
                            group=copy_group(1))
     tables = attach_table_merger(model)
     assert sum(w.shape[0] for w in tables.tables.values()) >= 37  # every table whole on this rank
+    assert all(holds_rank_0s_copy(v) == (rank == 0) for k, v in model.state_dict().items()
+               if is_table_parameter(k))  # rank 0's copy alone goes into the model folder
     params = [p for _, p in replicated_parameters(model)]
     merger = KStepMerger(params, MergeConfig(k=3, tables="replicated"), tables=tables)
     start = {n: w.clone() for n, w in tables.tables.items()}
@@ -149,13 +153,18 @@ def test_a_model_with_replicated_tables_merges_the_rows_looked_up():
     run_workers(_model_worker, 2)
 
 
-def _per_node_worker(rank: int, world: int) -> None:
+def _per_node_worker(rank: int, world: int, folder: str) -> None:
+    from pathlib import Path
+
+    from modules.embedding.sparse_arch import is_table_parameter
     from modules.models.deepfm import DeepFM
     from modules.optim.kstep_merging import KStepMerger, MergeConfig
     from modules.optim.optimizers import OptimizerSpec, replicated_parameters
     from modules.sharding.planner import shard_model
     from modules.sharding.replicated_tables import attach_table_merger, copy_group, peer_group
     from modules.sharding.topology import TopologySpec
+    from pipeline.serving.table_files import holds_rank_0s_copy, mapped
+    from pipeline.serving.weights import unsharded_state
     from pipeline.training.callbacks.comm_accounting import count_dense_allreduce
 
     node = rank // 2  # ranks 0, 1 are node 0; 2, 3 node 1; a shard's peers: the same local rank on the other node
@@ -210,7 +219,21 @@ def _per_node_worker(rank: int, world: int) -> None:
         scores = _gathered(model(b.dense_features, b.sparse_features))
     for other in scores[1:]:
         np.testing.assert_allclose(other, scores[0], rtol=1e-5, atol=1e-6)
+    # the model folder's tables are written by node 0's copy alone (node 1's files need not be on rank 0's node)
+    state = {k: v for k, v in model.state_dict().items() if is_table_parameter(k)}
+    assert state and all(holds_rank_0s_copy(v) == (node == 0) for v in state.values())
+    if node == 1:
+        for w in tables.tables.values():
+            w.add_(1.0)  # were these written, node 0's rows would not be all there is
+    unsharded_state(model, Path(folder))
+    if node == 0:
+        for key, value in state.items():
+            written = mapped(Path(folder) / f"{key}.f32", tuple(value.size()))
+            for shard in value.local_shards():
+                r, c = shard.metadata.shard_offsets
+                rows, cols = shard.tensor.shape
+                torch.testing.assert_close(written[r:r + rows, c:c + cols], shard.tensor, rtol=0, atol=0)
 
 
-def test_tables_per_node_are_sharded_inside_a_node_and_merged_across_nodes():
-    run_workers(_per_node_worker, 4)
+def test_tables_per_node_are_sharded_inside_a_node_and_merged_across_nodes(tmp_path):
+    run_workers(_per_node_worker, 4, str(tmp_path))

@@ -71,15 +71,22 @@ def is_sharded(value: Any) -> bool:
     return hasattr(value, "local_shards")
 
 
+def holds_rank_0s_copy(value: Any) -> bool:
+    """Whether this rank's sharded table is the copy rank 0 holds: every table is, but where each rank or node holds
+    a copy (``trainer.merging.tables=replicated|per_node``; the copies agree after the final merge), the others'."""
+    return any(m.placement.rank() == 0 for m in value.metadata().shards_metadata)
+
+
 def unshard_to_file(value: Any, path: Path) -> torch.Tensor | None:
-    """A (possibly sharded) 2-D table written to ``path`` by every rank (collective); rank 0 gets the
-    file mapped, other ranks None."""
+    """A (possibly sharded) 2-D table written to ``path`` by the ranks holding rank 0's copy of it (collective: every
+    rank calls it; only rank 0's node need see ``path``); rank 0 gets the file mapped, other ranks None."""
     rank = group_rank()
     shape = tuple(value.size())
     if rank == 0:
         create(path, *shape)
     barrier()
-    shards = value.local_shards() if is_sharded(value) else [None] if rank == 0 else []
+    shards = (value.local_shards() if holds_rank_0s_copy(value) else []) if is_sharded(value) \
+        else [None] if rank == 0 else []
     for shard in shards:
         if shard is None:
             write_block(path, shape, (0, 0), value)
