@@ -136,6 +136,17 @@ def test_plan_command_stacks_the_cpu_tables_unless_one_is_forced():
     assert len(emb_rows(["model.stack_tables=false"])) == 26
 
 
+def test_plan_command_shows_a_copy_per_node_planned_over_the_node_s_ranks(small_overrides):
+    """2 nodes x 2 ranks with a 100 Mbit/s link stated: the tables get a copy per node (link_plan), and the plan shown
+    is the one each node's copy is sharded by, over its 2 ranks."""
+    out = plan_for_config(compose_config([*small_overrides, "topology.nodes=2", "topology.ranks_per_node=2",
+                                          "topology.bandwidth_gbps.inter_node=0.0125"]))
+    assert "the tables planned over one copy's 2 rank(s) (trainer.merging.tables=per_node)" in out
+    ranks = {line.split("|")[-2].strip() for line in out.splitlines() if line.startswith(("| emb_", "| wide"))}
+    assert ranks == {"0", "1"}, ranks
+    assert "every table on every node, sharded over its 2 ranks" in out
+
+
 def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
     proc = subprocess.run([PYTHON, "-m", "pipeline.commands.plan", "topology=8gpu_node", "data=criteo_kaggle_shape"],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)

@@ -60,14 +60,19 @@ def plan_for_config(cfg: DictConfig) -> str:
     model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage, batch_rows, eval_rows,
                                           l2_state)
     model = build_model(model_cfg, feature_spec, device=torch.device("meta"))
-    result = plan_model(model, optim, topology, coverage, table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse},
-                        batch_rows=batch_rows, eval_rows=eval_rows, row_state_bytes=l2_state)
+    link = LinkSettings.of(run).resolved(model_cfg, feature_spec, model, topology, run.trainer.batch_size, train)
+    span = link.copy_span or topology.world_size  # with copies of the tables, the ranks one copy is sharded over
+    planned = topology.on_ranks(span) if link.copy_span else topology
+    result = plan_model(model, optim, planned, coverage, table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse},
+                        batch_rows=batch_rows // topology.world_size * span,
+                        eval_rows=eval_rows // topology.world_size * span, row_state_bytes=l2_state)
+    copies = (f"; the tables planned over one copy's {span} rank(s) (trainer.merging.tables={link.merging.tables})"
+              if link.copy_span else "")
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
-             f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s)), "
+             f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s){copies}), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
              f"({stacking})\n")
-    link = LinkSettings.of(run).resolved(model_cfg, feature_spec, model, topology, run.trainer.batch_size, train)
-    return format_plan(result, optim.name, topology.world_size, title) + "\n" + link.describe()
+    return format_plan(result, optim.name, span, title) + "\n" + link.describe()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
