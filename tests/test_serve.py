@@ -376,3 +376,15 @@ def test_any_body_is_answered_or_refused_alone_and_never_fails_a_good_request_be
     if isinstance(outcomes[0], RequestError):
         assert str(outcomes[0]).strip(), body[:300]
     np.testing.assert_allclose(probabilities(json.loads(outcomes[1])), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("body", [
+    pytest.param(b"\r\x00", id="header ended by a lone CR, as Arrow ends lines"),
+    pytest.param(b"\x80\n", id="header not UTF-8, which Arrow does not check"),
+])
+def test_malformed_csv_bodies_are_refused_with_a_reason(body):
+    """CSV bodies Hypothesis found failing with 500s: now a 400 (RequestError) naming the body."""
+    from pipeline.server.requests import RequestError, parse
+
+    with pytest.raises(RequestError, match="text/csv body"):
+        parse(body, "text/csv")

@@ -118,7 +118,7 @@ def _csv(body: bytes) -> Parsed:
     """Every column read as text (as a training file is: "0123" stays "0123"); empty cells are missing."""
     first_line = re.split(rb"\r\n|\r|\n", body, maxsplit=1)[0]  # as Arrow reads it: any of the three ends a line
     try:
-        header = next(csv.reader([first_line.decode("utf-8", "replace")]), [])
+        header = next(csv.reader([first_line.decode("utf-8")]), [])  # Arrow does not check its header is UTF-8
         table = pacsv.read_csv(pa.BufferReader(body), convert_options=pacsv.ConvertOptions(
             column_types={name: pa.string() for name in header}, strings_can_be_null=True))
     except (pa.ArrowInvalid, ValueError, csv.Error) as e:
