@@ -69,11 +69,11 @@ def loopback_result(job_args, tmp_path_factory):
 
 
 def _start(cluster: Cluster, job_args: list[str], tmp: Path, run_id: str, *extra: str,
-           max_restarts: int = 0) -> list[subprocess.Popen]:
+           max_restarts: int = 0, nproc: int = 1) -> list[subprocess.Popen]:
     agents = []
     for n in range(cluster.nodes):
         with open(tmp / f"node{n}.log", "a") as log:  # the agent keeps its own descriptor
-            agents.append(cluster.torchrun(n, 1, run_id, _node_args(job_args, tmp, n, *extra), subprocess_env(),
+            agents.append(cluster.torchrun(n, nproc, run_id, _node_args(job_args, tmp, n, *extra), subprocess_env(),
                                            max_restarts=max_restarts, rdzv_timeout_s=30, cwd=ROOT, stdout=log,
                                            stderr=subprocess.STDOUT))
     return agents
@@ -204,4 +204,29 @@ def test_stated_slow_link_replicates_the_tables_and_sends_only_the_rows_a_pass_m
     # travels while the next 2 steps train
     assert "comm/embedding_bytes_per_step" not in run.metrics and run.params["link/overlap"] == "2"
     assert 0 < run.metrics["comm/merge_bytes_per_step"] < 0.3 * loopback_result.comm_bytes_per_step  # DDP's, fp32
+    assert result.test_auc > loopback_result.test_auc - 0.005  # 12 steps of a small job: a coarse bar
+
+
+def test_two_ranks_a_node_keep_one_copy_of_the_tables_per_node(job_args, loopback_result, tmp_path):
+    """2 nodes × 2 processes, everything at ``auto`` with a 100 Mbit/s link stated: each node keeps a copy of the
+    tables sharded over its two ranks (all-to-all and DDP inside the node; modules/sharding/replicated_tables.py),
+    the copies merged across the link every k steps. What leaves node 0 is a fraction of the bytes the 2-node DDP
+    job (the loopback run) issued a step, checkpoints and the model folder are written, and the model ends near
+    the loopback run's AUC."""
+    from mlflow.tracking import MlflowClient
+
+    with Cluster(nodes=2, rate_mbit=100) as cluster:
+        agents = _start(cluster, job_args, tmp_path, "pernode", "topology.bandwidth_gbps.inter_node=0.0125",
+                        "logger.log_model=true", nproc=2)
+        assert wait_all(agents, 480) == [0, 0], _log(tmp_path, 0)[-3000:]
+        sent = cluster.tx_bytes(0)
+    result = read_result(tmp_path / "node0")
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.mlflow_run_id).data
+    assert run.params["link/tables"] == "per_node" and int(run.params["link/merging_k"]) >= 2
+    assert "every table on every node, sharded over its 2 ranks" in _log(tmp_path, 0)  # the choice is printed
+    print(f"node 0 sent {sent / STEPS:,.0f} bytes a step; the loopback DDP job issued "
+          f"{loopback_result.comm_bytes_per_step:,.0f} a rank")
+    assert sent / STEPS < 0.3 * loopback_result.comm_bytes_per_step
+    assert [c.name for c in complete_checkpoints(tmp_path / "ckpt")][-1] == "step-000000012"
+    assert (tmp_path / "node0" / "model" / "model.json").exists()
     assert result.test_auc > loopback_result.test_auc - 0.005  # 12 steps of a small job: a coarse bar
