@@ -56,11 +56,17 @@ ROWS = PassRows(local={2: 17_000, 4: 30_000, 8: 50_000}, union={2: 30_000, 4: 50
 def test_replicated_tables_send_the_rows_a_pass_met_not_the_pooled_vectors():
     shape = StepShape(2048, 416, 26, 493_000, world=2, ranks_per_node=1, pass_rows=ROWS)
     sent = link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32", "replicated"))
-    # half the ring's hops leave the node: the int32 ids once, the updates twice (reduce, then gather)
-    assert sent["embedding"] == pytest.approx(0.5 * (4 * 50_000 + 2 * 4 * 85_000 * (17.0 + 1)) / 8)  # + a count
+    # half the ring's hops leave the node: the int32 ids, then each rank's own 50,000 rows' updates all-gathered
+    # (2 copies: fewer than the union's 85,000 rows and a count all-reduced, whose ring moves them twice)
+    assert sent["embedding"] == pytest.approx(0.5 * (4 * 50_000 + 4 * 2 * 50_000 * 17.0) / 8)
     assert sent["dense"] == link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32"))["dense"]
     half = link_bytes(shape, LinkOption(8, "fp32", "fp16", "fp32", "replicated"))["embedding"]
-    assert half == pytest.approx(0.5 * (4 * 50_000 + 2 * 2 * 85_000 * (17.0 + 1)) / 8)
+    assert half == pytest.approx(0.5 * (4 * 50_000 + 2 * 2 * 50_000 * 17.0) / 8)
+    # 8 copies meeting the same rows: the union's updates all-reduced are the fewer bytes
+    same = PassRows(local=ROWS.union, union=ROWS.union, row_floats=17.0)
+    many = StepShape(2048, 416, 26, 493_000, world=8, ranks_per_node=1, pass_rows=same)
+    assert link_bytes(many, LinkOption(8, "fp32", "fp32", "fp32", "replicated"))["embedding"] == pytest.approx(
+        7 / 8 * (4 * 85_000 + 4 * 2 * 85_000 * (17.0 + 1)) / 8)
     choice = choose(shape, 0.0125, compute_s=0.04)
     assert choice.option == LinkOption(8, "fp32", "fp16", "fp16", "replicated")  # the least bytes here
     # without the pass rows (tables that do not fit, every-row L2, model.zch) only sharded options are open
@@ -72,8 +78,8 @@ def test_copies_per_node_send_each_shard_of_a_node_pass_once_across_the_link():
     rows = PassRows(local=ROWS.local, union=ROWS.union, row_floats=17.0, node={2: 25_000, 4: 42_000, 8: 70_000})
     shape = StepShape(2048, 416, 26, 493_000, world=4, ranks_per_node=2, pass_rows=rows)
     per_node = link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32", "per_node"))
-    # 2 nodes: each rank exchanges its shard's half of the rows with its peer on the other node
-    assert per_node["embedding"] == pytest.approx(0.5 * (4 * 70_000 + 2 * 4 * 85_000 * (17.0 + 1)) / (8 * 2))
+    # 2 nodes: each rank exchanges its shard's half of the node's rows with its peer on the other node
+    assert per_node["embedding"] == pytest.approx(0.5 * (4 * 70_000 + 4 * 2 * 70_000 * 17.0) / (8 * 2))
     replicated = link_bytes(shape, LinkOption(8, "fp32", "fp32", "fp32", "replicated"))
     assert per_node["dense"] == replicated["dense"] and per_node["embedding"] < 0.6 * replicated["embedding"]
     assert choose(shape, 0.0125, compute_s=0.04).option.tables == "per_node"

@@ -72,12 +72,14 @@ PASSES = [range(start, min(start + K, STEPS + 1)) for start in range(1, STEPS + 
 
 def _merge_bytes(world: int, steps: range, updates: str) -> int:
     """What one rank sends in a merge: the dense updates; the count of its rows (int64), its row ids padded to the
-    longest rank's (int32); every row some rank met, its update and a count."""
+    longest rank's (int32); the rows' updates by the cheaper exchange (tests/test_sparse_merging.py)."""
+    from tests.test_sparse_merging import update_bytes
+
     size = 4 if updates == "fp32" else 2
     hits = [_pass_updates(r, steps)[2] for r in range(world)]
     longest = max(sum(int(h[name].sum()) for name in TABLES) for h in hits)
-    union = {name: np.any([h[name] for h in hits], axis=0).sum() for name in TABLES}
-    return DENSE * size + 8 + 4 * longest + size * sum(int(union[n]) * (TABLES[n][1] + 1) for n in TABLES)
+    met = {name: np.stack([h[name] for h in hits]) for name in TABLES}
+    return DENSE * size + 8 + 4 * longest + update_bytes(met, {n: s[1] for n, s in TABLES.items()}, size)
 
 
 def _worker(rank: int, world: int, updates: str, late: int) -> None:

@@ -6,6 +6,7 @@ different data, and one sharded row-wise over each node's two ranks (tables=per_
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,7 +21,23 @@ def _gathered(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[n
     return [o.numpy() for o in out]
 
 
-def _formula_worker(rank: int, world: int, updates: str) -> None:
+def update_bytes(hits: dict[str, np.ndarray], dims: dict[str, int], size: int) -> int:
+    """What one rank sends of a merge's row updates (``hits[name]``: which rows each rank met, ranks × rows): per row
+    width d, its own rows' updates padded to the longest rank's L (all-gathered) where W·L·d < 2·U·(d + 1), else the
+    union's U rows' updates and a count (all-reduced); ``size`` bytes a value."""
+    total = 0
+    for d in sorted(set(dims.values())):
+        names = [n for n in hits if dims[n] == d]
+        met = sum(hits[n].sum(1) for n in names)  # rows each rank met
+        longest, union, world = int(met.max()), sum(int(hits[n].any(0).sum()) for n in names), len(met)
+        if union:
+            total += size * (longest * d if world * longest * d < 2 * union * (d + 1) else union * (d + 1))
+    return total
+
+
+def _formula_worker(rank: int, world: int, updates: str, shared: bool) -> None:
+    """``shared``: every rank meets mostly the same rows (the union's all-reduce is the cheaper exchange), else rows
+    of their own (each rank's own updates all-gathered)."""
     from modules.comm_accounting import CommCounter, install
     from modules.optim.sparse_merging import TableMerger
 
@@ -29,8 +46,11 @@ def _formula_worker(rank: int, world: int, updates: str) -> None:
     tables = {n: t.clone() for n, t in start.items()}
     merger = TableMerger(tables, updates)
     rng = np.random.default_rng(rank)
+    common = np.random.default_rng(99)
     for name, t in tables.items():  # each rank changes the rows it "looks up", by its own amounts
         ids = torch.from_numpy(rng.choice(t.shape[0], t.shape[0] // 3, replace=False))
+        if shared:  # the same rows on every rank, and one of its own
+            ids = torch.from_numpy(np.union1d(common.choice(t.shape[0], t.shape[0] // 2, replace=False), ids[:1]))
         merger.record(name, torch.cat([ids, ids[:3]]))  # before the update, as the lookup; twice counts once
         t[ids] += torch.from_numpy(rng.normal(size=(len(ids), t.shape[1])).astype(np.float32))
     before = {n: _gathered(t) for n, t in tables.items()}
@@ -51,13 +71,16 @@ def _formula_worker(rank: int, world: int, updates: str) -> None:
         expected = b + ((w - b) * hit[..., None]).sum(0) / np.sqrt(np.maximum(n, 1))[:, None]  # Σ updates / √n
         tol = 1e-6 if updates == "fp32" else 2e-3  # fp16 keeps ~11 bits of an update (these are ~N(0, 1))
         np.testing.assert_allclose(t.numpy(), expected, rtol=tol, atol=tol)
-        assert ((n == 2).sum() > 0) and ((n == 1).sum() > 0), name  # both cases met
+        assert (n >= 2).any() and (n == 1).any(), name  # rows met by several ranks and by one
         union_by_dim[t.shape[1]] = union_by_dim.get(t.shape[1], 0) + int((n > 0).sum())
     assert merged == sum(union_by_dim.values())
-    # the count, the padded int32 ids, then the updates and a count of the union's rows, per width
-    size = 4 if updates == "fp32" else 2
-    values = sum(rows * (dim + 1) for dim, rows in union_by_dim.items())
-    assert counter.bytes["merge"] == 8 + 4 * longest + size * values
+    # the count, the padded int32 ids, then per width the updates of the cheaper exchange
+    hits = {n: np.stack(touched[n]) for n in tables}
+    dims = {n: t.shape[1] for n, t in tables.items()}
+    assert counter.bytes["merge"] == 8 + 4 * longest + update_bytes(hits, dims, 4 if updates == "fp32" else 2)
+    gathered = update_bytes(hits, dims, 1) == sum(int(sum(hits[n].sum(1) for n in hits if dims[n] == d).max()) * d
+                                                  for d in set(dims.values()))
+    assert gathered == (not shared)  # the exchange each case is for
     assert not merger.touched.any()
 
 
@@ -67,12 +90,16 @@ def _formula_workers(rank: int, world: int) -> None:
     same, other = torch.ones(70_000, 2), torch.full((5, 3), float(rank))  # more rows than a checksum block
     TableMerger({"same": same, "other": other}).make_equal()
     assert torch.equal(other, torch.zeros(5, 3)) and torch.equal(same, torch.ones(70_000, 2))  # rank 0's
-    for updates in ("fp32", "fp16"):  # one pair of processes for both (each start imports torch)
-        _formula_worker(rank, world, updates)
+    for updates in ("fp32", "fp16"):  # one set of processes for every case (each start imports torch)
+        for shared in ((False, True) if world > 2 else (False,)):
+            _formula_worker(rank, world, updates, shared)
 
 
-def test_merged_rows_get_the_updates_summed_over_root_n():
-    run_workers(_formula_workers, 2)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_merged_rows_get_the_updates_summed_over_root_n(ranks):
+    """2 ranks: each rank's own updates all-gathered; 4 ranks: also rows every rank meets, whose union is
+    all-reduced."""
+    run_workers(_formula_workers, ranks)
 
 
 def _model_worker(rank: int, world: int) -> None:

@@ -20,11 +20,14 @@ once, train on them locally, push the updates back at the pass's end. Between me
 others' updates of a row: up to ``k`` steps of staleness, as for the dense part. The optimizer's state of the
 rows (Adagrad sums, Adam moments) stays each rank's own.
 
-Bytes per merge: the ids looked up (all-gathered, 4 bytes each below 2³¹ rows in all) and ``|U|·(D+1)`` values
-all-reduced (the updates and a count) (fp32, or fp16: ``updates``; an update is a small difference, which fp16
-holds to ~5·10⁻⁴ of itself, where the rows themselves would lose their low bits), ``U`` the union of the rows
-looked up on all ranks: traffic scales with the distinct rows of ``k`` batches, not with samples × features as
-the pooled all-to-all of sharded tables does.
+Bytes per merge: the ids looked up (all-gathered, 4 bytes each below 2³¹ rows in all), then per row width D the
+cheaper of two exchanges, chosen alike on every rank from those ids: each rank's own updates all-gathered (``L·D``
+values a rank, L the most rows one rank met: a rank receives W − 1 such buffers) or ``|U|·(D+1)`` values
+all-reduced (the updates and a count: a ring moves 2 (W − 1)/W of it), ``U`` the union of the rows looked up on all
+ranks — the first wins where the copies are few (two nodes: L ≤ |U| always) or meet different rows. Values travel in
+fp32 or fp16 (``updates``; an update is a small difference, which fp16 holds to ~5·10⁻⁴ of itself, where the rows
+themselves would lose their low bits). Traffic scales with the distinct rows of ``k`` batches, not with samples ×
+features as the pooled all-to-all of sharded tables does.
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ class TableMerger:
             if part.numel():
                 self._base.setdefault(name, []).append((part, self.tables[name][part - self.first_row[name]].clone()))
 
-    def _union(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """The sorted union of every rank's ``local`` ids."""
+    def _gathered_ids(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+        """Every rank's ``local`` ids (sorted; all-gathered as ``id_dtype``, padded to the longest)."""
         world = dist.get_world_size(group)
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(counts, torch.tensor([local.numel()]), group=group)
@@ -120,8 +123,12 @@ class TableMerger:
         padded[:local.numel()] = local
         everyone = [torch.empty(longest, dtype=self.id_dtype) for _ in range(world)]
         dist.all_gather(everyone, padded, group=group)
-        ids = torch.cat(everyone)
-        return torch.unique(ids[ids >= 0]).to(torch.int64)
+        return [ids[:int(n.item())].to(torch.int64) for ids, n in zip(everyone, counts)]
+
+    def _rows_of(self, ids: torch.Tensor, name: str) -> torch.Tensor:
+        """The rows of table ``name`` among ``ids`` (sorted indices over all tables), as the table's own rows."""
+        lo = self.first_row[name]
+        return ids[(ids >= lo) & (ids < lo + self.tables[name].shape[0])] - lo
 
     @torch.no_grad()
     def merge(self, group: dist.ProcessGroup | None = None) -> int:
@@ -155,34 +162,75 @@ class TableMerger:
     def exchange(self, sent: "TablePass", group: dist.ProcessGroup | None = None) -> list[tuple[str, torch.Tensor,
                                                                                              torch.Tensor]]:
         """The merged update ``Σ_r (w_r − b) / √n`` of every row some rank looked up, as (table, its rows, the
-        update); reads no table (it may run while training goes on)."""
+        update); reads no table (it may run while training goes on). Per row width d the updates travel the way
+        that moves fewer bytes for these ids, every rank deciding alike from the gathered ids: each rank's own rows
+        all-gathered (each rank receives W − 1 buffers of L·d values, L the most rows a rank met: fewer bytes
+        where the copies are few or meet different rows), or the rows of the union U with a count all-reduced
+        (a ring moves 2 (W − 1)/W · U·(d + 1) values: fewer where many copies meet the same rows)."""
         with torch.no_grad(), comm_category("merge"):
-            union = self._union(sent.ids, group)
-            by_dim: dict[int, list[tuple[int, torch.Tensor]]] = {}
-            for i, (name, _, delta, _) in enumerate(sent.parts):  # one all-reduce per row width
-                lo = self.first_row[name]
-                part = union[(union >= lo) & (union < lo + self.tables[name].shape[0])] - lo
-                if part.numel():
-                    by_dim.setdefault(delta.shape[1], []).append((i, part))
+            everyone = self._gathered_ids(sent.ids, group)
+            union = torch.unique(torch.cat(everyone))
+            by_dim: dict[int, list[int]] = {}
+            for i, (_, _, delta, _) in enumerate(sent.parts):
+                by_dim.setdefault(delta.shape[1], []).append(i)
             out = []
             for dim, parts in sorted(by_dim.items()):
-                bufs = []
-                for i, ids in parts:
-                    _, own, delta, _ = sent.parts[i]
-                    buf = torch.zeros(ids.numel(), dim + 1)
-                    at = torch.searchsorted(ids, own)
-                    buf[at, :dim], buf[at, dim] = delta, 1.0
-                    bufs.append(buf)
-                buf = torch.cat(bufs).to(self.update_dtype)
-                dist.all_reduce(buf, group=group)  # [Σ_r (w_r − b), n]
-                buf = buf.float()
-                buf = buf[:, :dim] / buf[:, dim:].sqrt()
-                at = 0
-                for i, ids in parts:
-                    out.append((sent.parts[i][0], ids, buf[at:at + ids.numel()]))
-                    at += ids.numel()
+                names = [sent.parts[i][0] for i in parts]
+                rows = [self._rows_of(union, name) for name in names]
+                if not sum(r.numel() for r in rows):
+                    continue
+                theirs = [[self._rows_of(ids, name) for name in names] for ids in everyone]
+                longest = max(sum(t.numel() for t in per_rank) for per_rank in theirs)
+                if len(everyone) * longest * dim < 2 * sum(r.numel() for r in rows) * (dim + 1):
+                    sums, counts = self._gathered_sums([sent.parts[i][2] for i in parts], rows, theirs, longest, group)
+                else:
+                    sums, counts = self._reduced_sums([sent.parts[i] for i in parts], rows, group)
+                out += [(name, ids, total / n.sqrt()) for name, ids, total, n in zip(names, rows, sums, counts)
+                        if ids.numel()]
         self.merged_rows += sum(ids.numel() for _, ids, _ in out)
         return out
+
+    def _gathered_sums(self, mine: list[torch.Tensor], rows: list[torch.Tensor], theirs: list[list[torch.Tensor]],
+                       longest: int, group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per table, ``Σ_r (w_r − b)`` over its union ``rows`` and how many ranks met each (n, as a column), from
+        every rank's own updates all-gathered (``mine``: this rank's, per table, in the order of its rows)."""
+        dim = mine[0].shape[1]
+        own = torch.cat(mine)
+        buf = torch.zeros(longest, dim, dtype=self.update_dtype)
+        buf[:own.shape[0]] = own
+        everyone = [torch.empty_like(buf) for _ in theirs]
+        dist.all_gather(everyone, buf, group=group)
+        sums = [torch.zeros(r.numel(), dim) for r in rows]
+        counts = [torch.zeros(r.numel(), 1) for r in rows]
+        for got, per_table in zip(everyone, theirs):
+            at = 0
+            for ids, union, total, n in zip(per_table, rows, sums, counts):
+                where = torch.searchsorted(union, ids)
+                total.index_add_(0, where, got[at:at + ids.numel()].float())
+                n[where] += 1
+                at += ids.numel()
+        return sums, counts
+
+    def _reduced_sums(self, parts: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], rows: list[torch.Tensor],
+                      group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per table, ``Σ_r (w_r − b)`` over its union ``rows`` and how many ranks met each (n, as a column): one
+        all-reduce of [update, 1] for every union row (zeros where this rank did not meet it)."""
+        dim = parts[0][2].shape[1]
+        bufs = []
+        for (_, own, delta, _), ids in zip(parts, rows):
+            buf = torch.zeros(ids.numel(), dim + 1)
+            at = torch.searchsorted(ids, own)
+            buf[at, :dim], buf[at, dim] = delta, 1.0
+            bufs.append(buf)
+        buf = torch.cat(bufs).to(self.update_dtype)
+        dist.all_reduce(buf, group=group)  # [Σ_r (w_r − b), n]
+        buf = buf.float()
+        sums, counts, at = [], [], 0
+        for ids in rows:
+            sums.append(buf[at:at + ids.numel(), :dim])
+            counts.append(buf[at:at + ids.numel(), dim:])
+            at += ids.numel()
+        return sums, counts
 
     @torch.no_grad()
     def add_late(self, sent: "TablePass", merged: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:

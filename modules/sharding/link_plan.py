@@ -15,16 +15,20 @@ spread evenly over the ranks, table-wise):
 With every table whole on every rank (``trainer.merging.tables=replicated``, :mod:`modules.optim.sparse_merging`)
 no pooled vector crosses the link; every k steps the rows a pass met do:
 
-    embedding = ρ · (4 · u_k + 2 · s_bwd · U_k · (d + 1)) / k  u_k: distinct rows of k local batches (their
+    embedding = ρ · (4 · u_k + s_bwd · min(2 · U_k · (d + 1), W · u_k · d)) / k
+                                                             u_k: distinct rows of k local batches (their
                                                              int32 ids all-gathered), U_k: of all ranks' k
-                                                             batches (their updates and a count all-reduced in
-                                                             fp32 or fp16, the option's embedding_backward),
+                                                             batches; the updates travel in fp32 or fp16 (the
+                                                             option's embedding_backward), all-reduced with a
+                                                             count over U_k or each rank's own all-gathered,
+                                                             whichever moves fewer (modules/optim/sparse_merging.py);
                                                              d: floats a row holds
 
 With every table on every node, sharded over the node's ranks (``per_node``), only the nodes' copies are merged:
 each rank exchanges its shard's part with the rank holding the same shard on each other node (N = W / R nodes),
 
-    embedding = (N − 1)/N · (4 · u_k + 2 · s_bwd · U_k · (d + 1)) / (k · R)   u_k: distinct rows of a node's k
+    embedding = (N − 1)/N · (4 · u_k + s_bwd · min(2 · U_k · (d + 1), N · u_k · d)) / (k · R)
+                                                             u_k: distinct rows of a node's k
                                                              batches (R ranks' local batches); R = 1 is the
                                                              replicated formula
 
@@ -113,14 +117,14 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
     if option.tables != "sharded":
         rows = shape.pass_rows
         assert rows is not None and option.k is not None, "copies of the tables need the pass rows and a period"
-        row_bytes = BYTES[option.embedding_backward] * (rows.row_floats + 1)  # its updates and a count
+        d, union = rows.row_floats, rows.union[option.k]
         if option.tables == "replicated":
-            embedding = rho * (4 * rows.local[option.k] + 2 * rows.union[option.k] * row_bytes) / option.k
+            copies, met, share, span = shape.world, rows.local[option.k], rho, 1
         else:
-            nodes, met = shape.world // shape.ranks_per_node, (rows.node or rows.local)[option.k]
-            embedding = ((nodes - 1) / nodes * (4 * met + 2 * rows.union[option.k] * row_bytes)
-                         / (option.k * shape.ranks_per_node))
-        return {"embedding": embedding, "dense": dense}
+            copies, met, span = shape.world // shape.ranks_per_node, (rows.node or rows.local)[option.k], shape.ranks_per_node
+            share = (copies - 1) / copies
+        updates = BYTES[option.embedding_backward] * min(2 * union * (d + 1), copies * met * d)  # the cheaper exchange
+        return {"embedding": share * (4 * met + updates) / (option.k * span), "dense": dense}
     per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]
     embedding = shape.local_batch * rho * (shape.pooled_width * per_value + shape.ids_per_sample * ID_BYTES)
     return {"embedding": embedding, "dense": dense}
