@@ -121,6 +121,11 @@ def _model_worker(rank: int, world: int) -> None:
     assert sum(w.shape[0] for w in tables.tables.values()) >= 37  # every table whole on this rank
     assert all(holds_rank_0s_copy(v) == (rank == 0) for k, v in model.state_dict().items()
                if is_table_parameter(k))  # rank 0's copy alone goes into the model folder
+    # tables sharded over all ranks are one copy: every rank writes its shards, of tables rank 0 holds none of too
+    one_copy, _ = shard_model(DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta")),
+                              OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"), data_parallel=False)
+    sharded = [v for k, v in one_copy.state_dict().items() if is_table_parameter(k)]
+    assert all(holds_rank_0s_copy(v) for v in sharded) and any(not v.local_shards() for v in sharded)
     params = [p for _, p in replicated_parameters(model)]
     merger = KStepMerger(params, MergeConfig(k=3, tables="replicated"), tables=tables)
     start = {n: w.clone() for n, w in tables.tables.items()}

@@ -42,8 +42,8 @@ s_* are bytes per value (fp32 4, fp16/bf16 2). The step time is estimated withou
 Options: k ∈ {DDP, 2, 4, 8} × embedding comms {fp32, fp16 forward + bf16 backward (fp16 on CPU)} × the dense
 all-reduce or merge in {fp32, fp16}, and copies of the tables (replicated, and per node with more than one rank
 a node) at k ∈ {2, 4, 8} with fp32 or fp16 updates (tables and dense part) where the caller measured the pass rows
-(a node's share of the tables fits in each rank's memory and nothing else refuses copies). The fastest is taken when it saves at least ``min_gain`` of the step against today's default (DDP, fp32);
-else the default stays, so a fast link or one node changes nothing. k ≤ 8 and these precisions are what was
+(a node's share of the tables fits in each rank's memory and nothing else refuses copies). The fastest is taken
+when it saves at least ``min_gain`` of the step against today's default (DDP, fp32); else the default stays, so a fast link or one node changes nothing. k ≤ 8 and these precisions are what was
 measured within 0.001 test AUC of DDP (docs/kstep_merging.md).
 """
 
@@ -121,8 +121,8 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
         if option.tables == "replicated":
             copies, met, share, span = shape.world, rows.local[option.k], rho, 1
         else:
-            copies, met, span = shape.world // shape.ranks_per_node, (rows.node or rows.local)[option.k], shape.ranks_per_node
-            share = (copies - 1) / copies
+            copies, span = shape.world // shape.ranks_per_node, shape.ranks_per_node
+            met, share = (rows.node or rows.local)[option.k], (copies - 1) / copies
         updates = BYTES[option.embedding_backward] * min(2 * union * (d + 1), copies * met * d)  # the cheaper exchange
         return {"embedding": share * (4 * met + updates) / (option.k * span), "dense": dense}
     per_value = BYTES[option.embedding_forward] + BYTES[option.embedding_backward]

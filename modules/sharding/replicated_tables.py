@@ -25,7 +25,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from modules.optim.sparse_merging import TableMerger
 
-COPIES = ("replicated", "per_node")  # trainer.merging.tables values whose tables have copies merged every k steps
 _groups: dict[int, dist.ProcessGroup] = {}
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pipeline.runtime.launch import barrier, group_rank
 
@@ -72,9 +73,10 @@ def is_sharded(value: Any) -> bool:
 
 
 def holds_rank_0s_copy(value: Any) -> bool:
-    """Whether this rank's sharded table is the copy rank 0 holds: every table is, but where each rank or node holds
-    a copy (``trainer.merging.tables=replicated|per_node``; the copies agree after the final merge), the others'."""
-    return any(m.placement.rank() == 0 for m in value.metadata().shards_metadata)
+    """Whether this rank's sharded table belongs to the copy rank 0 is in (its process group holds rank 0): with the
+    tables sharded over all ranks every rank does; with a copy on every rank or node
+    (``trainer.merging.tables=replicated|per_node``; the copies agree after the final merge) only rank 0's node."""
+    return not dist.is_initialized() or 0 in dist.get_process_group_ranks(value._process_group)
 
 
 def unshard_to_file(value: Any, path: Path) -> torch.Tensor | None:
