@@ -19,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks.netns_cluster import Cluster, unavailable, wait_all
@@ -228,5 +229,8 @@ def test_two_ranks_a_node_keep_one_copy_of_the_tables_per_node(job_args, loopbac
           f"{loopback_result.comm_bytes_per_step:,.0f} a rank")
     assert sent / STEPS < 0.3 * loopback_result.comm_bytes_per_step
     assert [c.name for c in complete_checkpoints(tmp_path / "ckpt")][-1] == "step-000000012"
-    assert (tmp_path / "node0" / "model" / "model.json").exists()
+    tables = list((tmp_path / "node0" / "model" / "tables").glob("*.f32"))
+    assert tables and (tmp_path / "node0" / "model" / "model.json").exists()
+    for table in tables:  # every table of node 0's copy written, by whichever of its ranks holds it
+        assert np.abs(np.fromfile(table, np.float32)).max() > 0, table.name
     assert result.test_auc > loopback_result.test_auc - 0.005  # 12 steps of a small job: a coarse bar
