@@ -64,8 +64,8 @@ def plan_for_config(cfg: DictConfig) -> str:
     span = link.copy_span or topology.world_size  # with copies of the tables, the ranks one copy is sharded over
     planned = topology.on_ranks(span) if link.copy_span else topology
     result = plan_model(model, optim, planned, coverage, table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse},
-                        batch_rows=batch_rows // topology.world_size * span,
-                        eval_rows=eval_rows // topology.world_size * span, row_state_bytes=l2_state)
+                        batch_rows=run.trainer.batch_size * span, eval_rows=run.trainer.eval_batch_size * span,
+                        row_state_bytes=l2_state)
     copies = (f"; the tables planned over one copy's {span} rank(s) (trainer.merging.tables={link.merging.tables})"
               if link.copy_span else "")
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "

@@ -192,6 +192,12 @@ class LinkSettings:
             return 0
         return 1 if self.merging.tables == "replicated" else self.ranks_per_node
 
+    @property
+    def dense_in_ddp(self) -> bool:
+        """Whether DDP keeps the dense part synchronous: over all ranks without merging, and over a node's ranks with
+        tables per node (merged across nodes); merging alone (replicated tables, sharded ones) averages it itself."""
+        return not self.merging.enabled or self.copy_span > 1
+
     def shard_group(self) -> dist.ProcessGroup | None:
         """The process group the tables are sharded over, which is also the one a training step's collectives span
         (the all-to-all, DDP's all-reduce): this rank's own (``replicated``: every table whole here), its node's

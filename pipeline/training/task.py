@@ -113,7 +113,7 @@ class CTRTask(L.LightningModule):
         self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch,
                                        data.store.split("train"))
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
-                                            data_parallel=not self.link.merging.enabled or self.link.copy_span > 1,
+                                            data_parallel=self.link.dense_in_ddp,
                                             group=self.link.shard_group(),
                                             qcomm=qcomm_registry(self.link.comms), coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},
