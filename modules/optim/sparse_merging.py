@@ -151,9 +151,8 @@ class TableMerger:
         local = self.touched.nonzero().squeeze(1)
         parts = []
         for name in self.names:
-            lo = self.first_row[name]
-            ids = local[(local >= lo) & (local < lo + self.tables[name].shape[0])] - lo
-            base = self._bases(name, ids + lo)
+            ids = self._rows_of(local, name)
+            base = self._bases(name, ids + self.first_row[name])
             parts.append((name, ids, self.tables[name][ids] - base, base))
         self.touched[local] = False
         self._base.clear()

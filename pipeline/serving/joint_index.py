@@ -3,8 +3,8 @@ looked up in one pass instead of one per table.
 
 Entry (table t, key k) is indexed under s = splitmix64(k ⊕ c_t), c_t = splitmix64(hash_keys(t)) computed once
 per table (s is :func:`pipeline.data.hashing.hash_keys` of (t, k)); for a fixed t this is a bijection of k, so a
-hit whose entry belongs to table t is exactly key k of table t (the entry's table is checked). Position p of a table's vocabulary is id
-``FIRST_VOCAB_ID + p``, as in :class:`pipeline.data.vocab_growth.VocabIndex`.
+hit whose entry belongs to table t is exactly key k of table t (the entry's table is checked). Position p of a
+table's vocabulary is id ``FIRST_VOCAB_ID + p``, as in :class:`pipeline.data.vocab_growth.VocabIndex`.
 """
 
 from __future__ import annotations

@@ -168,19 +168,19 @@ class LinkSettings:
         """Resolved for ``net`` (on any device; its non-table parameters are the replicated ones) on ``topology``.
         ``train``: the training split, whose passes the replicated tables' bytes are estimated from (None, or
         not ``replicable``: only sharded tables are considered for ``trainer.merging.tables=auto``)."""
-        local_batch = global_batch // topology.world_size
+        local_batch, per_node = global_batch // topology.world_size, topology.ranks_per_node or 1
         dense_params = sum(p.numel() for name, p in net.named_parameters() if not is_table_parameter(name))
         rows = None
         if (train is not None and self.replicable and self.merging.tables != "sharded"
                 and topology.world_size > 1
                 and topology.bandwidth_gbps.inter_node and fits_whole(net, topology)):
             rows = pass_rows(train, spec, local_batch, topology.world_size, model.embedding_dim + bool(model.wide),
-                             ranks_per_node=topology.ranks_per_node or 1)
+                             ranks_per_node=per_node)
         merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology, local_batch,
                                               dense_params, rows)
         if merging.copies:  # no all-to-all across the link; the backward's precision is the updates' in a merge
             comms = CommsConfig("fp32", comms.embedding_backward, comms.dense)
-        settings = LinkSettings(merging, comms, choice, self.replicable, topology.ranks_per_node or 1)
+        settings = LinkSettings(merging, comms, choice, self.replicable, per_node)
         if topology.world_size > 1:
             rank_zero_info(settings.describe())
         return settings
