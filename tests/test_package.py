@@ -3,6 +3,7 @@ command for everything, ``--help`` on each, run from a folder that is not the ch
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from pipeline.commands.ctr import COMMANDS
 from tests.conftest import PYTHON, ROOT
 
 # one worker builds the wheel for all of them (make test: --dist loadgroup): two builds at once from the checkout
-# share its build/ folder, and one of them came out without the pipeline package
+# share its build/ folder, and one of them came out without the pipeline package or failed copying from it. With
+# pytest 9.2 loadgroup no longer groups (pytest-xdist issue 1386), so the builds also take a lock (below).
 pytestmark = pytest.mark.xdist_group("wheel")
 
 
@@ -37,8 +39,11 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     are those of the test's own environment (a path entry, as from a local cache), so only the
     project's own files come from the wheel. Returns (its bin folder, a clean environment)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp / "dist"),
-                    str(ROOT)], check=True, capture_output=True, timeout=300)
+    # the workers' temporary folders share a parent: one build from the checkout at a time
+    with open(tmp_path_factory.getbasetemp().parent / "wheel-build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("ctr_pipeline-*.whl")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
