@@ -11,9 +11,9 @@ The dataclasses of the groups live beside the code they configure: ``OptimizerSp
 (:mod:`modules.optim.optimizers`), ``CowClipConfig`` (:mod:`modules.optim.cowclip`), ``MergeConfig``
 (:mod:`modules.optim.kstep_merging`), ``TopologySpec`` (:mod:`modules.sharding.placement`), ``ModelConfig``
 (:mod:`modules.models`), ``DataConfig`` (:mod:`pipeline.data.dataset`) with ``PreprocessConfig`` and
-``SyntheticConfig``; this module adds the trainer, logger and scaling settings and the root.
+``SyntheticConfig``, ``LoggerConfig`` (:mod:`pipeline.tracking.logger_config`); this module adds the trainer and scaling settings and the root.
 
-May import: serving, checkpoint, data, runtime, modules
+May import: tracking, serving, checkpoint, data, runtime, modules
 """
 
 from __future__ import annotations
@@ -40,11 +40,17 @@ from pipeline.data.sources import raw_fingerprint
 from pipeline.runtime.errors import ConfigError
 from pipeline.runtime.launch import world_from_env
 from pipeline.runtime.signals import PreemptionConfig
-from pipeline.serving.quantize import check_quantize
 from pipeline.serving.source import model_source
+from pipeline.tracking.logger_config import LoggerConfig
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 NONFINITE_POLICIES = ("stop", "skip")
+CUDA_REFUSED = {  # what does not run on CUDA yet, and why (check_runnable; docs/gpu.md)
+    "model.zch": "its id mapping, admission buffers and row resets are host-side structures fed by the batch's ids",
+    "optim.embedding_l2_scope=all": "its lazy replay keeps each row's last step in host memory and reads it at every "
+                                    "lookup; use optim.embedding_l2_scope=batch",
+    "topology.ssd.look_ahead=true": "it fills the CPU ssd tier's row cache; FBGEMM's SSD tables on a GPU prefetch "
+                                    "themselves"}
 INIT_OPTIMIZER_PARTS = ("none", "embedding", "dense", "all")  # trainer.init_from_optimizer (pipeline/training/init_from.py)
 
 
@@ -151,33 +157,6 @@ class TrainerConfig:
 
 
 @dataclass
-class LoggerConfig:
-    """``logger``: the MLflow tracking store and names, and what an unreachable server does
-    (:mod:`pipeline.tracking.logger`)."""
-
-    tracking_uri: str = "sqlite:///mlflow.db"
-    experiment_name: str = "ctr"
-    run_name: Optional[str] = None
-    on_unavailable: str = "fail"      # no server at the start: fail | local (a store in the output folder)
-    connect_timeout_s: float = 5.0    # how long the start waits for the server's answer
-    flush_timeout_s: float = 60.0     # at the end, how long queued calls may take to reach the server
-    retry_max_s: float = 30.0         # longest wait between retries of a failed call
-    heartbeat_s: float = 30.0         # the run's heartbeat tag; runs silent 5 beats: FAILED (pipeline/tracking/heartbeat.py)
-    log_model: bool = True            # log the trained model (pyfunc, artifact `model`) at the end
-    model_max_gb: float = 4.0         # larger tables: no MLflow model (score with ctr predict)
-    register_model_as: Optional[str] = None  # also register it in the Model Registry under this name
-    quantize: str = "none"            # the MLflow model's tables: none | int8 | int4 | fp16 (<output>/model stays float)
-    model_signature: bool = True      # the MLflow model's signature from the dataset declaration (MLflow checks it)
-
-    def __post_init__(self) -> None:
-        if self.on_unavailable not in ("fail", "local"):
-            raise ValueError(f"on_unavailable={self.on_unavailable!r}: expected 'fail' or 'local'")
-        if not self.heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s={self.heartbeat_s}: expected seconds > 0")
-        check_quantize(self.quantize, "quantize")
-
-
-@dataclass
 class PathsConfig:
     cache_dir: str = ".cache/data"     # generated raw data and preprocessed stores
 
@@ -273,6 +252,7 @@ def check_runnable(run: RunConfig) -> None:
     """What training needs of this machine and launch: batch sizes that split over the ranks, CUDA
     where the topology computes on it, the input files. Raises :class:`ConfigError`."""
     world, _ = world_from_env()
+    zch, categorical = run.model.zch, run.data.preprocess.categorical
     for key in ("batch_size", "eval_batch_size"):
         bs = getattr(run.trainer, key)
         if bs % world:
@@ -284,12 +264,17 @@ def check_runnable(run: RunConfig) -> None:
                           f"it (no weight_decay_mode acts on the CPU kernels; tests/test_config.py checks); use "
                           f"optim.embedding_l2=<λ> (2λ·w on looked-up rows, or every row with "
                           f"optim.embedding_l2_scope=all)")
-    if run.topology.compute_device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("topology.compute_device='cuda' but no CUDA device is available; use topology=cpu")
+    if run.topology.compute_device == "cuda":
+        on = {"model.zch": zch.enabled, "optim.embedding_l2_scope=all": run.optim.embedding_l2_scope == "all",
+              "topology.ssd.look_ahead=true": run.topology.ssd.look_ahead}
+        for key in (k for k, used in on.items() if used):
+            raise ConfigError(f"{key} with topology.compute_device=cuda: not supported on CUDA yet ({CUDA_REFUSED[key]}); "
+                              f"leave {key.split('=')[0]} at its default or use topology=cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError("topology.compute_device='cuda' but no CUDA device is available; use topology=cpu")
     if not run.data.declared():
         raise ConfigError(f"data.features is empty: declare the features of data={run.data.name} "
                           f"(see docs/datasets.md)")
-    zch, categorical = run.model.zch, run.data.preprocess.categorical
     if zch.enabled != (categorical == "raw"):
         raise ConfigError(f"model.zch.rows={zch.rows} with data.preprocess.categorical={categorical}: zero-collision "
                           f"tables take raw ids and raw ids need them (set both, or neither)")

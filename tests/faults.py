@@ -87,7 +87,8 @@ class SsdFilesAtEnd(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import shutil
 
-        from modules.embedding.ssd_tier.cached_tbe import cached_tbes, sync_tables
+        from modules.embedding.ssd_tier.cached_tbe import cached_tbes
+        from modules.embedding.table_views import sync_tables
 
         sync_tables(pl_module.model)
         self.record.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from modules.embedding.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
+from modules.embedding.ssd_tier.cached_tbe import cached_tbes
+from modules.embedding.table_views import reload_tables, sync_tables
 from modules.optim.optimizers import OptimizerSpec
 from modules.embedding.ssd_tier.set_victims import CacheTooSmallError
 from modules.embedding.row_init import RowInit, normal_rows

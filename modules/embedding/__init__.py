@@ -10,9 +10,10 @@ kernels are, and the tiers that hold rows outside FBGEMM's own memory.
 * :mod:`.row_reset` — rows that start afresh while training (an id evicted by ``model.zch``);
 * :mod:`.sharded_kernels` — where TorchRec put the FBGEMM kernels of a sharded model and what each holds;
 * :mod:`.ssd_tier` — tables in files behind a row cache in host memory (the CPU ``ssd`` tier);
+* :mod:`.table_views` — reading and writing tables through their views, with a row cache or UVM cache in front;
 * :mod:`.zch` — raw 64-bit ids mapped to rows without collisions, with eviction and admission.
 
 Placing and sharding the tables is :mod:`modules.sharding`; what acts on their gradients is :mod:`modules.optim`.
 
-May import: nothing
+May import: modules
 """

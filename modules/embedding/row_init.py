@@ -130,7 +130,13 @@ def draw_into(dst: torch.Tensor, dst_rows: torch.Tensor | None, seed: int, key: 
     ``col0 …`` (``dst``'s width; ``dst_rows`` None: row i) — in C where it builds, without a temporary."""
     if dst.device.type == "meta":  # a module built on meta (TorchRec shards it, then draws the shards)
         return
-    rows = rows.contiguous().to(torch.int64)
+    rows = rows.to("cpu", torch.int64).contiguous()
+    if dst.device.type != "cpu":  # device memory: drawn on the host, then copied (the same bits as on CPU)
+        block = torch.empty(rows.numel(), dst.shape[1], device="cpu")
+        draw_into(block, None, seed, key, rows, table_dim, col0, std)
+        where = slice(None) if dst_rows is None else dst_rows.to(dst.device)
+        dst[where] = block.to(dst.device, dst.dtype)
+        return
     cols, where = dst.shape[1], slice(None) if dst_rows is None else dst_rows
     if std == 0.0:
         dst[where] = 0.0
@@ -147,8 +153,8 @@ def draw_into(dst: torch.Tensor, dst_rows: torch.Tensor | None, seed: int, key: 
 
 def normal_rows(seed: int, key: int, rows: np.ndarray | torch.Tensor, dim: int, std: float) -> torch.Tensor:
     """``[len(rows), dim]`` float32: the initial values of ``rows`` of table ``key`` (module docstring)."""
-    rows = torch.as_tensor(np.asarray(rows, dtype=np.int64))
-    out = torch.zeros(rows.numel(), dim)
+    rows = torch.as_tensor(np.asarray(rows, dtype=np.int64), device="cpu")
+    out = torch.zeros(rows.numel(), dim, device="cpu")
     if std != 0.0 and rows.numel():
         draw_into(out, None, seed, key, rows, dim, 0, std)
     return out
@@ -174,7 +180,7 @@ class RowInit:
 
     def rows(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         """``[len(rows), dim]``: the initial values of the physical ``rows`` (int64, any order)."""
-        out = torch.empty(len(rows), dim)
+        out = torch.empty(len(rows), dim, device="cpu")
         self.draw_into(out, None, rows, dim, 0)
         return out
 
@@ -186,8 +192,9 @@ class RowInit:
             lo, _, key = self.segments[0]
             draw_into(dst, dst_rows, self.seed, key, rows - lo, dim, col0, self.std)
             return
-        segment = torch.searchsorted(torch.tensor([hi for _, hi, _ in self.segments]), rows, right=True)
-        at = torch.arange(len(rows)) if dst_rows is None else dst_rows
+        rows = rows.to("cpu")
+        segment = torch.searchsorted(torch.tensor([hi for _, hi, _ in self.segments], device="cpu"), rows, right=True)
+        at = torch.arange(len(rows), device="cpu") if dst_rows is None else dst_rows.to("cpu")
         for k in torch.unique(segment).tolist():
             lo, _, key = self.segments[k]
             mine = segment == k
@@ -197,7 +204,7 @@ class RowInit:
         """Fill ``local`` (rows ``first_row…``, columns ``first_col…`` of the ``dim``-wide table) in blocks."""
         for a in range(0, local.shape[0], BLOCK_ROWS):
             b = min(local.shape[0], a + BLOCK_ROWS)
-            self.draw_into(local[a:b], None, torch.arange(first_row + a, first_row + b), dim, first_col)
+            self.draw_into(local[a:b], None, torch.arange(first_row + a, first_row + b, device="cpu"), dim, first_col)
 
     @torch.no_grad()
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:

@@ -86,7 +86,10 @@ class ModelConfig:
 
 
 def build_model(cfg: ModelConfig, spec: FeatureSpec, device: torch.device | None = None) -> nn.Module:
+    """The model of ``cfg``: its embedding collections on ``device``, the rest on the CPU whatever the default device
+    (Lightning builds under ``torch.device(root_device)``), drawn from the CPU generator: the same values on any device."""
     if cfg.stack_tables == "auto":
         raise ValueError("model.stack_tables=auto is decided against the topology before the model is built "
                          "(modules.sharding.table_stacking.decide_stacking)")
-    return MODELS[cfg.name](spec, device=device, **cfg.arguments())
+    with torch.device("cpu"):
+        return MODELS[cfg.name](spec, device=device, **cfg.arguments())

@@ -80,42 +80,59 @@ BUCKET_LABELS = ("unknown", "lt10", "10-99", "100-999", "1k-9999", "ge10k")  # u
 
 
 def frequency_bucket(counts: torch.Tensor) -> torch.Tensor:
-    """Bucket index (into ``BUCKET_LABELS``) of each row from its occurrence count (< 0: unknown)."""
-    edges = torch.tensor(BUCKET_EDGES, dtype=counts.dtype)
-    return torch.where(counts < 0, 0, 1 + torch.bucketize(counts, edges, right=True))
+    """Bucket index (into ``BUCKET_LABELS``, int8: a byte per table row in host memory) of each row from its
+    occurrence count (< 0: unknown)."""
+    edges = torch.tensor(BUCKET_EDGES, dtype=counts.dtype, device=counts.device)
+    return torch.where(counts < 0, 0, 1 + torch.bucketize(counts, edges, right=True)).to(torch.int8)
 
 
 class CowClipStats:
     """Counts of (id, step) pairs seen and clipped, accumulated by the backward passes (for logging):
-    in total, and per id-frequency bucket where the hooks know each row's bucket."""
+    in total, and per id-frequency bucket where the hooks know each row's bucket.
+
+    The counts stay where the clipping ran (the GPU on CUDA) until they are read: a backward adds to them without
+    waiting for the device; :meth:`take` and :meth:`take_buckets` bring them to the host."""
 
     def __init__(self) -> None:
-        self.ids = 0
-        self.clipped = 0
-        self.bucket_seen = torch.zeros(len(BUCKET_LABELS), dtype=torch.int64)
-        self.bucket_clipped = torch.zeros(len(BUCKET_LABELS), dtype=torch.int64)
+        self._counts: torch.Tensor | None = None  # [2, 1 + buckets]: seen, clipped × (all, each bucket)
 
     def add(self, over: torch.Tensor, buckets: torch.Tensor | None = None) -> None:
         """One block's unique ids: ``over`` [U] clipped or not, ``buckets`` [U] their frequency buckets."""
-        self.ids += len(over)
-        self.clipped += int(over.sum())
-        if buckets is not None:
-            n = len(BUCKET_LABELS)
-            self.bucket_seen += torch.bincount(buckets.cpu(), minlength=n)
-            self.bucket_clipped += torch.bincount(buckets[over].cpu(), minlength=n)
+        n = len(BUCKET_LABELS)
+        if self._counts is None or self._counts.device != over.device:
+            self._counts = torch.zeros(2, 1 + n, dtype=torch.int64, device=over.device)
+        self._counts[0, 0] += over.numel()
+        self._counts[1, 0] += over.sum()
+        if buckets is not None:  # index_add_, not bincount: bincount sizes its output on the host
+            b = buckets.to(over.device, torch.int64)
+            self._counts[0, 1:].index_add_(0, b, torch.ones_like(b))
+            self._counts[1, 1:].index_add_(0, b, over.to(torch.int64))
+
+    @property
+    def ids(self) -> int:
+        """(id, step) pairs seen since the last :meth:`take` (a host read)."""
+        return 0 if self._counts is None else int(self._counts[0, 0])
+
+    @property
+    def clipped(self) -> int:
+        return 0 if self._counts is None else int(self._counts[1, 0])
 
     def take(self) -> float | None:
-        """Fraction of clipped ids since the last call (None if no ids were seen)."""
-        frac = self.clipped / self.ids if self.ids else None
-        self.ids = self.clipped = 0
-        return frac
+        """Fraction of clipped ids since the last call (None if no ids were seen); the totals start again."""
+        if self._counts is None:
+            return None
+        ids, clipped = self._counts[:, 0].tolist()
+        self._counts[:, 0] = 0
+        return clipped / ids if ids else None
 
     def take_buckets(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen, clipped) per frequency bucket since the last call."""
-        out = self.bucket_seen.clone(), self.bucket_clipped.clone()
-        self.bucket_seen.zero_()
-        self.bucket_clipped.zero_()
-        return out
+        """(seen, clipped) per frequency bucket since the last call, on the host."""
+        if self._counts is None:
+            zeros = torch.zeros(len(BUCKET_LABELS), dtype=torch.int64, device="cpu")
+            return zeros, zeros.clone()
+        out = self._counts[:, 1:].to("cpu", copy=True)  # (.cpu() of a CPU tensor is the tensor itself)
+        self._counts[:, 1:] = 0
+        return out[0], out[1]
 
 
 class RowBuckets:
@@ -139,12 +156,14 @@ class BucketOf:
         self.parts = parts
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """The buckets of ``ids`` (on the host: the tables stay in host memory; on CUDA a copy of the ids, the one
+        host synchronisation CowClip's statistics cost per lookup block)."""
         ids = ids.cpu()
         if len(self.parts) == 1:
             table, offset = self.parts[0]
             return table[ids + offset]
         group, row = ids >> 40, ids & ((1 << 40) - 1)
-        out = torch.zeros_like(ids)
+        out = torch.zeros_like(ids, dtype=torch.int8)
         for g, (table, offset) in enumerate(self.parts):
             mine = group == g
             out[mine] = table[row[mine] + offset]

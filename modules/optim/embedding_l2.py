@@ -132,7 +132,7 @@ LAST_STEP = torch.int32  # LazyRowsL2: the last step of each table row, in host 
 
 def row_state_bytes(l2_scope: str) -> int:
     """Host bytes per table row the embedding L2 term keeps (``optim.embedding_l2_scope``), for placement."""
-    return torch.empty(0, dtype=LAST_STEP).element_size() if l2_scope == "all" else 0
+    return LAST_STEP.itemsize if l2_scope == "all" else 0
 
 
 class LazyRowsL2:
@@ -143,7 +143,7 @@ class LazyRowsL2:
         self.rule = rule
         self.kernels: list[_LazyKernel] = []
         self.step = -1            # the training step under way (or last done)
-        self.lrs = torch.zeros(1024, dtype=torch.float64)
+        self.lrs = torch.zeros(1024, dtype=torch.float64, device="cpu")
 
     def add(self, kernel: nn.Module) -> None:
         emb = kernel.emb_module
@@ -151,11 +151,11 @@ class LazyRowsL2:
         if kind != self.rule.kind:
             raise ValueError(f"optim.embedding_l2_scope=all: kernel optimizer {emb.optimizer} is not the "
                              f"configured {self.rule.kind}")
-        if getattr(emb, "lxu_cache_weights", torch.empty(0)).numel():
+        if getattr(emb, "lxu_cache_weights", torch.empty(0, device="cpu")).numel():
             raise ValueError("optim.embedding_l2_scope=all: tables with a UVM cache (topology tier 'host' with "
                              "caching) are not supported by the lazy L2 replay; place them on the device")
         rows = [w.shape[0] for w in emb.split_embedding_weights()]
-        entry = _LazyKernel(kernel, _features_per_table(kernel), [torch.full((n,), -1, dtype=LAST_STEP) for n in rows])
+        entry = _LazyKernel(kernel, _features_per_table(kernel), [torch.full((n,), -1, dtype=LAST_STEP, device="cpu") for n in rows])
         self.kernels.append(entry)
         kernel.register_forward_pre_hook(self._pre_hook(entry))
 
@@ -166,7 +166,7 @@ class LazyRowsL2:
                 for t in kernel.last:
                     t.fill_(step - 1)
         if step >= len(self.lrs):
-            grown = torch.zeros(max(step + 1, 2 * len(self.lrs)), dtype=torch.float64)
+            grown = torch.zeros(max(step + 1, 2 * len(self.lrs)), dtype=torch.float64, device="cpu")
             grown[:len(self.lrs)] = self.lrs
             self.lrs = grown
         self.lrs[step] = lr
@@ -230,7 +230,7 @@ class LazyRowsL2:
                 emb.sync_to_file()
             for table, last in enumerate(kernel.last):
                 for start in range(0, len(last), FLUSH_ROWS):
-                    rows = torch.arange(start, min(len(last), start + FLUSH_ROWS))
+                    rows = torch.arange(start, min(len(last), start + FLUSH_ROWS), device="cpu")
                     self._catch_up(kernel, table, rows, self.step, cached=False)
             if cached:
                 emb.reload()
@@ -256,7 +256,7 @@ class DenseRowsL2:
     def add(self, kernel: nn.Module, clipped_tables: set[str], buckets: RowBuckets | None = None) -> None:
         tables = kernel.config.embedding_tables
         entry = _DenseKernel(kernel, _features_per_table(kernel), [t.name in clipped_tables for t in tables],
-                             [torch.zeros(w.shape[0], dtype=torch.int64) for w in kernel.emb_module.split_embedding_weights()],
+                             [torch.zeros(w.shape[0], dtype=torch.int64, device="cpu") for w in kernel.emb_module.split_embedding_weights()],
                              [buckets.lookup([(t.name, 0)]) if buckets is not None else None for t in tables])
         self.kernels.append(entry)
 

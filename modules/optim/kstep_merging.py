@@ -226,7 +226,7 @@ class KStepMerger:
 
     def _pass(self) -> DensePass:
         updates = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(self.params, self._base)]) \
-            if self.params else torch.zeros(0)
+            if self.params else torch.zeros(0, device="cpu")
         moments = self._moments()
         return DensePass(updates, torch.cat([m.reshape(-1) for m in moments]) if moments else None)  # cat copies
 

@@ -57,7 +57,7 @@ def _checksum(table: torch.Tensor, block: int = 1 << 16) -> float:
     total = 0.0
     for lo in range(0, table.shape[0], block):
         rows = table[lo:lo + block].double().sum(dim=1)
-        total += float((rows * torch.arange(lo + 1, lo + 1 + rows.numel(), dtype=torch.float64)).sum())
+        total += float((rows * torch.arange(lo + 1, lo + 1 + rows.numel(), dtype=torch.float64, device="cpu")).sum())
     return total
 
 
@@ -75,8 +75,8 @@ class TableMerger:
         for name in self.names:
             self.first_row[name] = rows
             rows += self.tables[name].shape[0]
-        self.starts = torch.tensor([self.first_row[n] for n in self.names])  # first rows, in name order
-        self.touched = torch.zeros(rows, dtype=torch.bool)
+        self.starts = torch.tensor([self.first_row[n] for n in self.names], device="cpu")  # first rows, in name order
+        self.touched = torch.zeros(rows, dtype=torch.bool, device="cpu")
         self.id_dtype = torch.int32 if rows < 2**31 else torch.int64  # the ids all-gathered
         # per table, (ids, rows) as they were before this rank's first update since the last merge
         self._base: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -86,7 +86,7 @@ class TableMerger:
     def make_equal(self, group: dist.ProcessGroup | None = None) -> None:
         """Give every rank of ``group`` (None: all) its first rank's tables where they differ (compared by a checksum
         of each table: a table drawn from the same seed everywhere crosses no link)."""
-        sums = torch.tensor([_checksum(self.tables[n]) for n in self.names], dtype=torch.float64)
+        sums = torch.tensor([_checksum(self.tables[n]) for n in self.names], dtype=torch.float64, device="cpu")
         first = sums.clone()
         dist.broadcast(first, group=group, group_src=0)
         differ = (sums != first).to(torch.int64)
@@ -116,12 +116,12 @@ class TableMerger:
     def _gathered_ids(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
         """Every rank's ``local`` ids (sorted; all-gathered as ``id_dtype``, padded to the longest)."""
         world = dist.get_world_size(group)
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([local.numel()]), group=group)
+        counts = [torch.zeros(1, dtype=torch.int64, device="cpu") for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([local.numel()], device="cpu"), group=group)
         longest = int(max(c.item() for c in counts))
-        padded = torch.full((longest,), -1, dtype=self.id_dtype)
+        padded = torch.full((longest,), -1, dtype=self.id_dtype, device="cpu")
         padded[:local.numel()] = local
-        everyone = [torch.empty(longest, dtype=self.id_dtype) for _ in range(world)]
+        everyone = [torch.empty(longest, dtype=self.id_dtype, device="cpu") for _ in range(world)]
         dist.all_gather(everyone, padded, group=group)
         return [ids[:int(n.item())].to(torch.int64) for ids, n in zip(everyone, counts)]
 
@@ -195,12 +195,12 @@ class TableMerger:
         every rank's own updates all-gathered (``mine``: this rank's, per table, in the order of its rows)."""
         dim = mine[0].shape[1]
         own = torch.cat(mine)
-        buf = torch.zeros(longest, dim, dtype=self.update_dtype)
+        buf = torch.zeros(longest, dim, dtype=self.update_dtype, device="cpu")
         buf[:own.shape[0]] = own
         everyone = [torch.empty_like(buf) for _ in theirs]
         dist.all_gather(everyone, buf, group=group)
-        sums = [torch.zeros(r.numel(), dim) for r in rows]
-        counts = [torch.zeros(r.numel(), 1) for r in rows]
+        sums = [torch.zeros(r.numel(), dim, device="cpu") for r in rows]
+        counts = [torch.zeros(r.numel(), 1, device="cpu") for r in rows]
         for got, per_table in zip(everyone, theirs):
             at = 0
             for ids, union, total, n in zip(per_table, rows, sums, counts):
@@ -217,7 +217,7 @@ class TableMerger:
         dim = parts[0][2].shape[1]
         bufs = []
         for (_, own, delta, _), ids in zip(parts, rows):
-            buf = torch.zeros(ids.numel(), dim + 1)
+            buf = torch.zeros(ids.numel(), dim + 1, device="cpu")
             at = torch.searchsorted(ids, own)
             buf[at, :dim], buf[at, dim] = delta, 1.0
             bufs.append(buf)

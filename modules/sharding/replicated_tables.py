@@ -76,7 +76,7 @@ def attach_table_merger(model: nn.Module, updates: str = "fp32") -> TableMerger:
     merger = TableMerger(shards, updates)
     for collection, kernel in kernels:
         names = [_shard_name(c) for c in kernel._config.embedding_tables]
-        first = torch.tensor([merger.first_row[names[t]] for t in kernel._feature_table_map])  # per feature
+        first = torch.tensor([merger.first_row[names[t]] for t in kernel._feature_table_map], device="cpu")  # per feature
 
         def record(mod: nn.Module, args: tuple, collection: nn.Module = collection, first: torch.Tensor = first
                    ) -> None:
@@ -84,6 +84,6 @@ def attach_table_merger(model: nn.Module, updates: str = "fp32") -> TableMerger:
                 return
             kjt: KeyedJaggedTensor = args[0]  # each feature's ids: rows of its table's shard here
             merger.record_rows(kjt.values().to(torch.int64)
-                               + first.repeat_interleave(torch.tensor(kjt.length_per_key())))
+                               + first.repeat_interleave(torch.tensor(kjt.length_per_key(), device="cpu")))
         kernel.register_forward_pre_hook(record)
     return merger

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from modules.embedding.ssd_tier.cached_tbe import reload_tables
+from modules.embedding.table_views import reload_tables
 from pipeline.checkpoint.skeleton import split_tensors
 
 
@@ -60,7 +60,8 @@ class TrainingState(Callback):
             "skipped_nonfinite": pl_module.nonfinite.skipped,
             "mlflow_run_id": getattr(trainer.logger, "run_id", None) if trainer.logger else None,
             "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(np.random.get_state()),
-                    "python": _python_rng_state(random.getstate())},
+                    "python": _python_rng_state(random.getstate()),
+                    **({"cuda": torch.cuda.get_rng_state(pl_module.device)} if pl_module.device.type == "cuda" else {})},
         }
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -76,6 +77,8 @@ class TrainingState(Callback):
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(tuple(state["rng"]["numpy"]))
         random.setstate(_python_rng_from(state["rng"]["python"]))
+        if "cuda" in state["rng"] and pl_module.device.type == "cuda":  # dropout's masks on the GPU continue too
+            torch.cuda.set_rng_state(state["rng"]["cuda"], pl_module.device)
 
 def _numpy_rng_state(state: tuple) -> list:
     name, keys, pos, has_gauss, cached = state

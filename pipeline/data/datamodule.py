@@ -70,7 +70,7 @@ class CTRDataModule(L.LightningDataModule):
         spec = self.feature_spec
         counts: dict[str, torch.Tensor] = {}
         for table, rows in spec.table_sizes.items():
-            c = torch.full((rows,), -1, dtype=torch.int64)
+            c = torch.full((rows,), -1, dtype=torch.int64, device="cpu")
             vocab = read_vocabulary(self.store.root, table, columns=("count",))
             if vocab is not None:  # ids below FIRST_VOCAB_ID: OOV and missing
                 c[FIRST_VOCAB_ID:FIRST_VOCAB_ID + len(vocab.counts)] = torch.from_numpy(vocab.counts)
@@ -80,7 +80,7 @@ class CTRDataModule(L.LightningDataModule):
             offsets = wide_row_offsets(spec, features)
             if offsets:
                 wide = torch.zeros(max(offsets[f] + spec.table_sizes[spec.table_of(f)] for f in features),
-                                   dtype=torch.int64)
+                                   dtype=torch.int8, device="cpu")
                 for f in features:
                     part = tables[EMB_PREFIX + spec.table_of(f)]
                     wide[offsets[f]:offsets[f] + len(part)] = part

@@ -2,5 +2,5 @@
 (:mod:`.errors`), preemption signals (:mod:`.signals`), the Hydra job (:mod:`.hydra_job`), NUMA
 binding, the heap, and ending a process without teardown (:mod:`.process_exit`).
 
-May import: nothing
+May import: modules
 """

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from modules.host_collectives import host_group
+
 from pipeline.runtime.errors import UserError
 
 PROBE_TIMEOUT_S = 3.0
@@ -55,7 +57,7 @@ class Peers:
         listener.bind((host, 0))
         listener.listen(64)
         addresses: list = [None] * dist.get_world_size()
-        dist.all_gather_object(addresses, (host, listener.getsockname()[1]))
+        dist.all_gather_object(addresses, (host, listener.getsockname()[1]), group=host_group())
         return cls(dist.get_rank(), [tuple(a) for a in addresses], listener)
 
     def not_answering(self) -> dict[int, str]:

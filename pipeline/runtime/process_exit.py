@@ -25,10 +25,13 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from modules import host_collectives
+
 
 def leave_process_group() -> None:
     """Destroy the process group (and all subgroups) if one is initialized."""
     if dist.is_available() and dist.is_initialized():
+        host_collectives.forget()
         dist.destroy_process_group()
 
 

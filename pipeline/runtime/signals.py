@@ -34,6 +34,7 @@ from typing import Any, List
 import torch
 import torch.distributed as dist
 
+from modules.host_collectives import host_group
 from pipeline.runtime.launch import group_rank, group_size
 
 
@@ -105,9 +106,9 @@ class SignalGuard:
 
     def agreed(self) -> bool:
         """Whether any rank got a signal (collective: every rank calls it after the same step)."""
-        flag = torch.tensor([0 if self.signum is None else 1])
+        flag = torch.tensor([0 if self.signum is None else 1], device="cpu")
         if group_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group())
         return bool(flag.item())
 
     def requeue(self) -> bool:

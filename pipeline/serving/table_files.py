@@ -46,7 +46,7 @@ def write_block(path: Path, shape: tuple[int, int], offsets: tuple[int, int], bl
     step = rows_per_block(dtype.itemsize * cols)
     r0, c0 = offsets
     for start in range(0, rows, step):
-        part = block[start:start + step].detach().to(dtype).numpy()
+        part = block[start:start + step].detach().to("cpu", dtype).numpy()  # (a GPU shard: its rows copied to the host)
         target[r0 + start:r0 + start + len(part), c0:c0 + cols] = part
     target.flush()
     del target

@@ -98,8 +98,10 @@ def unsharded_state(module: torch.nn.Module, table_dir: Path) -> dict[str, torch
     for key, value in module.state_dict().items():
         if is_table_parameter(key) and len(value.size()) == 2:
             value = table_files.unshard_to_file(value, table_dir / f"{key}.f32")
-        elif hasattr(value, "local_shards"):
-            full = torch.empty(tuple(value.size()), dtype=value.dtype) if rank == 0 else None
+        elif hasattr(value, "local_shards"):  # gathered where its shards are (NCCL: on the GPU), then to the host
+            shards = value.local_shards()
+            device = shards[0].tensor.device if shards else torch.device("cpu")
+            full = torch.empty(tuple(value.size()), dtype=value.dtype, device=device) if rank == 0 else None
             value.gather(dst=0, out=full)
             value = full
         if rank == 0:

@@ -23,7 +23,7 @@ from filelock import FileLock
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline.config import LoggerConfig
+from pipeline.tracking.logger_config import LoggerConfig
 from pipeline.runtime.errors import TrackingUnavailableError
 from pipeline.runtime.launch import global_rank
 from pipeline.runtime.signals import Preempted

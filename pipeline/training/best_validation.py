@@ -23,6 +23,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from modules.embedding.table_views import reload_tables, sync_tables
+
 
 class BestValidation(Callback):
     def __init__(self, monitor: str = "val/auc", plateau_factor: float | None = None, plateau_patience: int = 1,
@@ -57,6 +59,7 @@ class BestValidation(Callback):
         if self.best is None or value > self.best:
             self.best, self.best_epoch, self.stale, self.wait = value, trainer.current_epoch, 0, 0
             if self.restore_best:
+                sync_tables(pl_module.model)  # the views hold the rows the caches trained
                 self._weights = {k: _copy(v) for k, v in pl_module.model.state_dict().items()}
         else:
             self.stale += 1
@@ -73,15 +76,18 @@ class BestValidation(Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._weights is None:
             return
+        sync_tables(pl_module.model)  # nothing left in the caches to be written over the restored rows later
         for k, live in pl_module.model.state_dict().items():
             _restore(live, self._weights[k])
+        reload_tables(pl_module.model)  # the caches held the last epoch's rows
         self._weights = None
 
 
 def _copy(t: Any) -> Any:
+    """This rank's part of ``t`` copied into host memory (a table in UVM or GPU memory is never cloned on the GPU)."""
     if hasattr(t, "local_shards"):  # ShardedTensor: this rank's shards
-        return [s.tensor.detach().clone() for s in t.local_shards()]
-    return t.detach().clone()
+        return [s.tensor.detach().to("cpu", copy=True) for s in t.local_shards()]
+    return t.detach().to("cpu", copy=True)
 
 
 def _restore(live: Any, saved: Any) -> None:

@@ -121,7 +121,7 @@ def _copy_rows(target: torch.Tensor, offsets: tuple[int, ...] | list[int], sourc
             rows = old[torch.from_numpy(part[keep])]
             if target.dim() == 2:
                 rows = rows[:, offsets[1]:offsets[1] + target.shape[1]]
-            target[torch.from_numpy(start + keep)] = rows.to(target.dtype)
+            target[torch.from_numpy(start + keep).to(target.device)] = rows.to(target.device, target.dtype)
 
 
 def _copy_table(value: Any, key: str, old: torch.Tensor, source: np.ndarray) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from modules.embedding.feature_spec import FeatureSpec
 from modules.embedding.sparse_arch import is_table_parameter
+from modules.host_collectives import host_group
 from modules.models import ModelConfig
 from modules.optim.kstep_merging import MergeConfig
 from modules.sharding.comm_precision import CommsConfig
@@ -36,6 +37,8 @@ from pipeline.runtime.errors import ConfigError
 
 def replication_refused(run: RunConfig) -> str | None:
     """Why this run's tables cannot have copies (the setting that refuses it, and why), or None."""
+    if run.topology.compute_device == "cuda":
+        return "topology.compute_device=cuda: the merges' bookkeeping of looked-up rows is host-side (not on CUDA yet)"
     if run.model.zch.enabled:
         return "model.zch: its id mapping is each rank's own"
     if run.optim.embedding_l2_scope == "all":
@@ -50,6 +53,9 @@ def check_link_settings(run: RunConfig) -> None:
     bf16 = [k for k in ("embedding_forward", "embedding_backward") if getattr(comms, k) == "bf16"]
     if bf16 and run.topology.compute_device == "cpu":  # torchrec/distributed/fbgemm_qcomm_codec.py falls back
         raise ConfigError(f"trainer.comms.{bf16[0]}=bf16: TorchRec sends bf16 as fp16 on CPU (gloo): use fp16")
+    if run.topology.compute_device == "cuda" and merging.overlap not in ("auto", 0):
+        raise ConfigError(f"trainer.merging.overlap={merging.overlap} with topology.compute_device=cuda: a merge in "
+                          f"flight travels over a gloo group of its own, which takes host tensors; set it to 0")
     if not merging.copies:
         return
     sent = [f"{key}={value}" for key, value, allowed in
@@ -61,19 +67,23 @@ def check_link_settings(run: RunConfig) -> None:
         raise ConfigError(f"trainer.merging.tables={merging.tables} with {why}; use trainer.merging.tables=sharded")
 
 
-def dense_step_seconds(model: ModelConfig, spec: FeatureSpec, local_batch: int, repeats: int = 3) -> float:
-    """Forward and backward of the model's MLP at ``local_batch`` rows (the fastest of ``repeats``)."""
+def dense_step_seconds(model: ModelConfig, spec: FeatureSpec, local_batch: int, repeats: int = 3,
+                       device: torch.device = torch.device("cpu")) -> float:
+    """Forward and backward of the model's MLP at ``local_batch`` rows on ``device`` (the fastest of ``repeats``;
+    on CUDA each timed to the kernels' end, not their launch)."""
     width = len(spec.dense) + len(spec.sparse) * model.embedding_dim
     layers: list[nn.Module] = []
     for out in [*model.mlp, 1]:
-        layers += [nn.Linear(width, out), nn.ReLU()]
+        layers += [nn.Linear(width, out, device=device), nn.ReLU()]
         width = out
     mlp = nn.Sequential(*layers[:-1])
-    x = torch.randn(local_batch, len(spec.dense) + len(spec.sparse) * model.embedding_dim)
+    x = torch.randn(local_batch, len(spec.dense) + len(spec.sparse) * model.embedding_dim, device=device)
     best = float("inf")
     for i in range(repeats + 1):
         start = time.perf_counter()
         mlp(x).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if i:  # the first one warms up
             best = min(best, time.perf_counter() - start)
     return best
@@ -83,8 +93,8 @@ def slowest(seconds: float) -> float:
     """The largest of every rank's ``seconds`` (this value without a process group)."""
     if not dist.is_initialized():
         return seconds
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([seconds], dtype=torch.float64, device="cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
     return float(t.item())
 
 
@@ -130,7 +140,10 @@ def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, s
                       topology.ranks_per_node or world, rows if merging.tables != "sharded" else None)
     link = topology.bandwidth_gbps.inter_node
     needed = merging.k == "auto" or not comms.resolved or merging.tables == "auto"
-    compute = slowest(dense_step_seconds(model, spec, local_batch)) if needed and shape.remote_share and link else 0.0
+    on_gpu = topology.compute_device == "cuda" and torch.cuda.is_available()  # (ctr plan of a GPU topology: the CPU)
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    compute = slowest(dense_step_seconds(model, spec, local_batch, device=device)) \
+        if needed and shape.remote_share and link else 0.0
     fixed = {key: value for key, value in (("k", merging.k), ("embedding_forward", comms.embedding_forward),
                                            ("embedding_backward", comms.embedding_backward), ("dense", comms.dense),
                                            ("tables", merging.tables))
@@ -139,7 +152,8 @@ def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, s
                     half_backward="fp16" if topology.compute_device == "cpu" else "bf16")  # TorchRec: no bf16 on gloo
     o = choice.option
     k = o.k if merging.k == "auto" else merging.k
-    late = min(LATE_STEPS, k) if k and shape.remote_share and link and merging.k_intra is None else 0
+    late = min(LATE_STEPS, k) if (k and shape.remote_share and link and merging.k_intra is None
+                                  and topology.compute_device == "cpu") else 0  # overlap: CPU only (check_link_settings)
     merging = replace(merging, k=k, tables=o.tables if merging.tables == "auto" else merging.tables,
                       overlap=late if merging.overlap == "auto" else merging.overlap)
     comms = CommsConfig(*(o_value if value == "auto" else value for value, o_value in

@@ -17,12 +17,14 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from modules.host_collectives import host_group
+
 
 def anywhere(flag: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> bool:
     """True if ``flag`` holds on any rank of ``group`` (None: all ranks)."""
-    flag = flag.detach().to(torch.float32).reshape(1)
+    flag = flag.detach().to("cpu", torch.float32).reshape(1)  # a host flag (modules/host_collectives.py)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group(group))
     return bool(flag.item() > 0)
 
 
@@ -54,7 +56,7 @@ class NonFiniteGuard:
     def bad_gradients(self, grads: Iterable[torch.Tensor | None], where: str) -> bool:
         """True (skip the dense update) if any gradient is non-finite on any rank; raises under ``stop``."""
         present = [g for g in grads if g is not None]
-        bad = torch.stack([~torch.isfinite(g).all() for g in present]).any() if present else torch.tensor(False)
+        bad = torch.stack([~torch.isfinite(g).all() for g in present]).any() if present else torch.tensor(False, device="cpu")
         if anywhere(bad, self.group()):
             return self._found(f"non-finite dense gradients at {where}; embedding tables were already updated in "
                                f"the backward")

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 from mlflow.exceptions import MlflowException
 
-from modules.embedding.ssd_tier.cached_tbe import sync_tables
+from modules.embedding.table_views import sync_tables
 from modules.sharding.plan_report import format_plan
 from modules.embedding.zch.mapping import mapping_state
 from pipeline.config import RunConfig

@@ -22,7 +22,8 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from modules.embedding.ssd_tier.cached_tbe import reload_tables
+from modules import host_collectives
+from modules.embedding.table_views import reload_tables
 from pipeline.checkpoint.full_state import without_doubled_prefix
 from pipeline.runtime.peers import Peers
 from pipeline.runtime.start_store import agent_store_used, start_store
@@ -49,10 +50,13 @@ class TorchRecStrategy(DDPStrategy):
                                   device_id=self.root_device if self.root_device.type != "cpu" else None,
                                   store=start_store(self.global_rank, self._timeout))
         super().setup_distributed()  # seeds and ranks; Lightning's own process group if none was made above
+        host_collectives.start(self._timeout)  # the gloo twin host tensors travel on (NCCL takes device tensors)
         self.peers = Peers.exchange()  # to name a lost peer if a collective fails (pipeline/runtime/peers.py)
 
     def model_to_device(self) -> None:
-        """The LightningModule builds its DMP on ``root_device`` in ``configure_model``."""
+        """Nothing moves: the LightningModule builds its DMP on ``root_device`` in ``configure_model``. The module's
+        ``device`` is set, where Lightning makes its logged numbers and reduces them (``sync_dist``)."""
+        self.lightning_module._device = self.root_device
 
     def configure_ddp(self) -> None:
         """DMP wraps the dense modules in DDP itself."""

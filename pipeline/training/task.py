@@ -5,7 +5,7 @@ global batch by ``scaling.rule`` (:mod:`modules.optim.scaling_rules`); CowClip a
 term are attached to the sharded model (:mod:`modules.optim.cowclip_hooks`); the learning rates step by step —
 warmups, and the factor :class:`pipeline.training.best_validation.BestValidation` lowers on a plateau — are
 :mod:`pipeline.training.learning_rates`. Everything else a run does — checkpoint state, k-step merging,
-communication accounting, throughput, best-epoch tracking — is a callback (:mod:`pipeline.training.callbacks`,
+communication accounting, throughput, the row caches' statistics, best-epoch tracking — is a callback (:mod:`pipeline.training.callbacks`,
 :mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
 """
 
@@ -19,8 +19,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from modules.embedding.ssd_tier.cached_tbe import cached_tbes, reload_tables, sync_tables
-from modules.embedding.ssd_tier.backing import CacheStats
+from modules.embedding.table_views import reload_tables, sync_tables
 from modules.optim.cowclip_hooks import CowClipHooks, attach_cowclip
 from modules.embedding.sparse_arch import is_table_parameter
 from modules.optim.embedding_l2 import DecayRule, row_state_bytes
@@ -81,8 +80,6 @@ class CTRTask(L.LightningModule):
         self.cowclip = CowClipHooks()
         self.val_metrics, self.test_metrics = CTRMetrics(), CTRMetrics()
         self._skip_step = False
-        self.row_cache_totals = CacheStats()  # the ssd tier's row caches over training (modules.embedding.ssd_tier.row_cache)
-        self.row_cache_bytes = [0.0, 0.0]     # read, written
         self.onednn_mlp_used = self.overlap_embedding_backward_used = False  # decided in configure_model; logged
 
     def scaled_hyperparameters(self) -> dict[str, float]:
@@ -160,12 +157,6 @@ class CTRTask(L.LightningModule):
             carry_optimizer_state(self.model, self.trainer.optimizers[0], self.init_from,
                                   self.trainer.datamodule.feature_spec, self.init_from_optimizer, self._reused)
             reload_tables(self.model)
-        caches = cached_tbes(self.model)
-        if caches and self.logger is not None:
-            self.logger.log_hyperparams({"ssd/cache_rows": sum(t.cache_slots for t in caches),
-                                         "ssd/cache_mb": round(sum(t.cache_bytes for t in caches) / 2**20, 1),
-                                         "ssd/cache_policy": self.topology.ssd.cache_policy})
-
     def forward(self, batch: CTRBatch) -> torch.Tensor:
         sparse = batch.sparse_features
         if self.zch is not None:
@@ -191,32 +182,9 @@ class CTRTask(L.LightningModule):
         if self._skip_step:
             return (logits * 0.0).sum()  # zero gradients: every rank still runs the same collectives
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
-        self._log_row_caches()
         if self.zch is not None and (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0:
             self.log_dict(self.zch.metrics())
         return loss
-
-    def _log_row_caches(self) -> None:
-        """The ssd tier's row caches (:mod:`modules.embedding.ssd_tier.row_cache`), every ``log_every_n_steps`` steps, over
-        the steps since the last log: hit rate, rows and bytes read, drawn and written (per step)."""
-        every = max(1, self.trainer.log_every_n_steps)
-        if (self.global_step + 1) % every or not (stats := self._take_row_cache_stats()):
-            return
-        lookups = sum(s.lookups for s, _ in stats)
-        self.log_dict({"ssd/hit_rate": sum(s.hits for s, _ in stats) / max(1, lookups),
-                       "ssd/rows_read": sum(s.rows_read for s, _ in stats) / every,
-                       "ssd/rows_drawn": sum(s.rows_drawn for s, _ in stats) / every,
-                       "ssd/rows_written": sum(s.rows_written for s, _ in stats) / every,
-                       "ssd/bytes_read": sum(s.rows_read * b for s, b in stats) / every,
-                       "ssd/bytes_written": sum(s.rows_written * b for s, b in stats) / every})
-
-    def _take_row_cache_stats(self) -> list[tuple[CacheStats, float]]:
-        stats = [(t.take_stats(), t.row_bytes) for t in cached_tbes(self.model)]
-        for step, row_bytes in stats:
-            self.row_cache_bytes[0] += step.rows_read * row_bytes
-            self.row_cache_bytes[1] += step.rows_written * row_bytes
-            self.row_cache_totals.add(step)
-        return stats
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Closure (forward + backward), then the dense step — skipped for non-finite values."""
@@ -268,14 +236,6 @@ class CTRTask(L.LightningModule):
 
     def on_train_end(self) -> None:
         self._flush_l2()
-        tbes = cached_tbes(self.model)
-        if tbes:
-            self._take_row_cache_stats()
-            t, (read, written) = self.row_cache_totals, self.row_cache_bytes
-            print(f"Row caches (rank {self.global_rank}): {sum(x.cache_slots for x in tbes):,} rows, "
-                  f"{sum(x.cache_bytes for x in tbes) / 2**20:,.0f} MB; training: hit rate {t.hits / max(1, t.lookups):.4f} "
-                  f"of {t.lookups:,} row lookups, rows read {t.rows_read:,} ({read / 2**20:,.0f} MB), drawn "
-                  f"{t.rows_drawn:,}, written {t.rows_written:,} ({written / 2**20:,.0f} MB)", flush=True)
 
     def on_validation_model_train(self) -> None:
         """Back to training mode after validation, every module: Lightning's default restores the modes it

@@ -20,6 +20,7 @@ from pipeline.training.callbacks.comm_accounting import CommAccounting
 from pipeline.training.callbacks.cowclip_logging import CowClipLogging
 from pipeline.training.callbacks.kstep_merging import KStepMerging
 from pipeline.training.callbacks.next_batch_rows import NextBatchRows
+from pipeline.training.callbacks.row_cache_logging import RowCacheLogging
 from pipeline.training.callbacks.stop_on_signal import StopOnSignal
 from pipeline.training.callbacks.throughput import TrainThroughput
 from pipeline.training.strategy import TorchRecStrategy
@@ -35,7 +36,7 @@ def build_callbacks(cfg: RunConfig, topology: TopologySpec, guard: SignalGuard,
     merging = KStepMerging(topology.ranks_per_node or 1, timedelta(seconds=t.collective_timeout_s)) \
         if t.merging.k is not None else None
     callbacks: list[L.Callback] = [merging] if merging else []
-    callbacks += [CommAccounting(), TrainThroughput(), CowClipLogging(), TrainingState(), NextBatchRows(),
+    callbacks += [CommAccounting(), TrainThroughput(), RowCacheLogging(), CowClipLogging(), TrainingState(), NextBatchRows(),
                   BestValidation("val/auc", t.plateau_lr_factor, t.plateau_patience, t.early_stopping_patience,
                                  restore_best=t.early_stopping_patience is not None)]
     checkpoint = ShardedCheckpoint(t.checkpoint.dir, t.checkpoint.every_n_steps, t.checkpoint.keep,

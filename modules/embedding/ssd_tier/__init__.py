@@ -4,7 +4,7 @@
   table batch made only of ``ssd`` tables gets memory-mapped files as its host buffers and becomes a
   :class:`~.cached_tbe.CachedRowsTBE`;
 * :mod:`.cached_tbe` — that module: ids remapped to slots, FBGEMM's own kernel run on the slots;
-  ``sync_tables`` / ``reload_tables`` for everything that reads or writes the files from outside;
+  what reads or writes the files from outside calls :mod:`modules.embedding.table_views` first;
 * :mod:`.row_cache` — the set-associative cache of one table batch's tables (each its own sets and slot
   table): lookup, LFU/LRU eviction, write-back, rows drawn when first met (their initial values:
   :mod:`modules.embedding.row_init`); what it works on and counts: :mod:`.backing`;

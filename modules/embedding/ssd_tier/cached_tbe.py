@@ -17,8 +17,8 @@ which FBGEMM's CPU backward sums a row's gradients — measured: 1-ulp differenc
 
 The files hold every row only after :meth:`CachedRowsTBE.sync_to_file` (dirty rows written back, rows
 never met drawn, :meth:`modules.embedding.ssd_tier.row_cache.RowCache.materialise`): it runs before anything reads the
-tables' state (:func:`sync_tables`: checkpoints, the model folder, the every-row L2's flush). After
-anything writes the files from outside (a checkpoint load, ``init_from``), :func:`reload_tables`
+tables' state (:func:`modules.embedding.table_views.sync_tables`: checkpoints, the model folder, the every-row L2's flush). After
+anything writes the files from outside (a checkpoint load, ``init_from``), ``reload_tables`` there
 drops the slots.
 
 The TBE is made by TorchRec and turned into this class right after (:func:`modules.embedding.ssd_tier.files
@@ -82,7 +82,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
         self.cache = RowCache(backing, [w.data for w in inner.split_embedding_weights()],
                               [[s.data for s in st] for st in _states(inner, len(dims))], policy, runs)
         self.ahead = RowsAhead(self.cache)
-        self._first_of_feature = torch.tensor([int(self.cache.first[t]) for t in self.feature_table_map])
+        self._first_of_feature = torch.tensor([int(self.cache.first[t]) for t in self.feature_table_map], device="cpu")
         return self
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
@@ -145,7 +145,7 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
     def row_bytes(self) -> float:
         """Bytes of one row with its optimizer state, as it moves between a cache and the files."""
         rows = sum(t.rows for t in self.cache.tables)
-        return 4 * (self.weights_host.numel() + getattr(self, "momentum1_host", torch.empty(0)).numel()) / max(1, rows)
+        return 4 * (self.weights_host.numel() + getattr(self, "momentum1_host", torch.empty(0, device="cpu")).numel()) / max(1, rows)
 
 
 def _states(tbe: SplitTableBatchedEmbeddingBagsCodegen, tables: int) -> list[list[torch.Tensor]]:
@@ -170,15 +170,3 @@ def bring_ahead(collection: nn.Module, features: KeyedJaggedTensor) -> None:
             values = values if values is not None else features.to_dict()
             names = [f for table in kernel.config.embedding_tables for f in table.feature_names]  # the TBE's order
             emb.bring_ahead([values[f].values() for f in names])
-
-
-def sync_tables(model: nn.Module) -> None:
-    """Before the tables' state is read from their files: every row written there."""
-    for tbe in cached_tbes(model):
-        tbe.sync_to_file()
-
-
-def reload_tables(model: nn.Module) -> None:
-    """After the tables' files were written from outside: the caches forget their slots."""
-    for tbe in cached_tbes(model):
-        tbe.reload()

@@ -57,9 +57,9 @@ def assign(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offs
     n, ways = ids.numel(), keys.shape[1]
     if ways > MAX_WAYS:
         raise ValueError(f"the C loop scores at most {MAX_WAYS} ways a set (got {ways})")
-    slot, table, miss, old_key = (torch.empty(n, dtype=torch.int64) for _ in range(4))
-    old_dirty = torch.empty(n, dtype=torch.bool)
-    old_used, old_uses = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
+    slot, table, miss, old_key = (torch.empty(n, dtype=torch.int64, device="cpu") for _ in range(4))
+    old_dirty = torch.empty(n, dtype=torch.bool, device="cpu")
+    old_used, old_uses = torch.empty(n, dtype=torch.int32, device="cpu"), torch.empty(n, dtype=torch.int32, device="cpu")
     count = ctypes.c_int64(0)
     key_type = torch.int32 if keys.dtype == torch.int32 else torch.int64  # (anything else is refused by _ptr)
     fn = library().assign_slots_i32 if key_type == torch.int32 else library().assign_slots_i64

@@ -73,15 +73,15 @@ class RowCache:
             raise ValueError(f"row cache: every slot table holds whole sets of {WAYS} rows")
         self.tables, self.weights, self.states, self.policy = list(tables), list(weights), [list(s) for s in states], policy
         sets = [w.shape[0] // WAYS for w in weights]
-        self.nsets = torch.tensor(sets)
-        self.set_offset = torch.tensor([sum(sets[:t]) for t in range(len(sets))])
-        self.first = torch.tensor([sum(t.rows for t in self.tables[:i]) for i in range(len(self.tables))])
+        self.nsets = torch.tensor(sets, device="cpu")
+        self.set_offset = torch.tensor([sum(sets[:t]) for t in range(len(sets))], device="cpu")
+        self.first = torch.tensor([sum(t.rows for t in self.tables[:i]) for i in range(len(self.tables))], device="cpu")
         shape = (sum(sets), WAYS)
         rows = sum(t.rows for t in self.tables)
-        self.keys = torch.full(shape, -1, dtype=torch.int32 if rows < INT32_KEY_ROWS else torch.int64)
-        self.used = torch.zeros(shape, dtype=torch.int32)  # the call that last used the slot (2^31 calls)
-        self.uses = torch.zeros(shape, dtype=torch.int32)
-        self.dirty = torch.zeros(shape, dtype=torch.bool)
+        self.keys = torch.full(shape, -1, dtype=torch.int32 if rows < INT32_KEY_ROWS else torch.int64, device="cpu")
+        self.used = torch.zeros(shape, dtype=torch.int32, device="cpu")  # the call that last used the slot (2^31 calls)
+        self.uses = torch.zeros(shape, dtype=torch.int32, device="cpu")
+        self.dirty = torch.zeros(shape, dtype=torch.bool, device="cpu")
         self.written = np.zeros((rows + 7) // 8, dtype=np.uint8)  # bit per linear id
         self.clock = 0
         self.native = native_loops.available() if native is None else native  # the C loops (native_loops), else torch / numpy
@@ -264,7 +264,7 @@ class RowCache:
         for t, table in enumerate(self.tables):
             if table.init.std != 0.0:
                 for a in range(0, table.rows, BLOCK_ROWS):
-                    rows = torch.arange(a, min(table.rows, a + BLOCK_ROWS))
+                    rows = torch.arange(a, min(table.rows, a + BLOCK_ROWS), device="cpu")
                     fresh = rows[~self._is_written(rows + self.first[t])]
                     if fresh.numel():
                         table.draw_into(table.weights, fresh, fresh)

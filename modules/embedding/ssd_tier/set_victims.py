@@ -53,7 +53,7 @@ def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses
     ways = keys.shape[1]
     uniq, counts = torch.unique_consecutive(sets, return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(sets.numel()) - torch.repeat_interleave(starts, counts)
+    rank = torch.arange(sets.numel(), device="cpu") - torch.repeat_interleave(starts, counts)
     victim = torch.empty_like(sets)
     for a in range(0, uniq.numel(), SETS_PER_CHUNK):
         chunk = uniq[a:a + SETS_PER_CHUNK]
@@ -70,7 +70,7 @@ def choose_ways(sets: torch.Tensor, keys: torch.Tensor, used: torch.Tensor, uses
             score |= uses[chunk].long() << USE_BITS
         score.masked_fill_(pinned, torch.iinfo(torch.int64).max).masked_fill_(keys[chunk] < 0, -1)
         need = counts[a:a + chunk.numel()]
-        owner = torch.repeat_interleave(torch.arange(chunk.numel()), need)
+        owner = torch.repeat_interleave(torch.arange(chunk.numel(), device="cpu"), need)
         victim[first:last] = chunk[owner] * ways + _lowest(score, need)[owner, rank[first:last]]
     return victim
 
@@ -81,8 +81,8 @@ def _lowest(score: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
     rarely miss more than a few rows a call, so a few passes over [S, W] replace sorting every set.
     ``score`` is overwritten."""
     taken = torch.iinfo(torch.int64).max
-    rank = torch.empty((score.shape[0], int(need.max())), dtype=torch.int64)
-    sets = torch.arange(score.shape[0])
+    rank = torch.empty((score.shape[0], int(need.max())), dtype=torch.int64, device="cpu")
+    sets = torch.arange(score.shape[0], device="cpu")
     for k in range(rank.shape[1]):
         if k:
             sets = sets[need[sets] > k]
@@ -106,7 +106,7 @@ def place(ids: torch.Tensor, first: torch.Tensor, nsets: torch.Tensor, set_offse
     table = torch.searchsorted(first, ids, right=True) - 1
     sets = set_offset[table] + (ids - first[table]) % nsets[table]
     ways = keys.shape[1]
-    hit, slot, keyed = torch.empty(ids.numel(), dtype=torch.bool), torch.empty_like(ids), ids.to(keys.dtype)
+    hit, slot, keyed = torch.empty(ids.numel(), dtype=torch.bool, device="cpu"), torch.empty_like(ids), ids.to(keys.dtype)
     for a in range(0, ids.numel(), LOOKUP_CHUNK):
         found, way = (keys[sets[a:a + LOOKUP_CHUNK]] == keyed[a:a + LOOKUP_CHUNK, None]).max(dim=1)
         hit[a:a + LOOKUP_CHUNK] = found  # a key sits in one way of its set at most

@@ -30,8 +30,8 @@ NAMES = ("ids", "counts", "last")
 
 def merge_sorted(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of ``a``'s and ``b``'s elements in their merge (both sorted, no element in both): O(len)."""
-    at_b = torch.searchsorted(a, b) + torch.arange(len(b))
-    in_a = torch.ones(len(a) + len(b), dtype=torch.bool)
+    at_b = torch.searchsorted(a, b) + torch.arange(len(b), device="cpu")
+    in_a = torch.ones(len(a) + len(b), dtype=torch.bool, device="cpu")
     in_a[at_b] = False
     return torch.nonzero(in_a).view(-1), at_b
 
@@ -42,29 +42,29 @@ class ProbationAdmission(nn.Module):
     def __init__(self, min_count: int, capacity: int) -> None:
         super().__init__()
         self.min_count, self.capacity = min_count, max(1, capacity)
-        self.register_buffer("ids", torch.zeros(0, dtype=torch.int64))
-        self.register_buffer("counts", torch.zeros(0, dtype=torch.int32))
-        self.register_buffer("last", torch.zeros(0, dtype=torch.int64))
+        self.register_buffer("ids", torch.zeros(0, dtype=torch.int64, device="cpu"))
+        self.register_buffer("counts", torch.zeros(0, dtype=torch.int32, device="cpu"))
+        self.register_buffer("last", torch.zeros(0, dtype=torch.int64, device="cpu"))
 
     @torch.no_grad()
     def admitted(self, ids: torch.Tensor, occurrences: torch.Tensor, round_: int) -> torch.Tensor:
         """Count ``occurrences`` of the (distinct, sorted) new ``ids`` in round ``round_``; whether each has now been
         seen ``min_count`` times on probation. They stay listed until :meth:`forget` (they may not get a row)."""
         at = torch.searchsorted(self.ids, ids).clamp(max=max(0, len(self.ids) - 1))
-        found = (self.ids[at] == ids) if len(self.ids) else torch.zeros(len(ids), dtype=torch.bool)
-        before = self.counts[at] if len(self.ids) else torch.zeros(len(ids), dtype=torch.int32)
+        found = (self.ids[at] == ids) if len(self.ids) else torch.zeros(len(ids), dtype=torch.bool, device="cpu")
+        before = self.counts[at] if len(self.ids) else torch.zeros(len(ids), dtype=torch.int32, device="cpu")
         total = occurrences.to(torch.int32) + torch.where(found, before, torch.zeros_like(before))
         self.counts[at[found]] = total[found]
         self.last[at[found]] = round_
         new = ~found
         old_pos, new_pos = merge_sorted(self.ids, ids[new])
         self._set(self._merged(self.ids, ids[new], old_pos, new_pos), self._merged(self.counts, total[new], old_pos, new_pos),
-                  self._merged(self.last, torch.full((int(new.sum()),), round_, dtype=torch.int64), old_pos, new_pos))
+                  self._merged(self.last, torch.full((int(new.sum()),), round_, dtype=torch.int64, device="cpu"), old_pos, new_pos))
         return total >= self.min_count
 
     @staticmethod
     def _merged(a: torch.Tensor, b: torch.Tensor, a_pos: torch.Tensor, b_pos: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(len(a) + len(b), dtype=a.dtype)
+        out = torch.empty(len(a) + len(b), dtype=a.dtype, device="cpu")
         out[a_pos], out[b_pos] = a, b
         return out
 
@@ -74,7 +74,7 @@ class ProbationAdmission(nn.Module):
         if not len(ids) or not len(self.ids):
             return
         at = torch.searchsorted(self.ids, ids).clamp(max=len(self.ids) - 1)
-        keep = torch.ones(len(self.ids), dtype=torch.bool)
+        keep = torch.ones(len(self.ids), dtype=torch.bool, device="cpu")
         keep[at[self.ids[at] == ids]] = False
         self._set(self.ids[keep], self.counts[keep], self.last[keep])
 

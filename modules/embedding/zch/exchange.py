@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from modules.host_collectives import host_group
+
 
 def bucket_of(raw: torch.Tensor, buckets: int) -> torch.Tensor:
     """The bucket of each raw id: ``raw mod buckets``."""
@@ -57,16 +59,16 @@ class Exchange:
         self.mine = [u for u, r in enumerate(owners) if r == self.rank]
         self._units_of = [[u for u, o in enumerate(owners) if o == r] for r in range(self.world)]
         self._sent_order = [u for units in self._units_of for u in units]  # by owner, then unit
-        self._sizes = torch.zeros(0)
+        self._sizes = torch.zeros(0, device="cpu")
 
     def to_owners(self, per_unit: list[torch.Tensor], time: int = -1) -> tuple[list[torch.Tensor], int]:
         """(each unit of this rank's: the ids every rank sent for it, rank 0's first; the latest ``time`` of the
         ranks). ``per_unit``: this rank's ids of every unit."""
         if self.world == 1:
             return per_unit, time
-        sizes = torch.tensor([*(len(v) for v in per_unit), time], dtype=torch.int64)
+        sizes = torch.tensor([*(len(v) for v in per_unit), time], dtype=torch.int64, device="cpu")
         gathered = [torch.empty_like(sizes) for _ in range(self.world)]
-        dist.all_gather(gathered, sizes)
+        dist.all_gather(gathered, sizes, group=host_group())
         latest = int(max(int(s[-1]) for s in gathered))
         self._sizes = torch.stack(gathered)[:, :-1]  # [source rank, unit]
         recv = self._all_to_all(torch.cat([per_unit[u] for u in self._sent_order]),
@@ -84,10 +86,10 @@ class Exchange:
             return rows
         n = len(self.mine)
         per_source = [torch.split(r, self._sizes[:, u].tolist()) for r, u in zip(rows, self.mine)]
-        send = torch.cat([per_source[i][s] for s in range(self.world) for i in range(n)]) if n else torch.zeros(0, dtype=torch.int64)
+        send = torch.cat([per_source[i][s] for s in range(self.world) for i in range(n)]) if n else torch.zeros(0, dtype=torch.int64, device="cpu")
         recv = self._all_to_all(send, self._from_each(self._sizes), self._per_owner(self._sizes[self.rank]))
         pieces = torch.split(recv, self._sizes[self.rank, self._sent_order].tolist())
-        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64)] * len(self.owners)
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64, device="cpu")] * len(self.owners)
         for u, piece in zip(self._sent_order, pieces):
             out[u] = piece
         return out
@@ -95,15 +97,15 @@ class Exchange:
     def summed(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the ranks (every rank calls it)."""
         if self.world > 1:
-            dist.all_reduce(values)
+            dist.all_reduce(values, group=host_group())
         return values
 
     def largest(self, value: int) -> int:
         """The largest of the ranks' ``value`` (every rank calls it)."""
         if self.world == 1:
             return value
-        out = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        out = torch.tensor([value], dtype=torch.int64, device="cpu")
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=host_group())
         return int(out)
 
     def everyone(self, obj: Any) -> list[Any]:
@@ -111,7 +113,7 @@ class Exchange:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=host_group())
         return out
 
     def to_first(self, obj: Any) -> list[Any] | None:
@@ -119,7 +121,7 @@ class Exchange:
         if self.world == 1:
             return [obj]
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=host_group())
         return out
 
     def _per_owner(self, sizes: torch.Tensor) -> list[int]:
@@ -132,6 +134,7 @@ class Exchange:
 
     @staticmethod
     def _all_to_all(send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        recv = torch.empty(sum(recv_splits), dtype=send.dtype)
-        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits)
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device="cpu")
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                               group=host_group())
         return recv

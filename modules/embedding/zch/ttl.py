@@ -61,7 +61,7 @@ class TTLPolicy(MCHEvictionPolicy):
         held = torch.where((last > 0) & (stamp - last < self.ttl), torch.iinfo(torch.int64).max,
                            last - 1 - 2 * math.ceil(self.ttl))
         held[mch_size - 1] = torch.iinfo(torch.int64).max  # the sentinel row of unmatched ids (TorchRec's MCH)
-        scores = torch.cat([held, torch.full((new,), stamp, dtype=torch.int64)])
+        scores = torch.cat([held, torch.full((new,), stamp, dtype=torch.int64, device="cpu")])
         evicted, selected = self._compute_selected_eviction_and_replacement_indices(mch_size, scores)
         last[evicted] = stamp
         return evicted, selected

@@ -10,6 +10,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from modules.host_collectives import host_group
 from modules.optim.cowclip import BUCKET_LABELS
 
 
@@ -41,7 +42,7 @@ class CowClipLogging(Callback):
         seen, clipped = pl_module.cowclip.stats.take_buckets()
         if trainer.world_size > 1:
             both = torch.stack([seen, clipped])
-            torch.distributed.all_reduce(both)
+            torch.distributed.all_reduce(both, group=host_group())  # host counts (modules/host_collectives.py)
             seen, clipped = both
         if int(seen.sum()) == 0:
             return
