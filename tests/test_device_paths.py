@@ -121,3 +121,24 @@ def test_a_gpu_topology_on_a_machine_without_one_says_so():
     with pytest.raises(ConfigError, match="no CUDA device is available"):
         check_config(compose_config(["topology=1gpu"]))
     assert parse_config(compose_config(["topology=1gpu"])).topology.compute_device == "cuda"
+
+
+def _key_value_tables_refused(rank: int, world: int) -> None:
+    from modules.embedding.feature_spec import FeatureSpec
+    from modules.models import ModelConfig, build_model
+    from modules.optim.optimizers import OptimizerSpec
+    from modules.sharding.placement import PlacementError
+    from modules.sharding.planner import shard_model
+    from modules.sharding.topology import SsdSpec, TopologySpec
+
+    spec = FeatureSpec(("I1",), ("a", "b"), {"a": 10, "b": 7})
+    net = build_model(ModelConfig(embedding_dim=8, mlp=[8], stack_tables=False), spec, device=torch.device("meta"))
+    gpu = TopologySpec(compute_device="cuda", ranks_per_node=1, hbm_cap_gb=80, ddr_cap_gb=64,
+                       ssd=SsdSpec(path="/nvme", cap_gb=100), table_overrides={"emb_a": {"tier": "ssd"}})
+    with pytest.raises(PlacementError, match=r"tables \['emb_a'\] go to the ssd tier on CUDA"):
+        shard_model(net, OptimizerSpec("rowwise_adagrad", 0.1), gpu, torch.device("cpu"))
+
+
+def test_tables_on_the_gpu_ssd_tier_are_refused_before_the_model_is_built():
+    """FBGEMM's KEY_VALUE tables have not run here: refused with what to use instead, not left to fail mid-run."""
+    run_workers(_key_value_tables_refused, 1)

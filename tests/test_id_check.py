@@ -141,3 +141,16 @@ def test_train_on_the_ssd_tier_with_look_ahead_on_a_store_with_a_bad_id_ends_wit
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert (f"Error (IdOutOfRangeError): feature '{feature}': id -1 is outside its table's rows "
             f"[0, {rows})") in proc.stdout + proc.stderr
+
+
+def test_a_batch_on_its_way_to_a_gpu_is_checked_on_the_host_before_the_copy():
+    """On CUDA the model does not check (a host sync per batch) and FBGEMM's check only clamps: the host batch is
+    checked before it is copied (``meta`` stands in for the GPU: the check must run before any copy)."""
+    from modules.embedding.lookup_inputs import check_ids_on_the_way
+
+    rows = torch.tensor([SPEC.table_sizes[t] for t in SPEC.categorical])
+    bad = _batch([1, 25, 3]).sparse_features
+    with pytest.raises(IdOutOfRangeError, match="feature 'c': id 25 is outside its table's rows \\[0, 20\\)"):
+        check_ids_on_the_way(bad, rows, torch.device("meta"))
+    check_ids_on_the_way(bad, rows, torch.device("cpu"))  # the model checks on the CPU (below)
+    check_ids_on_the_way(_batch([1, 19, 3]).sparse_features, rows, torch.device("meta"))

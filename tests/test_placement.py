@@ -158,7 +158,7 @@ def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():
 
 
 def test_plan_on_one_gpu_uses_every_tier_and_counts_optimizer_state():
-    """Dim 512 with Adam (~195 GiB) on one 80 GB GPU: big tables to UVM caching, a forced one to SSD."""
+    """Dim 512 with Adam (~195 GiB) on one 140 GiB GPU: big tables to UVM caching, a forced one to SSD (planned)."""
     out = plan_for_config(compose_config(["topology=1gpu", "data=criteo_kaggle_shape", "model.embedding_dim=512",
                                           "optim=reference", "+topology.table_overrides.emb_C12.tier=ssd"]))
     rows = {cells[0]: cells for line in out.splitlines() if line.startswith("| emb_")
@@ -173,7 +173,7 @@ def test_plan_on_one_gpu_uses_every_tier_and_counts_optimizer_state():
     assert ssd * 1024 >= 0.95 * mib["emb_C12"]
     assert ddr * 1024 >= 0.95 * sum(mib[n] for n in uvm)
     assert hbm * 1024 >= 0.95 * sum(m for n, m in mib.items() if rows[n][5] == "hbm")
-    assert hbm <= 80
+    assert hbm <= 140
 
 
 def test_plan_refuses_an_impossible_model():
@@ -207,6 +207,6 @@ def test_every_topology_config_composes_into_a_spec(name):
     spec = parse_config(compose_config([f"topology={name}"])).topology
     assert spec.name == name and spec.nodes >= 1
     if spec.compute_device == "cuda":
-        assert spec.hbm_cap_gb > 0 and len(spec.numa) == spec.ranks_per_node
+        assert spec.hbm_cap_gb > 0 and (spec.numa is None or len(spec.numa) == spec.ranks_per_node)  # None: from /sys
         bw = spec.bandwidth_gbps
         assert None not in (bw.hbm, bw.host_link, bw.intra_node, bw.inter_node)

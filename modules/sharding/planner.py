@@ -269,6 +269,12 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     result = plan_model(model, embedding_optim, topology, coverage, collective=group or True, table_of=table_of,
                         batch_rows=batch_rows * world, eval_rows=eval_rows * world,  # table-wise kernels: every rank's batch
                         row_state_bytes=row_state_bytes)
+    key_value = sorted(p.table for p in result.placements.values() if p.kernel == KERNELS["ssd"])
+    if key_value:  # docs/gpu.md: what FBGEMM's SSD tables would need here
+        raise PlacementError(f"tables {key_value} go to the ssd tier on CUDA (FBGEMM's KEY_VALUE tables), which has not "
+                             f"run yet: their initial rows, topology.ssd.path and their checkpoints and model files are "
+                             f"not wired; give them host memory behind a GPU cache instead "
+                             f"(+topology.table_overrides.<table>.tier=uvm_cache, or a larger topology.ddr_cap_gb)")
     if group is not None and result.file_backed:
         raise PlacementError(f"tables {sorted(result.file_backed)} go to the ssd tier, whose files are one rank's: "
                              f"their copies cannot be merged (trainer.merging.tables=replicated|per_node); use sharded")

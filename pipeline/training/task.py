@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from modules.embedding.table_views import reload_tables, sync_tables
 from modules.optim.cowclip_hooks import CowClipHooks, attach_cowclip
+from modules.embedding.lookup_inputs import check_ids_on_the_way
 from modules.embedding.sparse_arch import is_table_parameter
 from modules.optim.embedding_l2 import DecayRule, row_state_bytes
 from modules.models import ModelConfig, build_model, onednn_linear
@@ -77,6 +78,7 @@ class CTRTask(L.LightningModule):
         self.model: torch.nn.Module | None = None
         self.zch: ZchStage | None = None  # model.zch: raw ids → rows (pipeline/training/zch_stage.py)
         self.plan: PlanResult | None = None
+        self.id_rows = torch.zeros(0, dtype=torch.int64)  # each sparse feature's table rows (configure_model)
         self.cowclip = CowClipHooks()
         self.val_metrics, self.test_metrics = CTRMetrics(), CTRMetrics()
         self._skip_step = False
@@ -107,6 +109,7 @@ class CTRTask(L.LightningModule):
             log.info("model.overlap_embedding_backward: not used (it needs the MLP on oneDNN, one process and 2+ "
                      "threads; here %d process(es), %d thread(s))", self.trainer.world_size, torch.get_num_threads())
         spec = data.feature_spec
+        self.id_rows = torch.tensor([spec.table_sizes[spec.table_of(f)] for f in spec.kjt_keys], device="cpu")
         self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch,
                                        data.store.split("train"))
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
@@ -165,6 +168,8 @@ class CTRTask(L.LightningModule):
         return self.model(batch.dense_features, sparse)
 
     def transfer_batch_to_device(self, batch: CTRBatch, device: torch.device, dataloader_idx: int) -> CTRBatch:
+        if self.zch is None:  # (model.zch: raw ids, mapped to rows after the copy; CPU only)
+            check_ids_on_the_way(batch.sparse_features, self.id_rows, device)
         return batch.to(device, non_blocking=True)
 
     # -- steps -----------------------------------------------------------------------------------
