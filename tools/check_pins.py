@@ -45,7 +45,7 @@ def main() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     problems, rows = [], []
     extras = project["optional-dependencies"]
-    for extra in ("cpu", "gpu"):
+    for extra in ("cpu", "gpu", "gpu-torch211"):
         for req in extras[extra]:
             m = PIN.match(req.replace(" ", ""))
             if not m:
@@ -54,7 +54,7 @@ def main() -> None:
             name, pin = m.groups()
             versions = available(name)
             ok = any(matches(v, pin) for v in versions)
-            rows.append(f"{extra:4} {name}=={pin}: {'found' if ok else 'MISSING'}")
+            rows.append(f"{extra:12} {name}=={pin}: {'found' if ok else 'MISSING'}")
             if not ok:
                 problems.append(f"pyproject.toml [{extra}] {name}=={pin} is not on the index for CPython 3.12 "
                                 f"manylinux x86-64 (it has {', '.join(versions[:8]) or 'none'}, ...)")

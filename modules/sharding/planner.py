@@ -41,6 +41,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from modules.embedding.sparse_arch import field_of
 from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
+from modules.embedding.ssd_tier.files import unavailable as files_unavailable
 from modules.embedding.row_init import DrawnLater, RowInit
 from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
 from modules.sharding.placement import KERNELS, Placement, PlacementError, TableInfo, place_tables
@@ -275,6 +276,9 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
                              f"run yet: their initial rows, topology.ssd.path and their checkpoints and model files are "
                              f"not wired; give them host memory behind a GPU cache instead "
                              f"(+topology.table_overrides.<table>.tier=uvm_cache, or a larger topology.ddr_cap_gb)")
+    if result.file_backed and (why := files_unavailable()):
+        raise PlacementError(f"tables {sorted(result.file_backed)} go to the CPU ssd tier, but {why}: raise "
+                             f"topology.ddr_cap_gb to hold them in memory, or install the pinned stack (pyproject.toml)")
     if group is not None and result.file_backed:
         raise PlacementError(f"tables {sorted(result.file_backed)} go to the ssd tier, whose files are one rank's: "
                              f"their copies cannot be merged (trainer.merging.tables=replicated|per_node); use sharded")

@@ -19,16 +19,19 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
-from torchrec.datasets.utils import Batch
 
 from pipeline.data.store import Ragged, SplitArrays
 
 
 @dataclass
-class CTRBatch(Batch):
-    """A torchrec ``Batch`` plus the number of real (non-padding) leading rows and the latest time of its rows
-    (seconds since 1970; -1: the store keeps no times)."""
+class CTRBatch:
+    """One batch: dense features [B, D], sparse features (a KJT of B bags per key), labels [B]; the number of real
+    (non-padding) leading rows and the latest time of its rows (seconds since 1970; -1: the store keeps no times).
+    (TorchRec's ``torchrec.datasets.utils.Batch`` has the same first three fields; importing it pulls in iopath.)"""
 
+    dense_features: torch.Tensor
+    sparse_features: KeyedJaggedTensor
+    labels: torch.Tensor
     num_valid: int = -1
     time: int = -1
 

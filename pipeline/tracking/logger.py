@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
 from mlflow.tracking import MlflowClient
 
 from pipeline.tracking.heartbeat import Heartbeat, reopen
@@ -146,6 +148,22 @@ class TrackedMLflowLogger(MLFlowLogger):
         self._heartbeat = Heartbeat(client, self.run_id, self._heartbeat_s).start()
         self._mlflow_client = QueuedClient(client, self._retry_max_s)
         return self.run_id
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any) -> None:
+        """As Lightning's; but a resumed run keeps the parameters of its first start (MLflow's are immutable, and the
+        queue would retry a refused batch until ``logger.flush_timeout_s``): a setting changed since is the tag
+        ``resumed/<key>`` with its new value, a new one a parameter."""
+        if not self._resumed:
+            return super().log_hyperparams(params)
+        flat = {k: str(v)[:250] for k, v in _flatten_dict(_convert_params(params)).items()}  # as Lightning sends them
+        held = self.experiment.get_run(self.run_id).data.params
+        for key, value in flat.items():
+            if key in held and held[key] != value:
+                self.experiment.set_tag(self.run_id, f"resumed/{key}", value)
+        new = {k: v for k, v in flat.items() if k not in held}
+        if new:
+            super().log_hyperparams(new)
 
     def finalize(self, status: str = "success") -> None:
         """Remember the status (set when the run is closed): no synchronous call to the server here."""

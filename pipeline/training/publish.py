@@ -3,13 +3,11 @@ model in the run, the registered model version, and ``result.json`` with the ``R
 
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-from mlflow.exceptions import MlflowException
 
 from modules.embedding.table_views import sync_tables
 from modules.sharding.plan_report import format_plan
@@ -30,7 +28,6 @@ from pipeline.training.callbacks.throughput import TrainThroughput
 from pipeline.training.result import RunResult
 from pipeline.training.task import CTRTask
 
-log = logging.getLogger(__name__)
 
 
 def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, output_dir: Path,
@@ -63,10 +60,7 @@ def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, ou
 def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTask, trainer: L.Trainer,
                 datamodule: CTRDataModule, output_dir: Path) -> None:
     """Parameters, end-of-run metrics and artifacts (resolved config, sharding plan) of a finished run."""
-    try:
-        logger.log_hyperparams(params)
-    except MlflowException as e:  # a resumed run with changed settings: parameters are immutable
-        log.warning("MLflow kept the run's first parameters: %s", e)
+    logger.log_hyperparams(params)  # (a resumed run: changed settings as tags resumed/<key>)
     logger.log_hyperparams({**task.scaled_hyperparameters(), "cowclip/global_tables": len(task.cowclip.global_lookups),
                             "cowclip/local_tables": len(task.cowclip.local_lookups),
                             "model/stacked_tables": task.model_cfg.stack_tables,

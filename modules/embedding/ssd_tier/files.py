@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import importlib.metadata
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +96,18 @@ class CachedTable:
 
     slots: int
     init: RowInit
+
+
+def unavailable() -> str | None:
+    """Why this FBGEMM cannot back tables with files (None: it can): its TBE must take ``preallocated_host_buffers``
+    (fbgemm-gpu 1.9; 1.6.0, the torch 2.11 stack's, has no such argument)."""
+    if "preallocated_host_buffers" in inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters:
+        return None
+    try:
+        version = importlib.metadata.version("fbgemm-gpu-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        version = importlib.metadata.version("fbgemm-gpu")
+    return f"FBGEMM {version} cannot give its tables host buffers of our own (preallocated_host_buffers: fbgemm-gpu 1.9+)"
 
 
 @contextlib.contextmanager
