@@ -136,6 +136,11 @@ class TrainerConfig:
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
     collective_timeout_s: float = 600.0  # a collective (or the process group's start) waiting longer fails the run
 
+    def local_batches(self, world: int) -> tuple[int, int]:
+        """Each rank's rows of a training and an evaluation batch: ``batch_size`` and ``eval_batch_size`` are global,
+        split evenly over the ``world`` ranks (the one reading of both; :func:`check_runnable` checks they split)."""
+        return self.batch_size // world, self.eval_batch_size // world
+
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s}: expected a positive number of seconds")

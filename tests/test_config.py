@@ -84,6 +84,8 @@ def test_misspelt_keys_and_wrong_types_in_a_config_file_are_caught(tmp_path, yam
      "trainer.merging.tables=per_node with k=4, k_intra=2"),
     (["trainer.merging.tables=replicated", "trainer.merging.k=4", "optim.embedding_l2_scope=all", "optim.embedding_l2=1e-5"],
      "trainer.merging.tables=replicated with optim.embedding_l2_scope=all"),
+    (["trainer.merging.tables=per_node", "trainer.merging.k=4", "optim.embedding.name=adam"],
+     "trainer.merging.tables=per_node with optim.embedding.name=adam: not fused into FBGEMM's kernels on the CPU"),
     (["+topology.table_overrides.emb_C1.tier=disk"], "topology.table_overrides.emb_C1.tier='disk'"),
     (["model=deepfm", "+model.low_rank=8"], "model.low_rank=8: model 'deepfm' takes no 'low_rank'"),
     (["scaling.rule=cubic"], "scaling.rule='cubic'"),

@@ -131,3 +131,36 @@ def test_overlap_at_auto_lands_merges_two_steps_late_only_over_a_stated_link(nod
     merging, _, _ = resolve_link(MergeConfig(k=k, overlap=overlap), CommsConfig(), ModelConfig(mlp=[64]), spec,
                                  topology, local_batch=2048, dense_params=500_000)
     assert merging.k is not None and merging.overlap == want and LATE_STEPS == 2
+
+
+def test_copies_are_offered_only_where_the_memory_holds_them():
+    """A copy per rank needs every table (and its optimizer state) on each rank, a copy per node a node's share: with
+    room for the second only, the choice never takes the first, and asking for it explicitly is refused."""
+    import torch
+
+    from modules.embedding.sparse_arch import FeatureSpec
+    from modules.models import ModelConfig, build_model
+    from modules.optim.kstep_merging import MergeConfig
+    from modules.sharding.topology import GB, TopologySpec
+    from pipeline.training.link_choice import copies_that_fit, memory_refusal
+
+    net = build_model(ModelConfig(embedding_dim=16, mlp=[8], stack_tables=False),
+                      FeatureSpec(("I1",), ("a",), {"a": 1_000_000}), device=torch.device("meta"))
+    tables = 1_000_000 * (16 + 4) * 4  # the emb and first-order rows, fp32
+    def on(ddr_bytes: float) -> TopologySpec:  # 2 nodes × 4 ranks, no reserve: each rank gets a quarter
+        return TopologySpec(compute_device="cpu", nodes=2, ranks_per_node=4, ddr_cap_gb=ddr_bytes / GB, ddr_reserve=0)
+
+    assert copies_that_fit(net, on(4 * 2 * tables)) == ("replicated", "per_node")
+    assert copies_that_fit(net, on(4 * 2 * tables * 0.9)) == ("per_node",)  # 2·T/4 per rank fits, 2·T does not
+    assert copies_that_fit(net, on(2 * tables * 0.9)) == ()
+    assert copies_that_fit(net, TopologySpec(compute_device="cpu", nodes=2, ranks_per_node=4)) == \
+        ("replicated", "per_node")  # no capacity stated
+    why = memory_refusal(MergeConfig(k=4, tables="replicated"), net, on(4 * 2 * tables * 0.9))
+    assert why is not None and why.startswith("trainer.merging.tables=replicated: each rank would hold 0.15 GB")
+    assert memory_refusal(MergeConfig(k=4, tables="per_node"), net, on(4 * 2 * tables * 0.9)) is None
+    from modules.sharding.link_plan import MERGE_PERIODS, options
+    assert {o.tables for o in options("fp16", ("per_node",))} == {"sharded", "per_node"}
+    rows = PassRows({k: 500 * k for k in MERGE_PERIODS[1:]}, {k: 2000 * k for k in MERGE_PERIODS[1:]}, 17.0,
+                    {k: 1000 * k for k in MERGE_PERIODS[1:]})
+    shape = StepShape(4096, 26 * 16, 26, 500_000, world=8, ranks_per_node=4, pass_rows=rows, copies=("per_node",))
+    assert choose(shape, 0.0125, 0.05).option.tables != "replicated"

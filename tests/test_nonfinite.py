@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def _two_ranks(rank: int, world: int) -> None:
     from modules.comm_accounting import CommCounter, install
     from modules.sharding.replicated_tables import copy_group
 
-    own = copy_group(1)
+    own = copy_group(1, timedelta(seconds=120))
     install()  # in this worker process, which ends with the test
     counter = CommCounter()
     loss = torch.tensor(math.nan if rank == 1 else 0.5)

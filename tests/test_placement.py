@@ -145,6 +145,19 @@ def test_plan_command_shows_a_copy_per_node_planned_over_the_node_s_ranks(small_
     ranks = {line.split("|")[-2].strip() for line in out.splitlines() if line.startswith(("| emb_", "| wide"))}
     assert ranks == {"0", "1"}, ranks
     assert "every table on every node, sharded over its 2 ranks" in out
+    # trainer.batch_size is global: each of the 4 ranks trains a quarter, a kernel of a node's copy sees its node's half
+    assert "; batch 1,024 (256 a rank; a table-wise kernel sees 512)" in out
+
+
+def test_the_batch_size_is_global_whatever_the_world_size():
+    """One reading of ``trainer.batch_size`` (global, split over the ranks) in the plan, as the loader splits it."""
+    def title(ranks: int) -> str:
+        out = plan_for_config(compose_config(["topology=cpu", "data=criteo_kaggle_shape", "trainer.batch_size=4096",
+                                              "trainer.eval_batch_size=8192", f"topology.ranks_per_node={ranks}"]))
+        return out.splitlines()[0]
+
+    assert title(1).endswith("; batch 4,096 (4,096 a rank; a table-wise kernel sees 4,096)")
+    assert title(4).endswith("; batch 4,096 (1,024 a rank; a table-wise kernel sees 4,096)")
 
 
 def test_plan_command_for_criteo_shaped_tables_on_an_8gpu_node():

@@ -5,6 +5,8 @@ different data, and one sharded row-wise over each node's two ranks (tables=per_
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 import pytest
 import torch
@@ -116,7 +118,7 @@ def _model_worker(rank: int, world: int) -> None:
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
     topology = TopologySpec(compute_device="cpu", sharding_types=["table_wise"])
     model, _ = shard_model(net, OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"), data_parallel=False,
-                           group=copy_group(1))
+                           group=copy_group(1, timedelta(seconds=120)))
     tables = attach_table_merger(model)
     assert sum(w.shape[0] for w in tables.tables.values()) >= 37  # every table whole on this rank
     assert all(holds_rank_0s_copy(v) == (rank == 0) for k, v in model.state_dict().items()
@@ -204,7 +206,7 @@ def _per_node_worker(rank: int, world: int, folder: str) -> None:
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
     topology = TopologySpec(compute_device="cpu", sharding_types=["row_wise"])
     model, _ = shard_model(net, OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"), data_parallel=True,
-                           group=copy_group(2))
+                           group=copy_group(2, timedelta(seconds=120)))
     count_dense_allreduce(model, "fp32")  # as a run does: DDP's all-reduce through a hook, over the node's ranks
     tables, peers = attach_table_merger(model), peer_group(2)
     assert any("@" in name for name in tables.tables) == (rank % 2 == 1)  # row-wise: local rank 1 holds later rows

@@ -73,6 +73,7 @@ class StepShape:
     world: int
     ranks_per_node: int
     pass_rows: Optional["PassRows"] = None  # None: the tables cannot be replicated
+    copies: tuple[str, ...] = ("replicated", "per_node")  # the kinds of copies the memory holds (with pass_rows)
 
     @property
     def remote_share(self) -> float:
@@ -130,16 +131,18 @@ def link_bytes(shape: StepShape, option: LinkOption) -> dict[str, float]:
     return {"embedding": embedding, "dense": dense}
 
 
-def options(half_backward: str = "bf16", copies: bool = False) -> list[LinkOption]:
+def options(half_backward: str = "bf16", copies: tuple[str, ...] = ()) -> list[LinkOption]:
     """Every option; ``half_backward``: the gradients' precision of the reduced option (fp16 on CPU, where
-    TorchRec sends bf16 as fp16); ``copies``: also those with a copy of the tables on every rank or node."""
+    TorchRec sends bf16 as fp16); ``copies``: also those with these copies of the tables (replicated: on every rank,
+    per_node: on every node)."""
     out = []
     for k in MERGE_PERIODS:
         for forward, backward in (("fp32", "fp32"), ("fp16", half_backward)):
             for dense in ("fp32", "fp16"):
                 out.append(LinkOption(k, forward, backward, dense))
     return out + [LinkOption(k, "fp32", updates, dense, tables) for tables in ("replicated", "per_node")
-                  for k in MERGE_PERIODS[1:] for updates in ("fp32", "fp16") for dense in ("fp32", "fp16") if copies]
+                  for k in MERGE_PERIODS[1:] for updates in ("fp32", "fp16") for dense in ("fp32", "fp16")
+                  if tables in copies]
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ def choose(shape: StepShape, link_gbytes_per_s: Optional[float], compute_s: floa
     if shape.remote_share == 0 or not link_gbytes_per_s:
         why = "one node" if shape.remote_share == 0 else "no inter-node bandwidth stated"
         return LinkChoice(DEFAULT, default_t, default_t, compute_s, default_bytes, why)
-    candidates = [o for o in options(half_backward, shape.pass_rows is not None)
+    candidates = [o for o in options(half_backward, shape.copies if shape.pass_rows is not None else ())
                   if all(getattr(o, key) == value for key, value in fixed.items())]
     best = min(candidates or [DEFAULT], key=lambda o: estimate(o)[0])
     best_t, best_bytes = estimate(best)

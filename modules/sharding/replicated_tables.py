@@ -28,11 +28,12 @@ from modules.optim.sparse_merging import TableMerger
 _groups: dict[int, dist.ProcessGroup] = {}
 
 
-def copy_group(span: int) -> dist.ProcessGroup:
+def copy_group(span: int, timeout: timedelta) -> dist.ProcessGroup:
     """The ranks one copy of the tables spans (consecutive, ``span`` of them: 1, or a node's), this rank's among
-    them (made once per span, collectively, on first call)."""
+    them (made once per span, collectively, on first call; ``timeout``: its collectives', the all-to-all and DDP
+    inside a node included)."""
     if span not in _groups:
-        _groups[span], _ = dist.new_subgroups(group_size=span)
+        _groups[span], _ = dist.new_subgroups(group_size=span, timeout=timeout)
     return _groups[span]
 
 

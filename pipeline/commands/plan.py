@@ -54,24 +54,25 @@ def plan_for_config(cfg: DictConfig) -> str:
     topology = run.topology.for_world(run.topology.world_size, run.topology.ranks_per_node or 1)
     feature_spec, coverage, train = spec_and_coverage(run.data, run.paths.cache_dir, run.model.zch)
     optim = run.optim.embedding
-    # row caches and the step's working set as training sizes them (CTRTask): both batches, every rank's
-    batch_rows, eval_rows = (n * topology.world_size for n in (run.trainer.batch_size, run.trainer.eval_batch_size))
+    # row caches and the step's working set as training sizes them (CTRTask): the global batches, each rank's share
+    local, local_eval = run.trainer.local_batches(topology.world_size)
     l2_state = row_state_bytes(run.optim.embedding_l2_scope)
-    model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage, batch_rows, eval_rows,
-                                          l2_state)
+    model_cfg, stacking = decide_stacking(run.model, feature_spec, topology, optim, coverage, run.trainer.batch_size,
+                                          run.trainer.eval_batch_size, l2_state)
     model = build_model(model_cfg, feature_spec, device=torch.device("meta"))
     link = LinkSettings.of(run).resolved(model_cfg, feature_spec, model, topology, run.trainer.batch_size, train)
     span = link.copy_span or topology.world_size  # with copies of the tables, the ranks one copy is sharded over
     planned = topology.on_ranks(span) if link.copy_span else topology
     result = plan_model(model, optim, planned, coverage, table_of={f: feature_spec.table_of(f) for f in feature_spec.sparse},
-                        batch_rows=run.trainer.batch_size * span, eval_rows=run.trainer.eval_batch_size * span,
+                        batch_rows=local * span, eval_rows=local_eval * span,  # what one table-wise kernel sees
                         row_state_bytes=l2_state)
     copies = (f"; the tables planned over one copy's {span} rank(s) (trainer.merging.tables={link.merging.tables})"
               if link.copy_span else "")
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s){copies}), "
              f"embedding optimizer {optim.name}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
-             f"({stacking})\n")
+             f"({stacking}); batch {run.trainer.batch_size:,} ({local:,} a rank; a table-wise kernel sees "
+             f"{local * span:,})\n")
     return format_plan(result, optim.name, span, title) + "\n" + link.describe()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any, Optional
 
 import numpy as np
@@ -26,6 +27,7 @@ from modules.embedding.sparse_arch import is_table_parameter
 from modules.host_collectives import host_group
 from modules.models import ModelConfig
 from modules.optim.kstep_merging import MergeConfig
+from modules.optim.optimizers import is_fusable
 from modules.sharding.comm_precision import CommsConfig
 from modules.sharding.link_plan import LATE_STEPS, MERGE_PERIODS, LinkChoice, PassRows, StepShape, choose
 from modules.sharding.replicated_tables import copy_group
@@ -41,6 +43,10 @@ def replication_refused(run: RunConfig) -> str | None:
         return "topology.compute_device=cuda: the merges' bookkeeping of looked-up rows is host-side (not on CUDA yet)"
     if run.model.zch.enabled:
         return "model.zch: its id mapping is each rank's own"
+    if not is_fusable(run.optim.embedding, run.topology.compute_device):  # DENSE kernels: data-parallel parameters
+        return (f"optim.embedding.name={run.optim.embedding.name}: not fused into FBGEMM's kernels on the CPU, its "
+                f"tables become data-parallel parameters, which the dense merge would average whole and the row merge "
+                f"again; use rowwise_adagrad, adagrad or sgd")
     if run.optim.embedding_l2_scope == "all":
         return ("optim.embedding_l2_scope=all: it changes rows no rank looked up, which the merge takes as equal "
                 "everywhere")
@@ -120,24 +126,39 @@ def pass_rows(train: SplitArrays, spec: FeatureSpec, local_batch: int, world: in
                     {k: distinct(k * local_batch * ranks_per_node) for k in periods})
 
 
-def fits_whole(net: nn.Module, topology: TopologySpec) -> bool:
-    """Whether a node's ranks hold every table and an optimizer state as large, each its share, in its share of its
-    tier's memory (the host's on CPU, the GPU's on CUDA; a topology without a capacity: yes): a copy per node."""
+def copies_that_fit(net: nn.Module, topology: TopologySpec) -> tuple[str, ...]:
+    """The copies of the tables a rank's share of its tier's memory holds (the host's on CPU, shared by a node's
+    ranks; the GPU's on CUDA; a topology without a capacity: all), each table with an optimizer state as large:
+    ``replicated`` (every table whole on every rank: 2·T) and ``per_node`` (a node's copy split over its ranks:
+    2·T / ranks per node)."""
     per_node = topology.ranks_per_node or 1
-    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name)) / per_node
+    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name))
     budget = (topology.hbm_cap_gb * (1 - topology.hbm_reserve) if topology.compute_device == "cuda"
               else topology.ddr_cap_gb * (1 - topology.ddr_reserve) / per_node) * GB
-    return not budget or 2 * tables <= budget
+    need = {"replicated": 2 * tables, "per_node": 2 * tables / per_node}
+    return tuple(kind for kind, size in need.items() if not budget or size <= budget)
+
+
+def memory_refusal(merging: MergeConfig, net: nn.Module, topology: TopologySpec) -> str | None:
+    """Why the copies ``trainer.merging.tables`` asks for do not fit (None: they do, or it asks for none)."""
+    if not merging.copies or merging.tables in copies_that_fit(net, topology):
+        return None
+    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name)) / GB
+    each = tables if merging.tables == "replicated" else tables / (topology.ranks_per_node or 1)
+    return (f"trainer.merging.tables={merging.tables}: each rank would hold {2 * each:.2f} GB of tables and optimizer "
+            f"state, more than its share of topology.{'hbm' if topology.compute_device == 'cuda' else 'ddr'}_cap_gb "
+            f"after the reserve; use per_node or sharded")
 
 
 def resolve_link(merging: MergeConfig, comms: CommsConfig, model: ModelConfig, spec: FeatureSpec,
-                 topology: TopologySpec, local_batch: int, dense_params: int, rows: PassRows | None = None
-                 ) -> tuple[MergeConfig, CommsConfig, LinkChoice]:
+                 topology: TopologySpec, local_batch: int, dense_params: int, rows: PassRows | None = None,
+                 copies: tuple[str, ...] = ("replicated", "per_node")) -> tuple[MergeConfig, CommsConfig, LinkChoice]:
     """``merging`` and ``comms`` with every ``auto`` resolved, and the choice behind them (to print and log).
-    ``rows``: what a pass meets, where the tables may be replicated (else only sharded options)."""
+    ``rows``: what a pass meets, where the tables may be replicated (else only sharded options); ``copies``: the
+    kinds of copies that fit in memory."""
     world = topology.world_size
     shape = StepShape(local_batch, len(spec.sparse) * model.embedding_dim, len(spec.sparse), dense_params, world,
-                      topology.ranks_per_node or world, rows if merging.tables != "sharded" else None)
+                      topology.ranks_per_node or world, rows if merging.tables != "sharded" else None, copies)
     link = topology.bandwidth_gbps.inter_node
     needed = merging.k == "auto" or not comms.resolved or merging.tables == "auto"
     on_gpu = topology.compute_device == "cuda" and torch.cuda.is_available()  # (ctr plan of a GPU topology: the CPU)
@@ -171,11 +192,13 @@ class LinkSettings:
     choice: Optional[LinkChoice] = None
     replicable: bool = True  # whether nothing else refuses copies of the tables (:func:`replication_refused`)
     ranks_per_node: int = 1
+    timeout: timedelta = timedelta(minutes=10)  # trainer.collective_timeout_s: the copies' process groups wait so long
 
     @classmethod
     def of(cls, run: RunConfig) -> "LinkSettings":
         """A run's settings, ``auto`` still unresolved."""
-        return cls(run.trainer.merging, run.trainer.comms, replicable=replication_refused(run) is None)
+        return cls(run.trainer.merging, run.trainer.comms, replicable=replication_refused(run) is None,
+                   timeout=timedelta(seconds=run.trainer.collective_timeout_s))
 
     def resolved(self, model: ModelConfig, spec: FeatureSpec, net: nn.Module, topology: TopologySpec,
                  global_batch: int, train: SplitArrays | None = None) -> "LinkSettings":
@@ -184,17 +207,18 @@ class LinkSettings:
         not ``replicable``: only sharded tables are considered for ``trainer.merging.tables=auto``)."""
         local_batch, per_node = global_batch // topology.world_size, topology.ranks_per_node or 1
         dense_params = sum(p.numel() for name, p in net.named_parameters() if not is_table_parameter(name))
-        rows = None
+        if (why := memory_refusal(self.merging, net, topology)) is not None:
+            raise ConfigError(why)
+        rows, fit = None, copies_that_fit(net, topology)
         if (train is not None and self.replicable and self.merging.tables != "sharded"
-                and topology.world_size > 1
-                and topology.bandwidth_gbps.inter_node and fits_whole(net, topology)):
+                and topology.world_size > 1 and topology.bandwidth_gbps.inter_node and fit):
             rows = pass_rows(train, spec, local_batch, topology.world_size, model.embedding_dim + bool(model.wide),
                              ranks_per_node=per_node)
         merging, comms, choice = resolve_link(self.merging, self.comms, model, spec, topology, local_batch,
-                                              dense_params, rows)
+                                              dense_params, rows, fit)
         if merging.copies:  # no all-to-all across the link; the backward's precision is the updates' in a merge
             comms = CommsConfig("fp32", comms.embedding_backward, comms.dense)
-        settings = LinkSettings(merging, comms, choice, self.replicable, per_node)
+        settings = LinkSettings(merging, comms, choice, self.replicable, per_node, self.timeout)
         if topology.world_size > 1:
             rank_zero_info(settings.describe())
         return settings
@@ -216,7 +240,7 @@ class LinkSettings:
         """The process group the tables are sharded over, which is also the one a training step's collectives span
         (the all-to-all, DDP's all-reduce): this rank's own (``replicated``: every table whole here), its node's
         (``per_node``), else all ranks (None). Between merges the ranks of different groups share no collective."""
-        return copy_group(self.copy_span) if self.copy_span else None
+        return copy_group(self.copy_span, self.timeout) if self.copy_span else None
 
     def describe(self) -> str:
         """One line for the log and ``ctr plan``: what runs, and why."""

@@ -72,7 +72,7 @@ class CTRTask(L.LightningModule):
         self.rates = LearningRates(self.scaled.dense_lr, self.scaled.embedding_lr, self.scaled.warmup_epochs,
                                    cfg.scaling.embedding_warmup_epochs)
         self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, lambda: self.link.shard_group())
-        self.batch_rows = (cfg.trainer.batch_size, cfg.trainer.eval_batch_size)  # per rank: training, evaluation
+        self.batch_rows = cfg.trainer.local_batches(topology.world_size)  # this rank's: training, evaluation
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
         self.model: torch.nn.Module | None = None
