@@ -8,7 +8,7 @@ and DistributedModelParallel, and the plan as a table for people.
 * :mod:`.resident_memory` — what the process holds, GPU libraries' pages left out on CPU;
 * :mod:`.step_memory` — what a training or evaluation step adds to it;
 * :mod:`.table_stacking` — ``model.stack_tables=auto``: whether the one-id tables become one;
-* :mod:`.planner` — placement → TorchRec plan → the sharded model;
+* :mod:`.planner` — placement → TorchRec plan → the sharded model; :mod:`.plan_checks` — what a plan needs here;
 * :mod:`.plan_report` — the plan per table (rows, bytes, tier, cache);
 * :mod:`.replicated_tables` — every table whole on every rank, its looked-up rows merged every k steps.
 

@@ -41,10 +41,10 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from modules.embedding.sparse_arch import field_of
 from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
-from modules.embedding.ssd_tier.files import unavailable as files_unavailable
 from modules.embedding.row_init import DrawnLater, RowInit
 from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
 from modules.sharding.placement import KERNELS, Placement, PlacementError, TableInfo, place_tables
+from modules.sharding.plan_checks import unrunnable
 from modules.sharding.step_memory import collection_tables, process_bytes
 from modules.sharding.topology import GB, TopologySpec
 
@@ -270,18 +270,9 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     result = plan_model(model, embedding_optim, topology, coverage, collective=group or True, table_of=table_of,
                         batch_rows=batch_rows * world, eval_rows=eval_rows * world,  # table-wise kernels: every rank's batch
                         row_state_bytes=row_state_bytes)
-    key_value = sorted(p.table for p in result.placements.values() if p.kernel == KERNELS["ssd"])
-    if key_value:  # docs/gpu.md: what FBGEMM's SSD tables would need here
-        raise PlacementError(f"tables {key_value} go to the ssd tier on CUDA (FBGEMM's KEY_VALUE tables), which has not "
-                             f"run yet: their initial rows, topology.ssd.path and their checkpoints and model files are "
-                             f"not wired; give them host memory behind a GPU cache instead "
-                             f"(+topology.table_overrides.<table>.tier=uvm_cache, or a larger topology.ddr_cap_gb)")
-    if result.file_backed and (why := files_unavailable()):
-        raise PlacementError(f"tables {sorted(result.file_backed)} go to the CPU ssd tier, but {why}: raise "
-                             f"topology.ddr_cap_gb to hold them in memory, or install the pinned stack (pyproject.toml)")
-    if group is not None and result.file_backed:
-        raise PlacementError(f"tables {sorted(result.file_backed)} go to the ssd tier, whose files are one rank's: "
-                             f"their copies cannot be merged (trainer.merging.tables=replicated|per_node); use sharded")
+    why = unrunnable(result.placements, result.file_backed, copies=group is not None)
+    if why:
+        raise PlacementError(why)
     if group is not None:
         placed_on_global_rank(result.plan, group, device)
     if device.type == "cpu":
