@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -9,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -80,6 +83,17 @@ class MlflowServer:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+@contextlib.contextmanager
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[None]:
+    """An exclusive lock the test workers share (their temporary folders' parent): what holds it runs alone."""
+    with open(tmp_path_factory.getbasetemp().parent / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@ command for everything, ``--help`` on each, run from a folder that is not the ch
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 import tomllib
 
 from pipeline.commands.ctr import COMMANDS
-from tests.conftest import PYTHON, ROOT
+from tests.conftest import PYTHON, ROOT, one_at_a_time
 
 # one worker builds the wheel for all of them (make test: --dist loadgroup): two builds at once from the checkout
 # share its build/ folder, and one of them came out without the pipeline package or failed copying from it. With
@@ -40,8 +39,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     project's own files come from the wheel. Returns (its bin folder, a clean environment)."""
     tmp = tmp_path_factory.mktemp("wheel")
     # the workers' temporary folders share a parent: one build from the checkout at a time
-    with open(tmp_path_factory.getbasetemp().parent / "wheel-build.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with one_at_a_time(tmp_path_factory, "wheel-build"):
         subprocess.run([PYTHON, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                         str(tmp / "dist"), str(ROOT)], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("ctr_pipeline-*.whl")

@@ -271,3 +271,20 @@ def _per_node_worker(rank: int, world: int, folder: str) -> None:
 
 def test_tables_per_node_are_sharded_inside_a_node_and_merged_across_nodes(tmp_path):
     run_workers(_per_node_worker, 4, str(tmp_path))
+
+
+def _layouts_differ(rank: int, world: int) -> None:
+    from modules.optim.sparse_merging import TableMerger
+
+    same = TableMerger({"emb_a": torch.zeros(10, 4), "emb_b": torch.zeros(6, 4)})
+    same.make_equal()  # alike: passes
+    shards = {"emb_a": torch.zeros(10, 4)} | ({"emb_b": torch.zeros(6, 4)} if rank == 0 else
+                                              {"emb_b@3,0": torch.zeros(3, 4)})
+    with pytest.raises(RuntimeError, match=r"not sharded alike: this rank holds \[\('emb_b(@3,0)?', \((6|3), 4\)\)\], "
+                                           r"where rank (0|1) of its merge group holds"):
+        TableMerger(shards).make_equal()
+
+
+def test_copies_sharded_differently_are_refused_before_any_merge():
+    """Each node plans its copy alone: peers holding other shards would merge unrelated rows."""
+    run_workers(_layouts_differ, 2)

@@ -82,10 +82,26 @@ class TableMerger:
         self._base: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.merged_rows = 0  # rows merged over the run (for the record)
 
+    def check_alike(self, group: dist.ProcessGroup | None = None) -> None:
+        """Refuse to merge unless every rank of ``group`` holds the same shards (name and shape): each node plans its
+        copy alone, and copies planned differently would merge unrelated rows. The ranks' layouts are gathered (a
+        few numbers a table) and the first difference named."""
+        mine = sorted((name, tuple(t.shape)) for name, t in self.tables.items())
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                only_here, only_there = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+                raise RuntimeError(
+                    f"the copies of the tables are not sharded alike: this rank holds {only_here[:3]}, where rank "
+                    f"{rank} of its merge group holds {only_there[:3]} (each node plans its copy: the topology, "
+                    f"table overrides or library versions differ between nodes)")
+
     @torch.no_grad()
     def make_equal(self, group: dist.ProcessGroup | None = None) -> None:
         """Give every rank of ``group`` (None: all) its first rank's tables where they differ (compared by a checksum
         of each table: a table drawn from the same seed everywhere crosses no link)."""
+        self.check_alike(group)
         sums = torch.tensor([_checksum(self.tables[n]) for n in self.names], dtype=torch.float64, device="cpu")
         first = sums.clone()
         dist.broadcast(first, group=group, group_src=0)

@@ -28,11 +28,11 @@ from pipeline.checkpoint.chunks import MAX_CHUNK_BYTES, row_chunks
 from pipeline.checkpoint.manifest import write_manifest
 from pipeline.checkpoint.safe_reader import SafeFileSystemReader
 from pipeline.checkpoint.skeleton import (
-    GLOBAL_KEYS,
     STATE_FILE,
     join_tensors,
     placeholders,
     split_tensors,
+    stored_once,
     without_tensors,
 )
 from pipeline.checkpoint.training_state import TrainingState, differences
@@ -63,7 +63,7 @@ class DCPCheckpointIO(CheckpointIO):
     def _split(checkpoint: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
         tensors: dict[str, Any] = {}
         rank = group_rank()
-        skeleton = {k: split_tensors(v, k if k in GLOBAL_KEYS else f"rank{rank}/{k}", tensors)
+        skeleton = {k: split_tensors(v, k if stored_once(k) else f"rank{rank}/{k}", tensors)
                     for k, v in checkpoint.items()}
         return skeleton, tensors
 

@@ -3,7 +3,8 @@
 Everything but tensors — loop progress, counters, config, MLflow run id — goes to one JSON file per
 rank, ``trainer_state.rank<r>.json``, with placeholders ``{"__tensor__": key, "shape": ..., "dtype":
 ...}`` where tensors were. Keys of ``GLOBAL_KEYS`` (sharded or replicated) are stored once; the rest
-under ``rank<r>/``, so each rank gets its own back.
+under ``rank<r>/``, so each rank gets its own back; copy c's fused optimizer state of copies of the tables under
+``fused_optimizer.copy<c>``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import torch
 
 STATE_FILE = "trainer_state.rank{rank}.json"
 GLOBAL_KEYS = ("state_dict", "fused_optimizer")  # sharded or replicated: one copy in the checkpoint
+PER_COPY = "fused_optimizer.copy"  # + c: copy c's fused optimizer state (copies of the tables), its ranks' shards once
+
+
+def stored_once(key: str) -> bool:
+    """Whether a top-level key's tensors are stored once for the ranks holding them (else under ``rank<r>/``)."""
+    return key in GLOBAL_KEYS or key.startswith(PER_COPY)
 
 
 def split_tensors(obj: Any, prefix: str, tensors: dict[str, Any]) -> Any:

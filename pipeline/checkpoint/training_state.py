@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from modules.embedding.table_views import reload_tables
-from pipeline.checkpoint.skeleton import split_tensors
+from pipeline.checkpoint.skeleton import PER_COPY, split_tensors
 
 
 class TrainingState(Callback):
@@ -35,11 +35,19 @@ class TrainingState(Callback):
         fused = getattr(self.module.model, "fused_optimizer", None)
         return fused.state_dict()["state"] if fused is not None and fused.param_groups else {}
 
+    def _fused_key(self) -> str:
+        """Where the fused optimizer's state goes: ``fused_optimizer``, stored once (sharded), or with copies of the
+        tables ``fused_optimizer.copy<c>``, one for each copy (:data:`pipeline.checkpoint.skeleton.PER_COPY`): the
+        copies' states differ between merges (only the rows are merged), and under one key the checkpoint would keep
+        one copy's for all."""
+        span = self.module.link.copy_span
+        return f"{PER_COPY}{self.trainer.global_rank // span}" if span else "fused_optimizer"
+
     def live_tensors(self) -> dict[str, Any]:
         """The module's current tensors a checkpoint is loaded into (model and fused-optimizer state)."""
         live: dict[str, Any] = {}
         split_tensors(self.module.state_dict(), "state_dict", live)
-        split_tensors(self._fused_state(), "fused_optimizer", live)
+        split_tensors(self._fused_state(), self._fused_key(), live)
         return live
 
     def layout(self) -> dict[str, Any]:
@@ -47,10 +55,10 @@ class TrainingState(Callback):
         plan = self.module.plan
         tables = {name: [p.rows, p.dim] for name, p in sorted(plan.placements.items())} if plan else {}
         return {"model": asdict(self.module.model_cfg), "tables": tables, "world_size": self.trainer.world_size,
-                "merging": self.module.link.merging.enabled}
+                "link": self.module.link.record()}
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint["fused_optimizer"] = self._fused_state()
+        checkpoint[self._fused_key()] = self._fused_state()
         datamodule = trainer.datamodule
         checkpoint["pipeline"] = {
             "layout": self.layout(), "data_position": list(pl_module.data_position),
@@ -67,9 +75,9 @@ class TrainingState(Callback):
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["pipeline"]
         fused = getattr(pl_module.model, "fused_optimizer", None)
-        if fused is not None and checkpoint.get("fused_optimizer"):
+        if fused is not None and checkpoint.get(self._fused_key()):
             sd = fused.state_dict()
-            sd["state"] = checkpoint["fused_optimizer"]
+            sd["state"] = checkpoint[self._fused_key()]
             fused.load_state_dict(sd)
         reload_tables(pl_module.model)  # read into the ssd tier's files: their row caches start empty
         trainer.datamodule.resume_position = tuple(state["data_position"])

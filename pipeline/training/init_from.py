@@ -28,6 +28,7 @@ from torch import nn
 
 from modules.embedding.sparse_arch import FeatureSpec, is_table_parameter
 from modules.embedding.row_reset import table_segments
+from pipeline.checkpoint.skeleton import PER_COPY
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import read_vocabulary
@@ -59,7 +60,8 @@ def check_optimizer_source(path: str | None, parts: str) -> None:
 def source_optimizer_state(source: ModelSource) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], FeatureSpec]:
     """(fused embedding-optimizer state ``{"<parameter>/<state>": full tensor}``, rank 0's optimizer
     state ``{"[<member>/]state/<i>/<name>": tensor}``, feature spec) of a checkpoint."""
-    return (full_model_state(source.path, "fused_optimizer/"),
+    fused = full_model_state(source.path, "fused_optimizer/") or full_model_state(source.path, f"{PER_COPY}0/")
+    return (fused,  # (a run with copies of the tables: copy 0's, rank 0's)
             full_model_state(source.path, "rank0/optimizer_states/0/"), FeatureSpec.from_store_meta(source.store_meta))
 
 

@@ -12,7 +12,7 @@ link is today's default: DDP in fp32. Resolved after the process group exists (t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -221,6 +221,27 @@ class LinkSettings:
         settings = LinkSettings(merging, comms, choice, self.replicable, per_node, self.timeout)
         if topology.world_size > 1:
             rank_zero_info(settings.describe())
+        return settings
+
+    def record(self) -> dict[str, Any]:
+        """The resolved settings as a checkpoint keeps them (:meth:`as_recorded` takes them back)."""
+        return {"merging": asdict(self.merging), "comms": asdict(self.comms)}
+
+    def as_recorded(self, recorded: dict[str, Any]) -> "LinkSettings":
+        """These settings as a checkpoint recorded them resolved: a resumed run goes on as it ran, not as a new timing
+        of the link would choose (``auto`` is decided from a measured compute time). An explicit value that differs
+        from the checkpoint's is refused."""
+        merging, comms = MergeConfig(**recorded["merging"]), CommsConfig(**recorded["comms"])
+        for key, asked, ran in [*((f"merging.{k}", getattr(self.merging, k), getattr(merging, k))
+                                  for k in ("k", "k_intra", "moments", "tables", "overlap")),
+                                *((f"comms.{k}", getattr(self.comms, k), getattr(comms, k))
+                                  for k in ("embedding_forward", "embedding_backward", "dense"))]:
+            if asked not in ("auto", ran):
+                raise ConfigError(f"trainer.{key}={asked!r}: the checkpoint being resumed ran with {ran!r}; resume with "
+                                  f"it (or auto), or start a new run")
+        settings = replace(self, merging=merging, comms=comms, choice=None)
+        if settings.ranks_per_node and dist.is_initialized() and dist.get_world_size() > 1:
+            rank_zero_info("resumed as the checkpoint ran: " + settings.describe())
         return settings
 
     @property

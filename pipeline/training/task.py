@@ -32,6 +32,7 @@ from modules.sharding.planner import PlanResult, shard_model
 from modules.sharding.table_stacking import decide_stacking
 from modules.sharding.topology import TopologySpec
 from modules.embedding.zch.mapping import load_mapping_state
+from pipeline.checkpoint.discovery import read_rank0_state
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap
@@ -110,8 +111,9 @@ class CTRTask(L.LightningModule):
                      "threads; here %d process(es), %d thread(s))", self.trainer.world_size, torch.get_num_threads())
         spec = data.feature_spec
         self.id_rows = torch.tensor([spec.table_sizes[spec.table_of(f)] for f in spec.kjt_keys], device="cpu")
-        self.link = self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch,
-                                       data.store.split("train"))
+        ran = read_rank0_state(self.resume_from)["pipeline"]["layout"].get("link") if self.resume_from else None
+        self.link = self.link.as_recorded(ran) if ran else \
+            self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch, data.store.split("train"))
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.link.dense_in_ddp,
                                             group=self.link.shard_group(),
