@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,48 @@ class KillRank(Callback):
                     "step": trainer.global_step, "checkpoint": last.name,
                     "mlflow_run_id": read_rank0_state(last)["pipeline"]["mlflow_run_id"]}))
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HoldAtStep(Callback):
+    """Global rank ``rank`` writes ``held`` after training step ``step``, then waits until the file ``release`` exists
+    (at most ``limit_s``): a test acts on the job — cuts a link, loses a node — at a known step, however fast the
+    machine trains."""
+
+    def __init__(self, rank: int, step: int, held: str, release: str, limit_s: float = 300.0) -> None:
+        self.rank, self.step, self.held, self.release, self.limit_s = rank, step, Path(held), Path(release), limit_s
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            self.held.write_text(str(self.step))
+            deadline = time.monotonic() + self.limit_s
+            while not self.release.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+class TableCopies(Callback):
+    """Each rank's table shards (its kernels' weights, by shard) saved to ``<folder>/{start,end}-rank<r>.pt`` when
+    training starts and when fitting ends (after the last merge): what a test compares across copies of the tables."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def _save(self, trainer: L.Trainer, pl_module: L.LightningModule, when: str) -> None:
+        from modules.embedding.sharded_kernels import kernels
+
+        shards = {}
+        for _, _, kernel in kernels(pl_module.model):
+            for config, weight in zip(kernel.config.embedding_tables, kernel.split_embedding_weights()):
+                offsets = config.local_metadata.shard_offsets if config.local_metadata else [0, 0]
+                shards[f"{config.name}@{offsets[0]},{offsets[1]}"] = weight.detach().cpu().clone()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.save(shards, self.folder / f"{when}-rank{trainer.global_rank}.pt")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer, pl_module, "start")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer, pl_module, "end")
 
 
 class SignalDuringStep(Callback):

@@ -29,7 +29,8 @@ from pipeline.runtime.errors import UserError
 
 PROBE_TIMEOUT_S = 3.0
 # how gloo words a peer that stopped answering (it raises a plain RuntimeError; c10d raises Dist*Error)
-LOST_PEER_WORDS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
+LOST_PEER_WORDS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer",
+                   "Application timeout caused pair closure")  # gloo: a pair timed out inside an all-to-all
 
 
 class PeerLostError(UserError, RuntimeError,
