@@ -18,11 +18,14 @@ process with one thread and no network. Recipes (Hydra overrides):
     node<K>  every table on every node, sharded over its ranks (all-to-all and DDP inside the node), the nodes'
              copies merged every K steps (trainer.merging.tables=per_node);  node<K>_half: the updates in fp16
     <k, rep or node recipe>_ov[J]   each merge travelling during the next K (or J) steps (trainer.merging.overlap=K|J)
+    <recipe>_loopback   the same processes and settings over 127.0.0.1, no namespaces and no shaping: what the
+             link itself costs (auto_loopback states the same link, so it makes the same choices)
 
 Prints per recipe: training samples/s, the job's wall time, bytes per step and rank counted from the
 collectives, bytes that left node 0's interface per training step, the link's share of a step
 (those bytes at the rate, over the measured step time), test AUC, and the wall time at which validation
-first reached ddp's best validation AUC − 0.001 (the time-to-AUC target; "–" if never). Logs a plot of validation
+first reached ddp's best validation AUC − 0.001 (the time-to-AUC target; "–" if never); then, for ``auto``, its wall
+time and time to target against ``auto_loopback``, ``ddp`` and ``one_node`` where they ran. Logs a plot of validation
 AUC against wall time per recipe to MLflow (experiment ``cluster_training``, a run ``summary``).
 """
 
@@ -40,14 +43,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.netns_cluster import Cluster, wait_all  # noqa: E402
+from pipeline.runtime.launch import free_port  # noqa: E402
 from pipeline.training.result import read_result  # noqa: E402
 
 # fp16 both ways: on CPU TorchRec sends bf16 as fp16 (the runs of 2026-11-28 asked for a bf16 backward and got fp16)
 HALF = ["trainer.comms.embedding_forward=fp16", "trainer.comms.embedding_backward=fp16", "trainer.comms.dense=fp16"]
 FP32 = ["trainer.comms.embedding_forward=fp32", "trainer.comms.embedding_backward=fp32", "trainer.comms.dense=fp32"]
+LOOPBACK = "_loopback"
 
 
 def recipe_overrides(name: str, rate_mbit: float) -> list[str]:
+    if name.endswith(LOOPBACK):
+        return recipe_overrides(name[:-len(LOOPBACK)], rate_mbit)
     base, ov, late = name.partition("_ov")
     if ov:  # _ov: land each merge when the next leaves (k steps late); _ov<J>: J steps late
         k = int("".join(ch for ch in base.split("_")[0] if ch.isdigit()))
@@ -97,6 +104,17 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
                                    f"hydra.run.dir={folder}/node0"], cwd=ROOT, env=env(), stdout=log,
                                   stderr=subprocess.STDOUT)
         codes, sent = [proc.returncode], None
+    elif name.endswith(LOOPBACK):
+        port = free_port()
+        agents = []
+        for n in range(args.nodes):
+            with open(folder / f"node{n}.log", "w") as log:
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
+                     f"--nproc_per_node={args.nproc}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                     f"--rdzv_id={name}{port}", "-m", "pipeline.commands.train", *job, f"hydra.run.dir={folder}/node{n}"],
+                    cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT))
+        codes, sent = wait_all(agents, args.timeout_s), None
     else:
         with Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as cluster:
             agents = []
@@ -156,6 +174,7 @@ def report(rows: list[dict], args, uri: str) -> None:
     target = args.target_auc if ddp is None else \
         max(m.value for m in client.get_metric_history(ddp.mlflow_run_id, "val/auc")) - 0.001
     steps = args.rows * 0.85 // args.batch
+    reached_at: dict[str, float | None] = {}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     print(f"\n{args.nodes} nodes × {args.nproc} process(es) at {args.rate_mbit:g} Mbit/s; {args.rows:,} rows, "
           f"batch {args.batch:,}; target: ddp's best validation AUC − 0.001 = {target:.4f}; store {uri}\n")
@@ -169,12 +188,13 @@ def report(rows: list[dict], args, uri: str) -> None:
         t0 = run.info.start_time
         times = [(m.timestamp - t0) / 1e3 for m in history]
         ax.plot(times, [m.value for m in history], marker="o", label=row["name"])
-        reached = next((t for t, m in zip(times, history) if m.value >= target), None)
+        reached = reached_at[row["name"]] = next((t for t, m in zip(times, history) if m.value >= target), None)
         link = row["node0_tx"] / steps if row["node0_tx"] else 0.0
         step_s = args.batch / r.samples_per_s
         share = f"{link * 8 / (args.rate_mbit * 1e6) / step_s:.0%}" if link else "–"
         print(f"| {row['name']} | {r.samples_per_s:,.0f} | {row['wall_s']:.0f} | {r.comm_bytes_per_step:,.0f} | "
               f"{link:,.0f} | {share} | {r.test_auc:.4f} | {f'{reached:.0f}' if reached else '–'} |")
+    ratios(rows, reached_at)
     ax.axhline(target, color="grey", linestyle=":", label="ddp's best − 0.001")
     ax.set_xlabel("wall time since the run started (s)")
     ax.set_ylabel("validation AUC")
@@ -186,6 +206,20 @@ def report(rows: list[dict], args, uri: str) -> None:
         mlflow.log_params({"rate_mbit": args.rate_mbit, "nodes": args.nodes, "nproc": args.nproc, "rows": args.rows})
         mlflow.log_figure(fig, "val_auc_vs_wall_time.png")
     print(f"\nplot: val_auc_vs_wall_time.png in the run 'summary' of experiment cluster_training ({uri})")
+
+
+def ratios(rows: list[dict], reached_at: dict[str, float | None]) -> None:
+    """The default (``auto``) against the same processes over loopback, DDP over the same link, and one node."""
+    by_name = {r["name"]: r for r in rows}
+    if "auto" not in by_name:
+        return
+    auto = by_name["auto"]
+    print("\n| auto against | wall | time to target |\n|---|---:|---:|")
+    for other in ("auto" + LOOPBACK, "ddp", "one_node"):
+        if other in by_name:
+            wall = auto["wall_s"] / by_name[other]["wall_s"]
+            a, b = reached_at.get("auto"), reached_at.get(other)
+            print(f"| {other} | {wall:.3f}× | {f'{a / b:.3f}×' if a and b else '–'} |")
 
 
 if __name__ == "__main__":
