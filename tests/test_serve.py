@@ -388,3 +388,81 @@ def test_malformed_csv_bodies_are_refused_with_a_reason(body):
 
     with pytest.raises(RequestError, match="text/csv body"):
         parse(body, "text/csv")
+
+
+def _serve_settings(*overrides: str):
+    """``serve.*`` as ``ctr serve`` parses them from conf/serving/serve.yaml."""
+    from hydra import compose, initialize_config_module
+
+    from pipeline.commands.args import command_args
+    from pipeline.commands.serve import ServeArgs
+
+    with initialize_config_module("ctr_conf.serving", version_base="1.3"):
+        cfg = compose(config_name="serve", overrides=["model=unused", *overrides])
+    return command_args(cfg, ServeArgs).serve
+
+
+def _post(app, messages: list[dict], content_length: int | None) -> list[dict]:
+    """One ``POST /invocations`` through the worker's ASGI app: the client's messages, and what the app sent."""
+    import asyncio
+
+    sent: list[dict] = []
+    queue = list(messages)
+
+    async def receive() -> dict:
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json")] + \
+        ([(b"content-length", str(content_length).encode())] if content_length is not None else [])
+    asyncio.run(app({"type": "http", "path": "/invocations", "method": "POST", "headers": headers}, receive, send))
+    return sent
+
+
+def test_a_body_larger_than_a_worker_holds_gets_413_naming_the_bound_not_503_forever():
+    from pipeline.server.app import ScoringApp
+
+    app = ScoringApp(_serve_settings("serve.max_queued_mb=1", "serve.dir=/tmp"))
+    chunk = {"type": "http.request", "body": b"x" * (1 << 19), "more_body": True}
+    last = {"type": "http.request", "body": b"x" * (1 << 19) + b"x", "more_body": False}
+    for declared in (2 * (1 << 19) + 1, None):  # said by Content-Length, or found reading a chunked body
+        sent = _post(app, [chunk, last], declared)
+        assert sent[0]["status"] == 413, sent
+        assert "serve.max_queued_mb=1 MiB" in json.loads(sent[1]["body"])["message"]
+        assert (app.admission.bytes, app.admission.requests) == (0, 0)
+
+
+def test_a_client_gone_before_its_body_arrived_gets_nothing_scored():
+    """A disconnect is not the end of a body: the part that came is dropped, never scored (no model is loaded
+    here: scoring it would answer 500), and the worker holds nothing for it afterwards."""
+    from pipeline.server.app import ScoringApp
+
+    app = ScoringApp(_serve_settings("serve.dir=/tmp"))
+    for declared in (100, None):
+        sent = _post(app, [{"type": "http.request", "body": b'{"instances": [', "more_body": True}], declared)
+        assert sent == [] and (app.admission.bytes, app.admission.requests) == (0, 0)
+
+
+def test_each_serve_default_stands_once():
+    """The defaults are conf/serving/serve.yaml's alone: the typed settings have none, the workers get the parsed
+    object (no positional copy), and the docs refer to the config instead of restating the numbers."""
+    import dataclasses
+
+    from pipeline.server.settings import ServeSettings
+
+    fields = dataclasses.fields(ServeSettings)
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields)
+    parsed = _serve_settings()
+    assert [f.name for f in fields] == list(dataclasses.asdict(parsed))
+    yaml = (ROOT / "conf" / "serving" / "serve.yaml").read_text()
+    for f in fields:  # each key described where its default stands
+        line = next(x for x in yaml.splitlines() if x.strip().startswith(f"{f.name}:"))
+        assert "#" in line or f.name in ("host", "port"), line
+    docs = (ROOT / "docs" / "model_use.md").read_text()
+    assert "conf/serving/serve.yaml" in docs
+    for f in fields:
+        value = getattr(parsed, f.name)
+        if isinstance(value, (int, float)) and value not in (0, 1):
+            assert f"`serve.{f.name}` ({value:,g})" not in docs and f"`serve.{f.name}` ({value:g})" not in docs

@@ -17,7 +17,7 @@ import logging
 import os
 import tempfile
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,7 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
-from pipeline.runtime.errors import ConfigError
+from pipeline.server.settings import ServeSettings
 
 if TYPE_CHECKING:
     from pipeline.server.versions import Version
@@ -34,46 +34,12 @@ log = logging.getLogger("ctr.serve")
 
 
 @dataclass
-class ServeSettings:
-    """``serve.*`` of ``conf/serving/serve.yaml``."""
-
-    host: str = "127.0.0.1"
-    port: int = 5000
-    workers: int = 1
-    threads: int = 1
-    max_batch_rows: int = 4096
-    small_batch_rows: int = 64
-    max_wait_ms: float = 0.0
-    max_queued_mb: float = 256.0
-    max_queued_requests: int = 4096
-    max_connections: int = 1024
-    watch: str = ""
-    watch_interval_s: float = 30.0
-    dir: str = ""
-
-    def __post_init__(self) -> None:
-        for key in ("workers", "threads", "max_batch_rows", "max_queued_requests", "max_connections"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"serve.{key}={getattr(self, key)}: expected a whole number ≥ 1")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"serve.port={self.port}: expected 0 … 65535")
-        if self.small_batch_rows < 0:
-            raise ConfigError(f"serve.small_batch_rows={self.small_batch_rows}: expected a whole number ≥ 0")
-        if not self.max_queued_mb > 0:
-            raise ConfigError(f"serve.max_queued_mb={self.max_queued_mb}: expected MiB > 0")
-        if self.max_wait_ms < 0:
-            raise ConfigError(f"serve.max_wait_ms={self.max_wait_ms}: expected ≥ 0")
-        if self.watch_interval_s <= 0:
-            raise ConfigError(f"serve.watch_interval_s={self.watch_interval_s}: expected > 0")
-
-
-@dataclass
 class ServeArgs:
     """``conf/serving/serve.yaml``."""
 
     model: str = MISSING
     tracking_uri: str = ""
-    serve: ServeSettings = field(default_factory=ServeSettings)
+    serve: ServeSettings = MISSING  # every key from conf/serving/serve.yaml
 
 
 def _watch(args: ServeArgs, workdir: Path, current: Version, stop: threading.Event) -> None:
@@ -113,17 +79,14 @@ def run(args: ServeArgs) -> None:
         for old in metrics_dir.glob("*.db"):
             old.unlink()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-    from pipeline.server.app import SETTINGS_ENV, Settings
+    from pipeline.server.app import SETTINGS_ENV
     from pipeline.server.old_versions import prune
     from pipeline.server.versions import prepare, publish
 
     version = prepare(args.model, workdir)
     publish(version, workdir)
     prune(workdir, [version.folder])  # what an earlier server left in serve.dir and no live worker uses
-    os.environ[SETTINGS_ENV] = json.dumps(asdict(Settings(
-        str(workdir), s.max_batch_rows, s.max_wait_ms, s.threads, poll_s=min(1.0, s.watch_interval_s),
-        max_queued_bytes=int(s.max_queued_mb * 2**20), max_queued_requests=s.max_queued_requests,
-        small_batch_rows=s.small_batch_rows)))
+    os.environ[SETTINGS_ENV] = json.dumps(asdict(replace(s, dir=str(workdir))))  # the workers' settings: these
     stop = threading.Event()
     if s.watch:
         threading.Thread(target=_watch, args=(args, workdir, version, stop), daemon=True, name="watch").start()

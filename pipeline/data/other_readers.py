@@ -79,7 +79,8 @@ class ParquetReader(RawReader):
         d = self.data
         rows_per_batch = max(1024, self.block_size // 128)
         total = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
-        with tqdm(total=total, desc=self.desc, unit="rows", unit_scale=True, leave=False) as bar:
+        with tqdm(total=total, desc=self.desc, unit="rows", unit_scale=True, leave=False,
+                  disable=None) as bar:  # (None: a bar on a terminal only, never in a log file)
             for path in self.files:
                 try:
                     pf = pq.ParquetFile(path)
@@ -153,7 +154,8 @@ class LibsvmReader(RawReader):
 
     def __iter__(self) -> Iterator[pa.Table]:
         total = sum(os.path.getsize(f) for f in self.files)
-        with tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, leave=False) as bar:
+        with tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, leave=False,
+                  disable=None) as bar:  # (None: a bar on a terminal only, never in a log file)
             for path in self.files:
                 if os.path.getsize(path) == 0:
                     raise BadInputError(f"{path}: the file is empty (expected data={self.data.name} rows)")

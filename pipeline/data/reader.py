@@ -295,7 +295,8 @@ class RawReader:
 
     def __iter__(self) -> Iterator[pa.Table]:
         total = sum(os.path.getsize(f) for f in self.files)
-        with tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, leave=False) as bar:
+        with tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, leave=False,
+                  disable=None) as bar:  # (None: a bar on a terminal only, never in a log file)
             for path in self.files:
                 yield from self._file_tables(path, bar)
 

@@ -204,7 +204,8 @@ def generate(cfg: SyntheticConfig, path: str | os.PathLike, progress: bool = Tru
     options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     try:
         with pacsv.CSVWriter(str(tmp), ARROW_SCHEMA, write_options=options) as writer:
-            for c in tqdm(range(n_chunks), desc=f"generate {path.name}", unit="chunk", disable=not progress):
+            for c in tqdm(range(n_chunks), desc=f"generate {path.name}", unit="chunk",
+                           disable=None if progress else True):  # (None: on a terminal only)
                 n = min(CHUNK_ROWS, cfg.rows - c * CHUNK_ROWS)
                 table, prob = gen.chunk(c, n)
                 writer.write_table(table.cast(ARROW_SCHEMA))

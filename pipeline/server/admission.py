@@ -1,7 +1,9 @@
 """Load shedding: a worker holds at most ``serve.max_queued_mb`` of request bodies and
 ``serve.max_queued_requests`` requests at once — being read, waiting or being scored. A request past
-either bound is answered at once with 503 and ``Retry-After`` (and counted in
-``ctr_serve_shed_total``), before its body is read when its ``Content-Length`` says it cannot fit.
+either bound is answered with 503 and ``Retry-After`` (and counted in ``ctr_serve_shed_total``) as soon as its
+``Content-Length`` or the bytes so far say it does not fit now; its body is then read and dropped, so that a client
+that sends its whole body before reading sees the answer, not a reset connection. A body larger than
+``serve.max_queued_mb`` itself can never fit: 413, naming the bound (:mod:`pipeline.server.app`).
 
 Why bytes and requests rather than rows: a row is known only once its body is parsed, in the scoring
 thread; bytes bound the rows (every row costs bytes) and what parsing makes of them (the scoring thread

@@ -4,7 +4,9 @@ scoring protocol so that any MLflow client keeps working:
     POST /invocations   a body of :mod:`.requests` → 200 {"predictions": [{"probability": p}, ...]}
                         (header X-Model-Version: the version that scored it);
                         400 {"error_code": "BAD_REQUEST", "message": ...} naming the column or field;
-                        503 + Retry-After when the worker holds its bound of requests (:mod:`.admission`)
+                        503 + Retry-After when the worker holds its bound of requests (:mod:`.admission`);
+                        413 for a body larger than that bound (no retry helps); a client that disconnects
+                        before its body arrived gets nothing scored
     GET  /ping, /health 200 once a model is loaded
     GET  /version       {"model": <version>, "folder": ..., "mlflow": <MLflow's version>}
     GET  /metrics       Prometheus text (:mod:`.metrics`)
@@ -25,7 +27,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -38,24 +39,12 @@ from pipeline.server.admission import RETRY_AFTER_S, Admission
 from pipeline.server.batcher import Batcher, Served
 from pipeline.server.old_versions import forget_use, record_use
 from pipeline.server.requests import RequestError
+from pipeline.server.settings import ServeSettings
 from pipeline.server.versions import Version, published, slug
 from pipeline.serving.scorer import Scorer
 
 log = logging.getLogger(__name__)
-SETTINGS_ENV = "CTR_SERVE_SETTINGS"  # the workers' settings (JSON of :class:`Settings`), set by ``ctr serve``
-MAX_BODY = 256 << 20
-
-
-@dataclass
-class Settings:
-    workdir: str
-    max_batch_rows: int = 4096
-    max_wait_ms: float = 0.0
-    threads: int = 1
-    poll_s: float = 1.0
-    max_queued_bytes: int = 256 << 20
-    max_queued_requests: int = 4096
-    small_batch_rows: int = 64
+SETTINGS_ENV = "CTR_SERVE_SETTINGS"  # the workers' settings (JSON of ServeSettings), set by ``ctr serve``
 
 
 def fused_dir(version: Version, workdir: Path) -> Path:
@@ -74,9 +63,9 @@ def load(version: Version, workdir: Path, small_batch_rows: int) -> Served:
 
 
 class ScoringApp:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
-        self.workdir = Path(settings.workdir)
+        self.workdir = Path(settings.dir)
         self.batcher: Batcher | None = None
         self.admission = Admission(settings.max_queued_bytes, settings.max_queued_requests)
         self._stamp = 0
@@ -176,47 +165,65 @@ class ScoringApp:
     async def _invocations(self, scope: dict, receive, send) -> None:
         t0 = time.perf_counter()
         if not self.admission.enter():
-            await _drain(receive)
-            return await self._shed(send, t0)
-        held = 0
+            if await _drain(receive):
+                await self._shed(send, t0)
+            return
+        held, bound = 0, self.settings.max_queued_bytes
         try:
             declared = _header(scope, b"content-length")
-            if declared.isdigit() and int(declared) <= MAX_BODY:
+            if declared.isdigit() and int(declared) > bound:  # can never fit: no retry helps
+                if await _drain(receive):
+                    await self._too_large(send, t0)
+                return
+            if declared.isdigit():
                 held = int(declared)
                 if not self.admission.take(held):
                     held = 0
-                    await _drain(receive)
-                    return await self._shed(send, t0)
+                    if await _drain(receive):
+                        await self._shed(send, t0)
+                    return
             body, held = await self._body(receive, held)
+            if body is _GONE:  # the client went before its body arrived: nothing to score, no one to answer
+                metrics.observe(499, time.perf_counter() - t0)
+                return
             if body is _SHED:
                 return await self._shed(send, t0)
-            if body is None:
-                status, answer, headers = 413, _error("BAD_REQUEST", f"request body over {MAX_BODY >> 20} MiB"), []
-            else:
-                status, answer, headers = await self._score(body, _header(scope, b"content-type"))
+            if body is _TOO_LARGE:
+                return await self._too_large(send, t0)
+            status, answer, headers = await self._score(body, _header(scope, b"content-type"))
             await _reply(send, status, answer, b"application/json", headers)
             metrics.observe(status, time.perf_counter() - t0)
         finally:
             self.admission.leave(held)
 
-    async def _body(self, receive, held: int) -> tuple[bytes | None | object, int]:
-        """The request's body (None: over MAX_BODY, _SHED: over the worker's bound) and the bytes now held
-        for it (``held`` already taken from its Content-Length)."""
-        chunks, size = [], 0
+    async def _body(self, receive, held: int) -> tuple[bytes | object, int]:
+        """The request's body (_TOO_LARGE: over the worker's bound, _SHED: over what it has left now, _GONE: the
+        client disconnected before the end) and the bytes now held for it (``held`` already taken from its
+        Content-Length)."""
+        chunks, size, bound = [], 0, self.settings.max_queued_bytes
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return _GONE, held
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > held and size <= MAX_BODY:
+            more = message.get("more_body", False)
+            if size > bound:
+                return (_TOO_LARGE if not more or await _drain(receive) else _GONE), held
+            if size > held:
                 if not self.admission.take(size - held):
-                    if message.get("more_body", False):
-                        await _drain(receive)
-                    return _SHED, held
+                    return (_SHED if not more or await _drain(receive) else _GONE), held
                 held = size
-            if size <= MAX_BODY:
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                return (b"".join(chunks) if size <= MAX_BODY else None), held
+            chunks.append(chunk)
+            if not more:
+                return b"".join(chunks), held
+
+    async def _too_large(self, send, t0: float) -> None:
+        """413: a body larger than the worker may ever hold (serve.max_queued_mb); retrying would not help."""
+        await _reply(send, 413, _error("REQUEST_TOO_LARGE", f"the request body is larger than a worker holds "
+                                       f"(serve.max_queued_mb={self.settings.max_queued_mb:g} MiB): split it"),
+                     b"application/json")
+        metrics.observe(413, time.perf_counter() - t0)
 
     async def _shed(self, send, t0: float) -> None:
         """503 with Retry-After (the body was read and dropped: a client that sends its whole body before it
@@ -237,13 +244,17 @@ class ScoringApp:
         return 200, answer, [(b"x-model-version", label.encode())]
 
 
-_SHED = object()
+_SHED, _TOO_LARGE, _GONE = object(), object(), object()
 
 
-async def _drain(receive) -> None:
-    """Read the rest of a request's body, keeping nothing."""
-    while (await receive()).get("more_body", False):
-        pass
+async def _drain(receive) -> bool:
+    """Read the rest of a request's body, keeping nothing; False if the client disconnected first."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return False
+        if not message.get("more_body", False):
+            return True
 
 
 def _error(code: str, message: str) -> bytes:
@@ -268,4 +279,4 @@ async def _reply(send, status: int, body: bytes, content_type: bytes, headers: l
 def create_app() -> ScoringApp:
     """The app of one worker, from the settings ``ctr serve`` put in the environment."""
     quiet_libraries()  # a worker is a fresh process
-    return ScoringApp(Settings(**json.loads(os.environ[SETTINGS_ENV])))
+    return ScoringApp(ServeSettings(**json.loads(os.environ[SETTINGS_ENV])))

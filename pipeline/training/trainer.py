@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,5 +60,6 @@ def build_trainer(cfg: RunConfig, topology: TopologySpec, callbacks: list[L.Call
         max_epochs=t.max_epochs, max_steps=t.max_steps, precision=t.precision, logger=logger, callbacks=callbacks,
         enable_checkpointing=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval,
-        enable_progress_bar=t.enable_progress_bar, enable_model_summary=False, default_root_dir=str(output_dir),
+        enable_progress_bar=t.enable_progress_bar and sys.stdout.isatty(),  # never into a log file
+        enable_model_summary=False, default_root_dir=str(output_dir),
         plugins=[DCPCheckpointIO(find_callback(callbacks, TrainingState), int(t.checkpoint.chunk_mb * 2**20))])
