@@ -25,6 +25,9 @@ _category: contextvars.ContextVar[str] = contextvars.ContextVar("comm_category",
 # the counters started in this context: a merge sent from a thread of its own (modules/optim/in_flight.py) runs in a
 # copy of the context that sent it, so its bytes count to the step that sent them
 _active: contextvars.ContextVar[tuple["CommCounter", ...]] = contextvars.ContextVar("comm_counters", default=())
+# every started counter, for collectives issued from threads that did not inherit a context: the autograd engine's
+# (on CUDA the backward, TorchRec's all-to-all's included, runs on a device thread of its own)
+_started: list["CommCounter"] = []
 WRAPPED = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast",
            "reduce_scatter", "all_gather", "all_to_all")
 _originals: dict[str, Callable[..., Any]] = {}
@@ -79,7 +82,7 @@ def _sent_bytes(name: str, args: tuple, kwargs: dict) -> int:
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        counters = _active.get()
+        counters = _active.get() or tuple(_started)
         if counters:
             n = _sent_bytes(name, args, kwargs)
             for counter in counters:
@@ -116,9 +119,12 @@ class CommCounter:
 
     def start(self) -> None:
         _active.set(_active.get() + (self,))
+        _started.append(self)
 
     def stop(self) -> None:
         _active.set(tuple(c for c in _active.get() if c is not self))
+        if self in _started:
+            _started.remove(self)
 
 
 def ddp_counting_hook(state, bucket):  # no annotations: DDP checks them against the real classes

@@ -182,3 +182,27 @@ def _half_updates_worker(rank: int, world: int) -> None:
 
 def test_dense_updates_in_fp16_merge_to_the_fp32_mean_in_half_the_bytes():
     run_workers(_half_updates_worker, 2)
+
+
+def _other_thread_worker(rank: int, world: int) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from modules.comm_accounting import CommCounter, install
+
+    install()  # in this worker process, which ends with the test
+    counter = CommCounter()
+    counter.start()
+    # a thread that did not inherit the step's context, as the autograd engine's device threads (on CUDA the
+    # backward's all-to-alls run there): its collective still counts to the running step
+    thread = threading.Thread(target=lambda: dist.all_reduce(torch.ones(256)))
+    thread.start()
+    thread.join()
+    counter.stop()
+    dist.all_reduce(torch.ones(256))  # after the step: counted nowhere
+    assert dict(counter.bytes) == {"embedding": 256 * 4}
+
+
+def test_collectives_from_threads_without_the_steps_context_are_counted():
+    run_workers(_other_thread_worker, 2)

@@ -199,7 +199,6 @@ def _per_node_worker(rank: int, world: int, folder: str) -> None:
     from modules.sharding.topology import TopologySpec
     from pipeline.serving.table_files import holds_rank_0s_copy, mapped
     from pipeline.serving.weights import unsharded_state
-    from pipeline.training.callbacks.comm_accounting import count_dense_allreduce
 
     node = rank // 2  # ranks 0, 1 are node 0; 2, 3 node 1; a shard's peers: the same local rank on the other node
     torch.manual_seed(rank)
@@ -207,7 +206,7 @@ def _per_node_worker(rank: int, world: int, folder: str) -> None:
     topology = TopologySpec(compute_device="cpu", sharding_types=["row_wise"])
     model, _ = shard_model(net, OptimizerSpec("adagrad", 0.1), topology, torch.device("cpu"), data_parallel=True,
                            group=copy_group(2, timedelta(seconds=120)))
-    count_dense_allreduce(model, "fp32")  # as a run does: DDP's all-reduce through a hook, over the node's ranks
+    # (shard_model gave the node's DDP its hook: DDP's all-reduce counted and over the node's ranks, as in a run)
     tables, peers = attach_table_merger(model), peer_group(2)
     assert any("@" in name for name in tables.tables) == (rank % 2 == 1)  # row-wise: local rank 1 holds later rows
     params = [p for _, p in replicated_parameters(model)]

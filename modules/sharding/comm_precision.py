@@ -21,6 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from modules.comm_accounting import ddp_counting_hook
+
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 _COMM_TYPE = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16", "int8": "INT8"}
@@ -46,6 +51,14 @@ class CommsConfig:
     @property
     def resolved(self) -> bool:
         return "auto" not in (self.embedding_forward, self.embedding_backward, self.dense)
+
+
+def dense_allreduce_in(model: nn.Module, precision: str) -> None:
+    """``model``'s DDP (if its dense part has one) all-reduces in ``precision`` over the DDP's own process group (all
+    ranks, or one node's), counted (:func:`modules.comm_accounting.ddp_counting_hook`: DDP's all-reduce runs in C++)."""
+    dense = getattr(model, "_dmp_wrapped_module", None)
+    if isinstance(dense, DistributedDataParallel):
+        dense.register_comm_hook((dense_allreduce_hook(precision), dense.process_group), ddp_counting_hook)
 
 
 def qcomm_registry(cfg: CommsConfig) -> dict | None:

@@ -43,6 +43,7 @@ from modules.embedding.sparse_arch import field_of
 from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
 from modules.embedding.row_init import DrawnLater, RowInit
 from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
+from modules.sharding.comm_precision import dense_allreduce_in
 from modules.sharding.placement import KERNELS, Placement, PlacementError, TableInfo, place_tables
 from modules.sharding.plan_checks import unrunnable
 from modules.sharding.step_memory import collection_tables, process_bytes
@@ -248,7 +249,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
                 coverage: Mapping[str, Mapping[float, int]] | None = None,
                 table_of: Mapping[str, str] | None = None,
                 batch_rows: int = 0, eval_rows: int = 0, group: dist.ProcessGroup | None = None,
-                row_state_bytes: int = 0) -> tuple[DistributedModelParallel, PlanResult]:
+                row_state_bytes: int = 0, dense_precision: str = "fp32") -> tuple[DistributedModelParallel, PlanResult]:
     """Attach the fused embedding optimizer, plan, and wrap ``model`` in DistributedModelParallel.
 
     ``model``'s embedding collections should be on the meta device: DMP materialises each shard on
@@ -258,7 +259,8 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     merging, :mod:`modules.optim.kstep_merging`). ``qcomm``: TorchRec's quantized-comms codecs for the
     embedding all-to-alls (:func:`modules.sharding.comm_precision.qcomm_registry`; None: fp32). ``group``: shard
     over this process group instead of all ranks (one rank's own, or its node's: a copy of every table on every
-    rank or node, :mod:`modules.sharding.replicated_tables`; DDP, if any, then spans that group).
+    rank or node, :mod:`modules.sharding.replicated_tables`; DDP, if any, then spans that group, all-reducing in
+    ``dense_precision``: :func:`modules.sharding.comm_precision.dense_allreduce_in`).
     """
     ebcs = [m for m in model.modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
     if is_fusable(embedding_optim, device.type):
@@ -284,6 +286,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
         dmp = DistributedModelParallel(model, env=env, device=device, plan=result.plan,
                                        sharders=[cls(qcomm_codecs_registry=qcomm) for cls in SHARDERS],
                                        data_parallel_wrapper=wrapper)
+    dense_allreduce_in(dmp, dense_precision)
     return dmp, result
 
 

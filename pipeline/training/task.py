@@ -120,7 +120,9 @@ class CTRTask(L.LightningModule):
                                             qcomm=qcomm_registry(self.link.comms), coverage=data.coverage,
                                             table_of={f: spec.table_of(f) for f in spec.sparse},
                                             batch_rows=self.batch_rows[0], eval_rows=self.batch_rows[1],
-                                            row_state_bytes=row_state_bytes(self.l2_scope))
+                                            row_state_bytes=row_state_bytes(self.l2_scope),
+                                            # a DDP inside a node (tables per node) crosses no link: fp32 there
+                                            dense_precision="fp32" if self.link.copy_span > 1 else self.link.comms.dense)
         if self.model_cfg.zch.enabled:
             check_zch_model(self.model)
             self.zch = ZchStage(self.model_cfg.zch, spec, inits, int(data.store.meta.get("vocabulary_day", 0)))

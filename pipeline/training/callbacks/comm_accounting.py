@@ -1,5 +1,6 @@
 """Bytes of the collectives of each training step, by category, as a callback (the counting:
-:mod:`modules.comm_accounting`); DDP's dense all-reduce goes through its hook in ``trainer.comms.dense``."""
+:mod:`modules.comm_accounting`; DDP's dense all-reduce is counted by the hook the sharded model's DDP was given,
+:func:`modules.sharding.comm_precision.dense_allreduce_in`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,8 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from modules.comm_accounting import CommCounter, ddp_counting_hook, install, uninstall
-from modules.sharding.comm_precision import dense_allreduce_hook
+from modules.comm_accounting import CommCounter, install, uninstall
 
 
 class CommAccounting(Callback):
@@ -29,10 +27,6 @@ class CommAccounting(Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             uninstall()
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        link = pl_module.link  # a DDP inside a node (tables per node) crosses no link: fp32 there
-        count_dense_allreduce(pl_module.model, "fp32" if link.copy_span > 1 else link.comms.dense)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -53,10 +47,3 @@ class CommAccounting(Callback):
         for k, v in self.bytes_per_step().items():
             pl_module.log(k, v, sync_dist=True)
 
-
-def count_dense_allreduce(model: nn.Module, precision: str) -> None:
-    """``model``'s DDP (if its dense part has one) all-reduces in ``precision`` over the DDP's own process group (all
-    ranks, or one node's), counted: DDP's all-reduce runs in C++, so through a communication hook."""
-    dense = getattr(model, "_dmp_wrapped_module", None)
-    if isinstance(dense, DistributedDataParallel):
-        dense.register_comm_hook((dense_allreduce_hook(precision), dense.process_group), ddp_counting_hook)
