@@ -59,10 +59,26 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], prefix:
 @pytest.fixture(scope="module")
 def straight_run(ckpt_overrides, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("straight")
-    _, result = _run([*ckpt_overrides, f"trainer.checkpoint.dir={tmp}/ckpt"], tmp)
+    proc, result = _run([*ckpt_overrides, f"trainer.checkpoint.dir={tmp}/ckpt", "logger.log_model=true"], tmp)
+    (tmp / "printed.txt").write_text(proc.stdout + proc.stderr)  # what the user read (below)
     final = complete_checkpoints(tmp / "ckpt")[-1]
     assert final.name == f"step-{2 * STEPS_PER_EPOCH:09d}"
     return result, _tensors(final), tmp / "ckpt"
+
+
+NOISE = ("try installing [litlogger]", "serialized using CloudPickle", "The version of CloudPickle",
+         "HeuristicalStorageReservation", "known issue with TorchRec's dense tensor size", "it/s]", "example rows:",
+         "`broadcast_buffers` is deprecated", "non-tuple sequence for multidimensional indexing")
+
+
+def test_a_two_process_job_prints_no_third_party_noise_and_each_line_once(straight_run):
+    """A ``torchrun`` job of 2 processes (the straight run, with its MLflow model logged): none of the libraries'
+    adverts and warnings that are not the user's business, no progress bar in a log, and Lightning's lines once
+    (its own console handler printed each a second time beside the run's)."""
+    printed = (straight_run[2].parent / "printed.txt").read_text()
+    assert [n for n in NOISE if n in printed] == [], printed[-3000:]
+    assert printed.count("GPU available: False") == 1  # rank 0's, once
+    assert "RESULT test_auc=" in printed
 
 
 # slow: 18 s; a process killed at step 33 and resume=auto ending on the straight run's tensors and its MLflow run:

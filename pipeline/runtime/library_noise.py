@@ -9,11 +9,18 @@ of this project and any other warning of these libraries still show.
 * torch.distributed: "Please use DTensor instead and we are deprecating ShardedTensor" — TorchRec's
   sharded state dicts are ShardedTensors; raised at export and checkpoint.
 * Lightning: "💡 Tip: ... try installing [litlogger]" — an advert, at every Trainer.
-* MLflow: "The version of CloudPickle used to save the model could not be found in the MLmodel configuration" —
-  logged when it loads a pyfunc model saved from code (ours: no pickle) to check the input example.
+* MLflow: "Passing a Python object as `python_model` causes it to be serialized using CloudPickle ..." at model
+  logging (our model object holds no code of the user's), and "The version of CloudPickle used to save the model
+  could not be found" when it loads one back to check the input example.
+* TorchRec's DMP with several ranks: "`broadcast_buffers` is deprecated" (a FutureWarning from inside TorchRec);
+  torchmetrics 1.0.3 syncing across ranks: "Using a non-tuple sequence for multidimensional indexing is deprecated".
+* TorchRec's planner: a FutureWarning and a logged warning that ``HeuristicalStorageReservation`` over-estimates
+  dense tensors in dry runs — at every plan (the project sizes memory itself: :mod:`modules.sharding.placement`).
 * MLflow's "Downloading artifacts" progress bars — when a model is read back (logging it, serving it).
 
-Progress bars of the project's own (tqdm) show on a terminal only, never in a log file.
+Progress bars of the project's own (tqdm) show on a terminal only, never in a log file. Lightning's own console
+handler on its ``lightning`` logger prints every line a second time beside the run's (Hydra's) handlers:
+:func:`one_copy_of_each_line` removes it once those handlers exist.
 """
 
 from __future__ import annotations
@@ -25,11 +32,16 @@ import warnings
 WARNINGS = (  # (message regex, category)
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),
+    (r"HeuristicalStorageReservation is known to cause issues", FutureWarning),
+    (r"`broadcast_buffers` is deprecated", FutureWarning),
+    (r"Using a non-tuple sequence for multidimensional indexing is deprecated", UserWarning),
 )
 LOGGED = {  # logger → the messages of it silenced
     "torch.fx._symbolic_trace": ("is_fx_tracing will return true for both fx.symbolic_trace",),
     "lightning.pytorch.utilities.rank_zero": ("try installing [litlogger]",),
-    "mlflow.pyfunc": ("The version of CloudPickle used to save the model could not be found",),
+    "mlflow.pyfunc": ("causes it to be serialized using CloudPickle",
+                      "The version of CloudPickle used to save the model could not be found"),
+    "torchrec.distributed.planner.storage_reservations": ("There is a known issue with TorchRec's dense tensor size",),
 }
 
 
@@ -41,6 +53,17 @@ class _Without(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not any(text in message for text in self.texts)
+
+
+def one_copy_of_each_line() -> None:
+    """Drop Lightning's own console handler where the root logger has handlers of its own (a ``ctr`` command's,
+    set up by Hydra: they print Lightning's lines, and write them to the run's log file)."""
+    if not logging.getLogger().handlers:
+        return
+    lightning = logging.getLogger("lightning")
+    for handler in list(lightning.handlers):
+        if type(handler) is logging.StreamHandler:
+            lightning.removeHandler(handler)
 
 
 def quiet_libraries() -> None:

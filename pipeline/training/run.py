@@ -25,6 +25,7 @@ from pipeline.runtime import heap
 from pipeline.runtime.hydra_job import output_dir as job_output_dir
 from pipeline.runtime.hydra_job import threads_per_job
 from pipeline.runtime.launch import world_from_env
+from pipeline.runtime.library_noise import one_copy_of_each_line
 from pipeline.runtime.numa import bind_to_gpu_numa_node
 from pipeline.runtime.peers import collective_failure, is_lost_peer
 from pipeline.runtime.signals import Preempted, SignalGuard
@@ -87,6 +88,7 @@ def prepare_process(run_cfg: RunConfig) -> TopologySpec:
     if threads:
         torch.set_num_threads(threads)
     heap.keep_training_blocks()  # a step's large blocks reused, not re-faulted (pipeline/runtime/heap.py)
+    one_copy_of_each_line()  # Lightning's lines through the run's handlers only
     L.seed_everything(run_cfg.seed, workers=True, verbose=False)
     # the batch moves itself to the device (pipeline.data.batches): Lightning's note on that is no news
     warnings.filterwarnings("ignore", message=".*overridden `transfer_batch_to_device`.*")
