@@ -16,9 +16,9 @@ import tomllib
 from pipeline.commands.ctr import COMMANDS
 from tests.conftest import PYTHON, ROOT, one_at_a_time
 
-# one worker builds the wheel for all of them (make test: --dist loadgroup): two builds at once from the checkout
-# share its build/ folder, and one of them came out without the pipeline package or failed copying from it. With
-# pytest 9.2 loadgroup no longer groups (pytest-xdist issue 1386), so the builds also take a lock (below).
+# one worker builds the wheel for all of them (make test: --dist loadfile): two builds at once from the checkout
+# share its build/ folder, and one of them came out without the pipeline package or failed copying from it. The
+# builds also take a lock the workers share (below), whatever the distribution.
 pytestmark = pytest.mark.xdist_group("wheel")
 
 
