@@ -14,6 +14,8 @@ of this project and any other warning of these libraries still show.
   could not be found" when it loads one back to check the input example.
 * TorchRec's DMP with several ranks: "`broadcast_buffers` is deprecated" (a FutureWarning from inside TorchRec);
   torchmetrics 1.0.3 syncing across ranks: "Using a non-tuple sequence for multidimensional indexing is deprecated".
+* torchrec 1.6.1 (the torch 2.11 stack) at import, on the root logger: "_fbgemm_torch_compat_table has no entry for
+  1.6.0 of FBGEMM" — the pair the extra ``gpu-torch211`` pins.
 * TorchRec's planner: a FutureWarning and a logged warning that ``HeuristicalStorageReservation`` over-estimates
   dense tensors in dry runs — at every plan (the project sizes memory itself: :mod:`modules.sharding.placement`).
 * MLflow's "Downloading artifacts" progress bars — when a model is read back (logging it, serving it).
@@ -35,6 +37,8 @@ WARNINGS = (  # (message regex, category)
     (r"HeuristicalStorageReservation is known to cause issues", FutureWarning),
     (r"`broadcast_buffers` is deprecated", FutureWarning),
     (r"Using a non-tuple sequence for multidimensional indexing is deprecated", UserWarning),
+    (r"`_get_pg_default_device` will be deprecated", UserWarning),  # torchrec 1.6.1 on torch 2.11
+    (r"Multiple backends are registered with this ProcessGroup", UserWarning),  # the same call, there
 )
 LOGGED = {  # logger → the messages of it silenced
     "torch.fx._symbolic_trace": ("is_fx_tracing will return true for both fx.symbolic_trace",),
@@ -42,6 +46,7 @@ LOGGED = {  # logger → the messages of it silenced
     "mlflow.pyfunc": ("causes it to be serialized using CloudPickle",
                       "The version of CloudPickle used to save the model could not be found"),
     "torchrec.distributed.planner.storage_reservations": ("There is a known issue with TorchRec's dense tensor size",),
+    "": ("_fbgemm_torch_compat_table has no entry",),  # the root logger: torchrec 1.6.1 on fbgemm-gpu 1.6.0
 }
 
 
