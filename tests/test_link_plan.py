@@ -164,3 +164,21 @@ def test_copies_are_offered_only_where_the_memory_holds_them():
                     {k: 1000 * k for k in MERGE_PERIODS[1:]})
     shape = StepShape(4096, 26 * 16, 26, 500_000, world=8, ranks_per_node=4, pass_rows=rows, copies=("per_node",))
     assert choose(shape, 0.0125, 0.05).option.tables != "replicated"
+
+
+def test_a_resumed_run_takes_the_link_settings_its_checkpoint_ran_with():
+    """The choice ``auto`` made (from a measured time) is recorded in the checkpoint and taken back as it was — over
+    the resumed run's topology (a copy per node spans a node's ranks); an explicit value that differs is refused."""
+    from modules.sharding.topology import TopologySpec
+    from pipeline.config import compose_run_config
+    from pipeline.runtime.errors import ConfigError
+    from pipeline.training.link_choice import LinkSettings
+
+    ran = LinkSettings.of(compose_run_config(["trainer.merging.k=8", "trainer.merging.tables=per_node",
+                                               "trainer.merging.overlap=2", "trainer.comms.embedding_backward=fp16"]))
+    topology = TopologySpec(compute_device="cpu", nodes=2, ranks_per_node=2)
+    recorded = ran.record()
+    resumed = LinkSettings.of(compose_run_config([])).as_recorded(recorded, topology)  # everything at auto
+    assert resumed.record() == recorded and resumed.copy_span == 2 and resumed.merging.overlap == 2
+    with pytest.raises(ConfigError, match=r"trainer\.merging\.k=4: the checkpoint being resumed ran with 8"):
+        LinkSettings.of(compose_run_config(["trainer.merging.k=4"])).as_recorded(recorded, topology)

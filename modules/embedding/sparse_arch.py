@@ -175,7 +175,8 @@ class SparseArch(nn.Module):
         self.embedding_dim = embedding_dim
         self.wide, self.stack = wide, stack
         self.bag_fields, self.seq_fields = list(spec.bag_features), list(spec.seq_features)
-        seed = int(torch.randint(0, 2**62, (), device="cpu").item())  # one draw of the CPU generator (the same on any device): rows come from (seed, table, row), row_init
+        # one draw of the CPU generator (the same on any device): rows come from (seed, table, row), row_init
+        seed = int(torch.randint(0, 2**62, (), device="cpu").item())
         self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide, stack=stack, seed=seed),
                                           device=device) if self.bag_fields else None
         # a collection's tables share one width: the first-order rows (4 columns) are a collection of their own
@@ -200,7 +201,8 @@ class SparseArch(nn.Module):
                              persistent=False)
         self.register_buffer("_seq_wide_offsets", torch.tensor([seq_offsets[f] for f in self.seq_fields], device="cpu"),
                              persistent=False)
-        self.register_buffer("_table_rows", torch.tensor([spec.table_sizes[self.tables[f]] for f in self.fields], device="cpu"),
+        self.register_buffer("_table_rows", torch.tensor([spec.table_sizes[self.tables[f]] for f in self.fields],
+                                                         device="cpu"),
                              persistent=False)
         self.register_buffer("_seq_mean", torch.tensor([spec.pooling.get(f) == "mean" for f in self.seq_fields],
                                                        dtype=torch.bool, device="cpu"), persistent=False)

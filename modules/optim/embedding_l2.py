@@ -155,7 +155,8 @@ class LazyRowsL2:
             raise ValueError("optim.embedding_l2_scope=all: tables with a UVM cache (topology tier 'host' with "
                              "caching) are not supported by the lazy L2 replay; place them on the device")
         rows = [w.shape[0] for w in emb.split_embedding_weights()]
-        entry = _LazyKernel(kernel, _features_per_table(kernel), [torch.full((n,), -1, dtype=LAST_STEP, device="cpu") for n in rows])
+        entry = _LazyKernel(kernel, _features_per_table(kernel),
+                            [torch.full((n,), -1, dtype=LAST_STEP, device="cpu") for n in rows])
         self.kernels.append(entry)
         kernel.register_forward_pre_hook(self._pre_hook(entry))
 
@@ -256,7 +257,8 @@ class DenseRowsL2:
     def add(self, kernel: nn.Module, clipped_tables: set[str], buckets: RowBuckets | None = None) -> None:
         tables = kernel.config.embedding_tables
         entry = _DenseKernel(kernel, _features_per_table(kernel), [t.name in clipped_tables for t in tables],
-                             [torch.zeros(w.shape[0], dtype=torch.int64, device="cpu") for w in kernel.emb_module.split_embedding_weights()],
+                             [torch.zeros(w.shape[0], dtype=torch.int64, device="cpu")
+                              for w in kernel.emb_module.split_embedding_weights()],
                              [buckets.lookup([(t.name, 0)]) if buckets is not None else None for t in tables])
         self.kernels.append(entry)
 

@@ -126,13 +126,17 @@ def pass_rows(train: SplitArrays, spec: FeatureSpec, local_batch: int, world: in
                     {k: distinct(k * local_batch * ranks_per_node) for k in periods})
 
 
+def _table_bytes(net: nn.Module) -> float:
+    """The tables' weights in bytes (fp32)."""
+    return sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name))
+
+
 def copies_that_fit(net: nn.Module, topology: TopologySpec) -> tuple[str, ...]:
     """The copies of the tables a rank's share of its tier's memory holds (the host's on CPU, shared by a node's
     ranks; the GPU's on CUDA; a topology without a capacity: all), each table with an optimizer state as large:
     ``replicated`` (every table whole on every rank: 2·T) and ``per_node`` (a node's copy split over its ranks:
     2·T / ranks per node)."""
-    per_node = topology.ranks_per_node or 1
-    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name))
+    per_node, tables = topology.ranks_per_node or 1, _table_bytes(net)
     budget = (topology.hbm_cap_gb * (1 - topology.hbm_reserve) if topology.compute_device == "cuda"
               else topology.ddr_cap_gb * (1 - topology.ddr_reserve) / per_node) * GB
     need = {"replicated": 2 * tables, "per_node": 2 * tables / per_node}
@@ -143,7 +147,7 @@ def memory_refusal(merging: MergeConfig, net: nn.Module, topology: TopologySpec)
     """Why the copies ``trainer.merging.tables`` asks for do not fit (None: they do, or it asks for none)."""
     if not merging.copies or merging.tables in copies_that_fit(net, topology):
         return None
-    tables = sum(p.numel() * 4 for name, p in net.named_parameters() if is_table_parameter(name)) / GB
+    tables = _table_bytes(net) / GB
     each = tables if merging.tables == "replicated" else tables / (topology.ranks_per_node or 1)
     return (f"trainer.merging.tables={merging.tables}: each rank would hold {2 * each:.2f} GB of tables and optimizer "
             f"state, more than its share of topology.{'hbm' if topology.compute_device == 'cuda' else 'ddr'}_cap_gb "
@@ -227,10 +231,10 @@ class LinkSettings:
         """The resolved settings as a checkpoint keeps them (:meth:`as_recorded` takes them back)."""
         return {"merging": asdict(self.merging), "comms": asdict(self.comms)}
 
-    def as_recorded(self, recorded: dict[str, Any]) -> "LinkSettings":
-        """These settings as a checkpoint recorded them resolved: a resumed run goes on as it ran, not as a new timing
-        of the link would choose (``auto`` is decided from a measured compute time). An explicit value that differs
-        from the checkpoint's is refused."""
+    def as_recorded(self, recorded: dict[str, Any], topology: TopologySpec) -> "LinkSettings":
+        """These settings as a checkpoint recorded them resolved, on ``topology`` (as run): a resumed run goes on as it
+        ran, not as a new timing of the link would choose (``auto`` is decided from a measured compute time). An
+        explicit value that differs from the checkpoint's is refused."""
         merging, comms = MergeConfig(**recorded["merging"]), CommsConfig(**recorded["comms"])
         for key, asked, ran in [*((f"merging.{k}", getattr(self.merging, k), getattr(merging, k))
                                   for k in ("k", "k_intra", "moments", "tables", "overlap")),
@@ -239,8 +243,8 @@ class LinkSettings:
             if asked not in ("auto", ran):
                 raise ConfigError(f"trainer.{key}={asked!r}: the checkpoint being resumed ran with {ran!r}; resume with "
                                   f"it (or auto), or start a new run")
-        settings = replace(self, merging=merging, comms=comms, choice=None)
-        if settings.ranks_per_node and dist.is_initialized() and dist.get_world_size() > 1:
+        settings = replace(self, merging=merging, comms=comms, choice=None, ranks_per_node=topology.ranks_per_node or 1)
+        if topology.world_size > 1:
             rank_zero_info("resumed as the checkpoint ran: " + settings.describe())
         return settings
 

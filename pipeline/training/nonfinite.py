@@ -56,7 +56,8 @@ class NonFiniteGuard:
     def bad_gradients(self, grads: Iterable[torch.Tensor | None], where: str) -> bool:
         """True (skip the dense update) if any gradient is non-finite on any rank; raises under ``stop``."""
         present = [g for g in grads if g is not None]
-        bad = torch.stack([~torch.isfinite(g).all() for g in present]).any() if present else torch.tensor(False, device="cpu")
+        bad = torch.stack([~torch.isfinite(g).all() for g in present]).any() if present else \
+            torch.tensor(False, device="cpu")
         if anywhere(bad, self.group()):
             return self._found(f"non-finite dense gradients at {where}; embedding tables were already updated in "
                                f"the backward")

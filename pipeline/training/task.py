@@ -5,8 +5,8 @@ global batch by ``scaling.rule`` (:mod:`modules.optim.scaling_rules`); CowClip a
 term are attached to the sharded model (:mod:`modules.optim.cowclip_hooks`); the learning rates step by step —
 warmups, and the factor :class:`pipeline.training.best_validation.BestValidation` lowers on a plateau — are
 :mod:`pipeline.training.learning_rates`. Everything else a run does — checkpoint state, k-step merging,
-communication accounting, throughput, the row caches' statistics, best-epoch tracking — is a callback (:mod:`pipeline.training.callbacks`,
-:mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
+communication accounting, throughput, the row caches' statistics, best-epoch tracking — is a callback
+(:mod:`pipeline.training.callbacks`, :mod:`pipeline.checkpoint.training_state`, :mod:`pipeline.training.best_validation`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class CTRTask(L.LightningModule):
         spec = data.feature_spec
         self.id_rows = torch.tensor([spec.table_sizes[spec.table_of(f)] for f in spec.kjt_keys], device="cpu")
         ran = read_rank0_state(self.resume_from)["pipeline"]["layout"].get("link") if self.resume_from else None
-        self.link = self.link.as_recorded(ran) if ran else \
+        self.link = self.link.as_recorded(ran, self.topology) if ran else \
             self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch, data.store.split("train"))
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.link.dense_in_ddp,
@@ -164,6 +164,7 @@ class CTRTask(L.LightningModule):
             carry_optimizer_state(self.model, self.trainer.optimizers[0], self.init_from,
                                   self.trainer.datamodule.feature_spec, self.init_from_optimizer, self._reused)
             reload_tables(self.model)
+
     def forward(self, batch: CTRBatch) -> torch.Tensor:
         sparse = batch.sparse_features
         if self.zch is not None:

@@ -17,7 +17,8 @@ which FBGEMM's CPU backward sums a row's gradients — measured: 1-ulp differenc
 
 The files hold every row only after :meth:`CachedRowsTBE.sync_to_file` (dirty rows written back, rows
 never met drawn, :meth:`modules.embedding.ssd_tier.row_cache.RowCache.materialise`): it runs before anything reads the
-tables' state (:func:`modules.embedding.table_views.sync_tables`: checkpoints, the model folder, the every-row L2's flush). After
+tables' state (:func:`modules.embedding.table_views.sync_tables`: checkpoints, the model folder, the every-row L2's
+flush). After
 anything writes the files from outside (a checkpoint load, ``init_from``), ``reload_tables`` there
 drops the slots.
 
@@ -145,7 +146,8 @@ class CachedRowsTBE(SplitTableBatchedEmbeddingBagsCodegen):
     def row_bytes(self) -> float:
         """Bytes of one row with its optimizer state, as it moves between a cache and the files."""
         rows = sum(t.rows for t in self.cache.tables)
-        return 4 * (self.weights_host.numel() + getattr(self, "momentum1_host", torch.empty(0, device="cpu")).numel()) / max(1, rows)
+        state = getattr(self, "momentum1_host", torch.empty(0, device="cpu"))
+        return 4 * (self.weights_host.numel() + state.numel()) / max(1, rows)
 
 
 def _states(tbe: SplitTableBatchedEmbeddingBagsCodegen, tables: int) -> list[list[torch.Tensor]]:

@@ -59,7 +59,8 @@ class ProbationAdmission(nn.Module):
         new = ~found
         old_pos, new_pos = merge_sorted(self.ids, ids[new])
         self._set(self._merged(self.ids, ids[new], old_pos, new_pos), self._merged(self.counts, total[new], old_pos, new_pos),
-                  self._merged(self.last, torch.full((int(new.sum()),), round_, dtype=torch.int64, device="cpu"), old_pos, new_pos))
+                  self._merged(self.last, torch.full((int(new.sum()),), round_, dtype=torch.int64, device="cpu"),
+                               old_pos, new_pos))
         return total >= self.min_count
 
     @staticmethod

@@ -86,7 +86,8 @@ class Exchange:
             return rows
         n = len(self.mine)
         per_source = [torch.split(r, self._sizes[:, u].tolist()) for r, u in zip(rows, self.mine)]
-        send = torch.cat([per_source[i][s] for s in range(self.world) for i in range(n)]) if n else torch.zeros(0, dtype=torch.int64, device="cpu")
+        send = torch.cat([per_source[i][s] for s in range(self.world) for i in range(n)]) if n else \
+            torch.zeros(0, dtype=torch.int64, device="cpu")
         recv = self._all_to_all(send, self._from_each(self._sizes), self._per_owner(self._sizes[self.rank]))
         pieces = torch.split(recv, self._sizes[self.rank, self._sent_order].tolist())
         out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64, device="cpu")] * len(self.owners)

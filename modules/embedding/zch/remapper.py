@@ -254,7 +254,8 @@ class ZchRemapper(nn.Module):
         for name, m in self.mch.items():
             slots[self.table_of_unit(name)][0] += int(m.open_slots())
             slots[self.table_of_unit(name)][1] += m.output_size() - 1
-        table = torch.tensor([[*(self.counts[t][c] for c in COUNTS), *slots[t]] for t in self.features], dtype=torch.int64, device="cpu")
+        table = torch.tensor([[*(self.counts[t][c] for c in COUNTS), *slots[t]] for t in self.features],
+                             dtype=torch.int64, device="cpu")
         table = self.exchange.summed(table).tolist()
         self.counts = {t: dict.fromkeys(COUNTS, 0) for t in self.counts}
         return {t: {**dict(zip(COUNTS, row[:len(COUNTS)])), "occupancy": 1.0 - row[-2] / max(1, row[-1])}
@@ -268,7 +269,8 @@ class ZchRemapper(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         """The ids waiting for the next admission round (a checkpoint between rounds resumes exactly)."""
         return {"pending_steps": self.pending_steps, "rounds": self.rounds, "latest": self.latest,
-                "pending": {u: torch.cat(p) if p else torch.zeros(0, dtype=torch.int64, device="cpu") for u, p in self.pending.items()}}
+                "pending": {u: torch.cat(p) if p else torch.zeros(0, dtype=torch.int64, device="cpu")
+                            for u, p in self.pending.items()}}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.pending_steps, self.rounds = int(state["pending_steps"]), int(state["rounds"])
