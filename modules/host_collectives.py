@@ -12,7 +12,7 @@ The world's twin is made once, when the process group starts (:func:`start`, wit
 since ``new_group`` must be called by every rank at once. NCCL takes device tensors only: a CPU tensor over it fails
 (and copying a flag to the GPU and back costs two synchronisations where gloo costs one round trip).
 A subgroup whose backend is not gloo has no twin: the options that make such groups (copies of the tables) are
-refused on CUDA (:func:`pipeline.config.check_runnable`).
+refused on CUDA (:func:`pipeline.training.link_choice.replication_refused`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def host_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.Proce
         return group
     if group is not None and group is not dist.group.WORLD:
         raise RuntimeError(f"host tensors over a {dist.get_backend(group)} subgroup: only the world has a gloo twin "
-                           f"(pipeline.config refuses the options that make such groups on CUDA)")
+                           f"(pipeline.training.link_choice refuses copies of the tables on CUDA)")
     if _world_twin is None:
         raise RuntimeError("modules.host_collectives.start was not called after the process group started")
     return _world_twin
