@@ -6,7 +6,8 @@ Each run of the local store that carries the tag ``ctr.original_run_id`` (writte
 original run on the target — or into a new run of the same experiment if the target does not have
 it: parameters, every metric's full history (values, steps, timestamps), tags, artifacts and the
 final status. A synced local run is tagged ``ctr.synced_to`` and skipped the next time. Then the
-target's runs whose heartbeat stopped are marked FAILED (:mod:`pipeline.tracking.heartbeat`).
+target's RUNNING runs whose last beat looks overdue are watched for 5 of their beats, and those that stay
+silent are marked FAILED (:mod:`pipeline.tracking.heartbeat`).
 """
 
 from __future__ import annotations
@@ -87,8 +88,7 @@ def cli(cfg: DictConfig) -> None:
         target = uris.pop()
     for local, dest, n in sync(args.source, target):
         print(f"run {local} -> {target} run {dest}: {n} metric values")
-    for line in mark_stale_runs(MlflowClient(target)):
-        print(line)
+    mark_stale_runs(MlflowClient(target), overdue_only=True, say=print)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,33 @@
-"""Runs that died without a word: a heartbeat tag while a run lives, and FAILED for runs whose beat stopped.
+"""Runs that died without a word: a heartbeat tag while a run lives, and FAILED for runs whose beat stopped,
+judged on one clock.
 
 A process killed by the OOM killer or ``kill -9`` never sets its MLflow run's final status: the run would
 stay RUNNING forever. So, while a run lives, a thread of its logger sets two tags every
 ``logger.heartbeat_s`` seconds (directly, not through the delivery queue: a beat is worth nothing late):
 
-    ctr.heartbeat     the time of the last beat (Unix seconds)
+    ctr.heartbeat     the beating machine's time of the last beat (Unix seconds; a new value each beat)
     ctr.heartbeat_s   the interval it promised
 
-A run is *stale* when it is RUNNING and its last beat is older than ``STALE_BEATS`` intervals. The next
-run that starts against the same store, and ``ctr sync`` on its target, mark stale runs FAILED with the
-tag ``ctr.failure`` saying why (:func:`mark_stale_runs`). A run resumed later (same run id) is set
-RUNNING again and its ``ctr.failure`` removed (:func:`reopen`); so is a live run that was cut from the
-store for longer than that (its next beat finds the mark and takes it back). Runs without the tags
-(other tools', older ones) are never touched.
+Staleness is never judged by comparing that time with another machine's clock (a skew of a few beats would
+flip a live run FAILED and back). A watcher (:class:`StaleRunWatch`, :func:`mark_stale_runs`) reads the
+tag of every RUNNING run, and marks FAILED only a run whose tag has not changed while ``STALE_BEATS`` of its
+promised intervals passed on the watcher's own monotonic clock:
+
+    stale(run)  <=>  beat(t0) == beat(t0 + STALE_BEATS * interval)     (t0, t: the watcher's clock)
+
+The next run started against the same store watches from a thread of its own (it is not held up); ``ctr
+sync`` watches the target's runs whose last beat also *looks* overdue by the wall clock, and waits for them.
+A marked run gets ``ctr.failure`` (why) and status FAILED but no end time (MLflow cannot clear one again);
+a run resumed later (same run id) is set RUNNING again and ``ctr.failure`` removed (:func:`reopen`), and so
+is a live run that was cut from the store for longer than that (its next beat finds the mark). Runs
+without the tags (other tools', older ones) are never touched.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from mlflow.exceptions import MlflowException
@@ -79,14 +88,24 @@ class Heartbeat:
             self._thread.join(timeout=30)  # a beat in flight ends within the client's request timeout
 
 
-def mark_stale_runs(client: MlflowClient, now: float | None = None, skip: str | None = None) -> list[str]:
-    """Mark every RUNNING run of the store whose heartbeat stopped FAILED (see module doc); returns lines
-    saying which. ``skip``: a run id never to mark (the caller's own)."""
-    now = time.time() if now is None else now
-    lines = []
+@dataclass(frozen=True)
+class _Seen:
+    """A RUNNING run's beat as a watcher first read it, at ``at`` on the watcher's monotonic clock."""
+    name: str
+    beat: str
+    interval_s: float
+    at: float
+
+    @property
+    def due(self) -> float:
+        return self.at + STALE_BEATS * self.interval_s
+
+
+def _beating_runs(client: MlflowClient, skip: str | None, overdue_only: bool) -> dict[str, _Seen]:
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:
-        return lines
+        return {}
+    seen, now = {}, time.monotonic()
     for run in client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'", max_results=5000):
         tags = run.data.tags
         if run.info.run_id == skip or HEARTBEAT_TAG not in tags:
@@ -95,15 +114,79 @@ def mark_stale_runs(client: MlflowClient, now: float | None = None, skip: str | 
             last, interval = float(tags[HEARTBEAT_TAG]), float(tags.get(INTERVAL_TAG, "nan"))
         except ValueError:
             continue
-        if not now - last > STALE_BEATS * interval:  # (a NaN interval: never stale)
-            continue
-        reason = (f"no heartbeat since {_when(last)} ({now - last:,.0f} s; it promised one every {interval:g} s): "
-                  f"the process was killed (OOM killer, kill -9, a lost node) or lost the store; marked FAILED at "
-                  f"{_when(now)}. Resuming it (trainer.resume) sets it RUNNING again.")
-        try:
-            client.set_tag(run.info.run_id, FAILURE_TAG, reason)
-            client.set_terminated(run.info.run_id, "FAILED", end_time=int(last * 1000))
-        except MlflowException:
-            continue
-        lines.append(f"MLflow run {run.info.run_id} ({run.info.run_name}): {reason}")
+        if not interval > 0 or (overdue_only and not time.time() - last > STALE_BEATS * interval):
+            continue  # (a NaN interval: never stale)
+        seen[run.info.run_id] = _Seen(run.info.run_name, tags[HEARTBEAT_TAG], interval, now)
+    return seen
+
+
+def _mark(client: MlflowClient, run_id: str, seen: _Seen, waited_s: float) -> str | None:
+    last = float(seen.beat)
+    reason = (f"no heartbeat for {waited_s:,.0f} s ({STALE_BEATS} of the {seen.interval_s:g} s beats it promised; "
+              f"its last beat is stamped {_when(last)} by its own clock): the process was killed (OOM killer, "
+              f"kill -9, a lost node) or lost the store; marked FAILED. Resuming it (trainer.resume) sets it "
+              f"RUNNING again.")
+    try:
+        client.set_tag(run_id, FAILURE_TAG, reason)
+        client.update_run(run_id, status="FAILED")  # no end time: a resume could not clear it
+    except MlflowException:
+        return None
+    return f"MLflow run {run_id} ({seen.name}): {reason}"
+
+
+def mark_stale_runs(client: MlflowClient, skip: str | None = None, overdue_only: bool = False,
+                    stop: threading.Event | None = None, say=None) -> list[str]:
+    """Watch the store's RUNNING runs that beat (not ``skip``, the caller's own) and mark FAILED each whose beat
+    stays the same for ``STALE_BEATS`` of its intervals on this process's clock; returns (and passes to
+    ``say``, as they come) lines saying which. ``overdue_only``: watch only runs whose last beat also looks
+    overdue by the wall clock (nothing to wait for when every run beats). Returns early when ``stop`` is set."""
+    stop = stop or threading.Event()
+    watched, lines = _beating_runs(client, skip, overdue_only), []
+    if overdue_only and say is not None and watched:
+        say(f"{len(watched)} RUNNING run(s) look overdue by the wall clock; watching their heartbeat for up to "
+            f"{max(s.due for s in watched.values()) - time.monotonic():,.0f} s")
+    while watched and not stop.is_set():
+        stop.wait(max(0.0, min(min(s.interval_s for s in watched.values()),
+                               min(s.due for s in watched.values()) - time.monotonic())))
+        if stop.is_set():
+            break
+        for run_id, seen in list(watched.items()):
+            try:
+                run = client.get_run(run_id)
+            except MlflowException:
+                continue  # (deleted, or the store away: tried at the next look)
+            if run.info.status != "RUNNING" or run.data.tags.get(HEARTBEAT_TAG) != seen.beat:
+                del watched[run_id]  # it ended, or beat: alive
+            elif time.monotonic() >= seen.due:
+                del watched[run_id]
+                line = _mark(client, run_id, seen, time.monotonic() - seen.at)
+                if line is not None:
+                    lines.append(line)
+                    if say is not None:
+                        say(line)
     return lines
+
+
+class StaleRunWatch:
+    """:func:`mark_stale_runs` from a daemon thread (a starting run is not held up), printing what it marks;
+    :meth:`stop` ends it (a run that ends first leaves the marking to the next)."""
+
+    def __init__(self, client: MlflowClient, skip: str | None) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(client, skip), name="mlflow-stale-runs",
+                                        daemon=True)
+
+    def start(self) -> "StaleRunWatch":
+        self._thread.start()
+        return self
+
+    def _run(self, client: MlflowClient, skip: str | None) -> None:
+        try:
+            mark_stale_runs(client, skip=skip, stop=self._stop, say=lambda line: print(line, flush=True))
+        except Exception as e:  # noqa: BLE001 — looking for dead runs never stops this one
+            print(f"MLflow: could not look for runs whose heartbeat stopped: {e}", flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)

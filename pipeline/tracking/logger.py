@@ -29,7 +29,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from mlflow.tracking import MlflowClient
 
-from pipeline.tracking.heartbeat import Heartbeat, reopen
+from pipeline.tracking.heartbeat import Heartbeat, StaleRunWatch, reopen
 
 FALLBACK_DB = "mlflow_fallback.db"
 ORIGINAL_RUN_TAG = "ctr.original_run_id"
@@ -134,6 +134,7 @@ class TrackedMLflowLogger(MLFlowLogger):
         self._resumed = kwargs.get("run_id") is not None
         self._status = "FINISHED"
         self._heartbeat: Heartbeat | None = None
+        self._stale_watch: StaleRunWatch | None = None
 
     @property
     def tracking_uri(self) -> str:
@@ -141,11 +142,13 @@ class TrackedMLflowLogger(MLFlowLogger):
 
     def start(self) -> str:
         """Create (or find) the run now, synchronously — a resumed one RUNNING again
-        (:mod:`pipeline.tracking.heartbeat`) — start its heartbeat, then queue every later call; returns the run id."""
+        (:mod:`pipeline.tracking.heartbeat`) — start its heartbeat and the watch for the store's runs whose heartbeat
+        stopped, then queue every later call; returns the run id."""
         client = self.experiment
         if self._resumed:
             reopen(client, self.run_id)
         self._heartbeat = Heartbeat(client, self.run_id, self._heartbeat_s).start()
+        self._stale_watch = StaleRunWatch(client, skip=self.run_id).start()
         self._mlflow_client = QueuedClient(client, self._retry_max_s)
         return self.run_id
 
@@ -179,6 +182,7 @@ class TrackedMLflowLogger(MLFlowLogger):
         if not isinstance(client, QueuedClient):
             return []
         self._heartbeat.stop()
+        self._stale_watch.stop()
         client.set_terminated(self.run_id, self._status)
         left = client.close(timeout_s)
         if not left:

@@ -27,7 +27,6 @@ from pipeline.tracking.logger_config import LoggerConfig
 from pipeline.runtime.errors import TrackingUnavailableError
 from pipeline.runtime.launch import global_rank
 from pipeline.runtime.signals import Preempted
-from pipeline.tracking.heartbeat import mark_stale_runs
 from pipeline.tracking.logger import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG, TrackedMLflowLogger
 
 log = logging.getLogger(__name__)
@@ -117,17 +116,13 @@ def make_logger(cfg: LoggerConfig, run_id: str | None = None, uri: str | None = 
 def start_logger(cfg: LoggerConfig, output_dir: Path, run_id: str | None, tags: dict[str, str]
                  ) -> TrackedMLflowLogger | bool:
     """The started logger of global rank 0 (False on other ranks: creating the client there would race on
-    the store's creation). Runs of the store whose heartbeat stopped are marked FAILED, and said so."""
+    the store's creation). It also watches the store for runs whose heartbeat stopped, marks them FAILED
+    and says so (:mod:`pipeline.tracking.heartbeat`)."""
     if global_rank() != 0:
         return False
     uri, fallback_tags = tracking_uri(cfg, output_dir)
     logger = make_logger(cfg, run_id, uri, {**fallback_tags, **tags})
     logger.start()
-    try:
-        for line in mark_stale_runs(MlflowClient(uri), skip=logger.run_id):
-            print(line, flush=True)
-    except Exception as e:  # noqa: BLE001 — looking for dead runs never stops this one
-        log.warning("MLflow: could not look for runs whose heartbeat stopped: %s", e)
     return logger
 
 
