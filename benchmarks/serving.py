@@ -145,8 +145,8 @@ def main() -> None:
 
     from pipeline.data.other_readers import open_reader
     from pipeline.runtime.launch import free_port
-    from pipeline.serving.export import export_model
-    from pipeline.serving.scorer import Scorer
+    from pipeline.model_folder.export import export_model
+    from pipeline.scoring.scorer import Scorer
     from pipeline.tracking.pyfunc import save_pyfunc
 
     reading = Scorer(args.model).reading(label=True)

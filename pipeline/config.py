@@ -13,7 +13,7 @@ The dataclasses of the groups live beside the code they configure: ``OptimizerSp
 (:mod:`modules.models`), ``DataConfig`` (:mod:`pipeline.data.dataset`) with ``PreprocessConfig`` and
 ``SyntheticConfig``, ``LoggerConfig`` (:mod:`pipeline.tracking.logger_config`); this module adds the trainer and scaling settings and the root.
 
-May import: tracking, serving, checkpoint, data, runtime, modules
+May import: tracking, model_folder, checkpoint, data, runtime, modules
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pipeline.data.sources import raw_fingerprint
 from pipeline.runtime.errors import ConfigError
 from pipeline.runtime.launch import world_from_env
 from pipeline.runtime.signals import PreemptionConfig
-from pipeline.serving.source import model_source
+from pipeline.model_folder.source import model_source
 from pipeline.tracking.logger_config import LoggerConfig
 
 PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")

@@ -149,8 +149,8 @@ def test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory(ckpt_o
     step 33, resumed from step 30, it ends with the uninterrupted host-memory run's tensors and metrics, and its
     export equals that run's. (Plans with file-backed tables are built without TorchRec's planner, which would
     count them against host memory: the host run uses the same manual plan, so tables sit on the same ranks.)"""
-    from pipeline.serving.export import export_model
-    from pipeline.serving.weights import read_weights
+    from pipeline.model_folder.export import export_model
+    from pipeline.model_folder.weights import read_weights
 
     ckpt = tmp_path / "ckpt"
     ssd = [*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", f"topology.ssd.path={tmp_path}/ssd",

@@ -31,7 +31,7 @@ def days(tmp_path_factory):
 
 
 def _day3_auc(model, folder) -> float:
-    from pipeline.serving.prediction import PredictArgs, run
+    from pipeline.scoring.prediction import PredictArgs, run
 
     result = run(PredictArgs(checkpoint=str(model), input=str(folder / "day3.csv"),
                              output=str(model.parent / "d3.parquet")))

@@ -31,7 +31,7 @@ def command(module: str, *args: str, launcher: list[str] | None = None, check: b
 
 def predict_here(checkpoint: Path, input: Path, output: Path) -> np.ndarray:
     """``pipeline.commands.predict`` in this process (one process: no process group)."""
-    from pipeline.serving.prediction import PredictArgs, run
+    from pipeline.scoring.prediction import PredictArgs, run
 
     run(PredictArgs(checkpoint=str(checkpoint), input=str(input), output=str(output)))
     return pd.read_parquet(output)["probability"].to_numpy() if output.suffix == ".parquet" else \
@@ -152,7 +152,7 @@ def test_quantized_tables_score_like_float_at_a_fraction_of_the_size(trained, tm
     import torch
     from torchmetrics.functional.classification import binary_auroc
 
-    from pipeline.serving.quantize import row_bytes
+    from pipeline.model_folder.quantize import row_bytes
     from pipeline.tracking.pyfunc import save_pyfunc
 
     folder, _, _, _, test_rows = trained

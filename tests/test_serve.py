@@ -29,7 +29,7 @@ from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
 
 def predicted(model: Path, rows: pd.DataFrame, folder: Path) -> np.ndarray:
     """``ctr predict``'s probabilities of ``rows`` (its function, in this process)."""
-    from pipeline.serving.prediction import PredictArgs, run
+    from pipeline.scoring.prediction import PredictArgs, run
 
     rows.to_csv(folder / "rows.csv", index=False)
     run(PredictArgs(checkpoint=str(model), input=str(folder / "rows.csv"), output=str(folder / "rows.parquet")))
@@ -243,7 +243,7 @@ def test_versions_published_under_load_swap_in_on_both_workers_and_old_ones_are_
     answer is wholly one version's — the one its X-Model-Version names, equal to predict with that folder —
     both workers end on day_2, and of the fused table buffers in the serve directory only day_2's stay
     (day_0's small-batch copy and day_1's are deleted once no worker uses them)."""
-    from pipeline.serving.export import export_model
+    from pipeline.model_folder.export import export_model
 
     model, rows, tmp = served_rows
     watched, workdir = tmp / "daily", tmp / "workdir_swap"

@@ -112,7 +112,7 @@ def _model_worker(rank: int, world: int) -> None:
     from modules.sharding.planner import shard_model
     from modules.sharding.replicated_tables import attach_table_merger, copy_group
     from modules.sharding.topology import TopologySpec
-    from pipeline.serving.table_files import holds_rank_0s_copy
+    from pipeline.model_folder.table_files import holds_rank_0s_copy
 
     torch.manual_seed(rank)  # the dense part differs; the tables are drawn from the same seed
     net = DeepFM(SPEC, embedding_dim=4, mlp=[8], device=torch.device("meta"))
@@ -197,8 +197,8 @@ def _per_node_worker(rank: int, world: int, folder: str) -> None:
     from modules.sharding.planner import shard_model
     from modules.sharding.replicated_tables import attach_table_merger, copy_group, peer_group
     from modules.sharding.topology import TopologySpec
-    from pipeline.serving.table_files import holds_rank_0s_copy, mapped
-    from pipeline.serving.weights import unsharded_state
+    from pipeline.model_folder.table_files import holds_rank_0s_copy, mapped
+    from pipeline.model_folder.weights import unsharded_state
 
     node = rank // 2  # ranks 0, 1 are node 0; 2, 3 node 1; a shard's peers: the same local rank on the other node
     torch.manual_seed(rank)

@@ -68,7 +68,7 @@ def test_cpu_placement_sends_the_largest_tables_to_ssd_when_host_memory_cannot_h
 
 
 def _tables_of(model_folder: Path) -> dict[str, torch.Tensor]:
-    from pipeline.serving.weights import read_weights
+    from pipeline.model_folder.weights import read_weights
 
     return read_weights(model_folder)
 

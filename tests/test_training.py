@@ -58,8 +58,8 @@ def test_every_other_model_trains_to_the_bar_and_its_export_scores_its_test_auc(
     from pipeline.config import parse_config
     from pipeline.data.sources import store_dir
     from pipeline.data.store import ColumnarStore
-    from pipeline.serving.export import export_model
-    from pipeline.serving.scorer import Scorer
+    from pipeline.model_folder.export import export_model
+    from pipeline.scoring.scorer import Scorer
 
     models = ["wide_deep", "dcn", "dcnv2"]
     with MlflowServer(tmp_path / "srv") as server:

@@ -435,7 +435,7 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
     assert 0 < logged["zch/occupancy"] <= 1 and 0 <= logged["zch/unknown_share"] < 1 and logged["zch/admitted"] >= 0
     assert resumed.test_auc is not None
     # the model folder exported from the checkpoint keeps the same mapping and admission counts
-    from pipeline.serving.export import export_model
+    from pipeline.model_folder.export import export_model
 
     # (the model folder a 2-rank run writes gathers the ranks' mappings with mapping_state, tested with 2 processes above)
     exported = export_model(complete_checkpoints(tmp_path / "ckpt")[-1], tmp_path / "exported")
@@ -445,7 +445,7 @@ def test_zch_on_two_ranks_killed_and_resumed_builds_the_mapping_of_its_batches(c
             assert np.array_equal(saved[k[len("state_dict/zch.remapper."):]], v.numpy()), k
     # 2 ranks scoring the checkpoint, each mapping ids through its buckets only, against one process scoring the
     # export with the whole mapping: the same probabilities and the same count of ids on the unknown row
-    from pipeline.serving.prediction import PredictArgs, run
+    from pipeline.scoring.prediction import PredictArgs, run
     from tests.test_model_use import command
 
     cache = Path(next(o.split("=", 1)[1] for o in ckpt_overrides if o.startswith("paths.cache_dir=")))
@@ -490,7 +490,7 @@ def test_predict_from_a_zch_model_folder_gives_the_runs_test_auc(own_data_run, t
     model = tmp_path / "run" / "model"
     assert (model / "zch.npz").is_file()
     from pipeline.data.store import ColumnarStore
-    from pipeline.serving.prediction import PredictArgs, run
+    from pipeline.scoring.prediction import PredictArgs, run
 
     prediction = run(PredictArgs(checkpoint=str(model), input=str(tmp_path / "test.csv"), output=str(tmp_path / "pred.parquet")))
     scores = pd.read_parquet(tmp_path / "pred.parquet")["probability"].to_numpy()

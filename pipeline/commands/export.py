@@ -1,4 +1,4 @@
-"""``ctr export``: a checkpoint (or a model folder) as a model folder, its tables quantized on request (:mod:`pipeline.serving.export`): unsharded weights, vocabularies,
+"""``ctr export``: a checkpoint (or a model folder) as a model folder, its tables quantized on request (:mod:`pipeline.model_folder.export`): unsharded weights, vocabularies,
 the model and dataset description.
 
     ctr export checkpoint=<checkpoint dir, or a run's trainer.checkpoint.dir> out=<dir> [quantize=int8|int4|fp16]
@@ -16,8 +16,8 @@ import hydra
 from omegaconf import MISSING, DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
-from pipeline.serving.export import export_model
-from pipeline.serving.quantize import check_quantize
+from pipeline.model_folder.export import export_model
+from pipeline.model_folder.quantize import check_quantize
 
 
 @dataclass
@@ -26,7 +26,7 @@ class ExportArgs:
 
     checkpoint: str = MISSING
     out: str = MISSING
-    quantize: str = "none"  # the tables: none (float32) | int8 | int4 | fp16 (pipeline/serving/quantize.py)
+    quantize: str = "none"  # the tables: none (float32) | int8 | int4 | fp16 (pipeline/model_folder/quantize.py)
 
     def __post_init__(self) -> None:
         check_quantize(self.quantize, "quantize")

@@ -1,4 +1,4 @@
-"""``ctr predict``: score raw rows with a model folder or checkpoint (:mod:`pipeline.serving.prediction`).
+"""``ctr predict``: score raw rows with a model folder or checkpoint (:mod:`pipeline.scoring.prediction`).
 
     ctr predict checkpoint=<model folder | checkpoint dir> input=<file, list, dir or glob> \
         output=<file.parquet | file.csv> [batch_size=65536]
@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.runtime.process_exit import exit_now, leave_process_group
-from pipeline.serving.prediction import PredictArgs, run
+from pipeline.scoring.prediction import PredictArgs, run
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="predict")

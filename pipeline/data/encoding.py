@@ -1,5 +1,5 @@
 """Encoding of parsed values into what the model reads, shared by preprocessing's pass 2 and the
-serving path (:mod:`pipeline.serving.row_encoder`), so both encode a value the same way.
+serving path (:mod:`pipeline.scoring.row_encoder`), so both encode a value the same way.
 
 * categorical and sequence values: their 64-bit key's position in the table's vocabulary + 2, OOV → 0,
   missing → 1; or, hashed, ``2 + key mod buckets``; or, raw, a 63-bit id of (table, key)

@@ -2,5 +2,5 @@
 read without pandas (:mod:`.requests`), dynamic batching (:mod:`.batcher`), model versions and hot swap
 (:mod:`.versions`), Prometheus metrics (:mod:`.metrics`).
 
-May import: serving, checkpoint, data, runtime
+May import: scoring, model_folder, checkpoint, data, runtime
 """

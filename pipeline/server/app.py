@@ -41,7 +41,7 @@ from pipeline.server.old_versions import forget_use, record_use
 from pipeline.server.requests import RequestError
 from pipeline.server.settings import ServeSettings
 from pipeline.server.versions import Version, published, slug
-from pipeline.serving.scorer import Scorer
+from pipeline.scoring.scorer import Scorer
 
 log = logging.getLogger(__name__)
 SETTINGS_ENV = "CTR_SERVE_SETTINGS"  # the workers' settings (JSON of ServeSettings), set by ``ctr serve``
@@ -56,7 +56,7 @@ def fused_dir(version: Version, workdir: Path) -> Path:
 def load(version: Version, workdir: Path, small_batch_rows: int) -> Served:
     """A version's scorer: float tables read through the model folder's mapped files, quantized ones —
     and the fused copy of float ones for model calls of at most ``small_batch_rows`` rows — through a
-    buffer file in the serve directory (:func:`pipeline.serving.quantize.share_fused_buffers`): one copy
+    buffer file in the serve directory (:func:`pipeline.model_folder.quantize.share_fused_buffers`): one copy
     in the page cache for all workers."""
     shared = fused_dir(version, workdir)
     return Served(version, Scorer(version.folder, shared_dir=shared, small_batch_rows=small_batch_rows), shared)

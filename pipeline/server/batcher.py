@@ -32,7 +32,7 @@ from pipeline.runtime.errors import BundleError
 from pipeline.server import metrics
 from pipeline.server.requests import Parsed, RequestError, encode_lines, parse
 from pipeline.server.versions import Version
-from pipeline.serving.scorer import Scorer
+from pipeline.scoring.scorer import Scorer
 
 log = logging.getLogger(__name__)
 MAX_BATCH_REQUESTS = 1024     # requests taken at once (their rows go to the model max_batch_rows at a time)

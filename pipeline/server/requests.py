@@ -10,7 +10,7 @@
 Values are raw, as in the training files: strings in categorical columns, numbers or strings of
 numbers in numeric ones, null / NaN / "" for a missing value. The JSON forms become a mapping
 column → list of values (:class:`Parsed`); what the model reads of it is checked when the batch is
-encoded (:meth:`pipeline.serving.row_encoder.RowEncoder.encode_columns`), so a missing column or a
+encoded (:meth:`pipeline.scoring.row_encoder.RowEncoder.encode_columns`), so a missing column or a
 word in a numeric column gets a 400 naming it there. Anything malformed here raises
 :class:`RequestError` (HTTP 400) naming the field.
 """
@@ -33,8 +33,8 @@ from pipeline.data.features import extract
 from pipeline.data.other_readers import open_reader
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import UserError
-from pipeline.serving.prediction import has_label
-from pipeline.serving.row_encoder import Columns, RowEncoder
+from pipeline.scoring.prediction import has_label
+from pipeline.scoring.row_encoder import Columns, RowEncoder
 
 JSON_FORMATS = ("dataframe_split", "dataframe_records", "instances", "inputs")
 RAW_ROWS = "text/x-ctr-rows"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from pipeline.checkpoint.discovery import checked_checkpoint
 from pipeline.runtime.errors import BundleError
-from pipeline.serving.export import export_model
-from pipeline.serving.source import is_model_folder
+from pipeline.model_folder.export import export_model
+from pipeline.model_folder.source import is_model_folder
 
 CURRENT = "current.json"
 

@@ -2,5 +2,5 @@
 (:mod:`.logger`) and its settings (:mod:`.logger_config`), sweeps as parent and child runs (:mod:`.sweeps`), the
 pyfunc model (:mod:`.pyfunc`).
 
-May import: serving, data, runtime
+May import: scoring, model_folder, data, runtime
 """

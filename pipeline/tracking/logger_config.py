@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pipeline.serving.quantize import check_quantize
+from pipeline.model_folder.quantize import check_quantize
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The MLflow model of a run: a pyfunc model over the run's model folder (:mod:`pipeline.serving.model_folder`).
+"""The MLflow model of a run: a pyfunc model over the run's model folder (:mod:`pipeline.model_folder.layout`).
 
     mlflow.pyfunc.load_model("runs:/<id>/model").predict(pandas_df_of_raw_columns)  → DataFrame ``probability``
     mlflow models serve -m runs:/<id>/model --env-manager local                      → POST /invocations
@@ -35,8 +35,8 @@ import pipeline
 from pipeline.data.dataset import DataConfig
 from pipeline.runtime.errors import BundleError
 from pipeline.runtime.library_noise import quiet_libraries
-from pipeline.serving.scorer import Scorer
-from pipeline.serving.source import model_source
+from pipeline.scoring.scorer import Scorer
+from pipeline.model_folder.source import model_source
 
 log = logging.getLogger(__name__)
 CODE = [Path(package.__file__).resolve().parent for package in (pipeline, modules)]  # the model's code_paths

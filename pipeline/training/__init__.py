@@ -4,5 +4,5 @@ test → publish); the LightningModule (:mod:`.task`), its callbacks (:mod:`.cal
 earlier model (:mod:`.init_from`), what a run leaves behind (:mod:`.publish`) and the day-by-day driver
 (:mod:`.daily`).
 
-May import: tracking, config, serving, checkpoint, data, runtime, modules
+May import: tracking, config, scoring, model_folder, checkpoint, data, runtime, modules
 """

@@ -8,7 +8,7 @@ Day N is one ordinary run (its own MLflow run, named ``day N``; its folder ``<ou
 model folder: known values keep their ids and rows, new ones are appended (:mod:`pipeline.training.init_from`);
 with ``trainer.init_from_optimizer`` each day also writes checkpoints, and the next day starts from the
 newest one, carrying its optimizer state.
-Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.serving.prediction`); that AUC is
+Before day N trains, day N−1's model scores all of day N's rows (:mod:`pipeline.scoring.prediction`); that AUC is
 logged to day N−1's run as ``next_day/auc`` (and ``next_day/logloss``). At the end a plot of next-day
 AUC over the days (``next_day_auc.png``) and its table go to the output folder and to the last day's
 run. One process (each day's run may not be under ``torchrun`` here; start a day from the previous
@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.checkpoint.discovery import newest_intact_checkpoint
 from pipeline.config import parse_config
 from pipeline.runtime.errors import ConfigError
-from pipeline.serving.prediction import PredictArgs
-from pipeline.serving.prediction import run as predict
+from pipeline.scoring.prediction import PredictArgs
+from pipeline.scoring.prediction import run as predict
 from pipeline.training.result import RunResult
 from pipeline.training.run import train
 

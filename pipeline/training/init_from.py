@@ -33,9 +33,9 @@ from pipeline.checkpoint.full_state import full_model_state
 from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import read_vocabulary
 from pipeline.runtime.errors import BundleError, ConfigError
-from pipeline.serving import table_files
-from pipeline.serving.source import ModelSource, is_model_folder, model_source
-from pipeline.serving.weights import read_weights
+from pipeline.model_folder import table_files
+from pipeline.model_folder.source import ModelSource, is_model_folder, model_source
+from pipeline.model_folder.weights import read_weights
 
 
 def init_source(path: str | None) -> ModelSource | None:

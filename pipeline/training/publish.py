@@ -16,9 +16,9 @@ from pipeline.config import RunConfig
 from pipeline.data.datamodule import CTRDataModule
 from pipeline.data.sources import example_rows
 from pipeline.runtime.launch import global_rank
-from pipeline.serving.export import export_model
-from pipeline.serving.model_folder import write_bundle
-from pipeline.serving.weights import unsharded_state
+from pipeline.model_folder.export import export_model
+from pipeline.model_folder.layout import write_bundle
+from pipeline.model_folder.weights import unsharded_state
 from pipeline.tracking.logger import TrackedMLflowLogger
 from pipeline.tracking.pyfunc import log_pyfunc, register
 from pipeline.training.best_validation import BestValidation
@@ -32,7 +32,7 @@ from pipeline.training.task import CTRTask
 
 def write_model(run_cfg: RunConfig, task: CTRTask, datamodule: CTRDataModule, output_dir: Path,
                 run_id: str | None) -> Path | None:
-    """``<output>/model`` (:mod:`pipeline.serving.model_folder`) from the trained weights, on global rank 0
+    """``<output>/model`` (:mod:`pipeline.model_folder.layout`) from the trained weights, on global rank 0
     (every rank takes part in gathering the sharded tables); None where tables exceed ``logger.model_max_gb``."""
     spec = datamodule.feature_spec
     gb = sum(n * (task.model_cfg.embedding_dim + 4) * 4 for n in spec.table_sizes.values()) / 1e9

@@ -36,8 +36,8 @@ from pipeline.checkpoint.discovery import read_rank0_state
 from pipeline.config import RunConfig
 from pipeline.data.batches import CTRBatch
 from pipeline.runtime import heap
-from pipeline.serving.source import ModelSource, model_source
-from pipeline.serving.weights import read_zch_state
+from pipeline.model_folder.source import ModelSource, model_source
+from pipeline.model_folder.weights import read_zch_state
 from pipeline.training.init_from import carry_optimizer_state, init_source, initialize_from, reused_positions
 from pipeline.training.learning_rates import LearningRates
 from pipeline.training.link_choice import LinkSettings

@@ -1,4 +1,4 @@
-"""A checkpoint as a model folder (:mod:`.model_folder`): unsharded weights, vocabularies, the model and
+"""A checkpoint as a model folder (:mod:`.layout`): unsharded weights, vocabularies, the model and
 dataset description. A checkpoint written by W processes is read in one (DCP reads every shard of a
 table into the whole table), its tables through files beside the output, never whole in memory. The
 vocabularies come from the store the run trained on (its path is in the checkpoint), which must be
@@ -9,9 +9,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from pipeline.serving.model_folder import write_bundle
-from pipeline.serving.source import model_source
-from pipeline.serving.weights import read_weights, read_zch_state
+from pipeline.model_folder.layout import write_bundle
+from pipeline.model_folder.source import model_source
+from pipeline.model_folder.weights import read_weights, read_zch_state
 
 
 def export_model(checkpoint: str | Path, out: str | Path, quantize: str = "none") -> Path:

@@ -17,10 +17,10 @@ from modules.models import build_model
 from pipeline.data.batches import make_batch
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import BundleError
-from pipeline.serving.quantize import share_fused_buffers, use_quantized_tables
-from pipeline.serving.row_encoder import RowEncoder
-from pipeline.serving.source import model_source
-from pipeline.serving.weights import read_weights, read_zch_state
+from pipeline.model_folder.quantize import share_fused_buffers, use_quantized_tables
+from pipeline.scoring.row_encoder import RowEncoder
+from pipeline.model_folder.source import model_source
+from pipeline.model_folder.weights import read_weights, read_zch_state
 
 SMALL_BATCH_COPY_MAX_BYTES = 4 << 30  # float tables larger than this get no fused copy for small batches
 
@@ -44,7 +44,7 @@ def score_batches(model: torch.nn.Module, spec: FeatureSpec, arrays: SplitArrays
 
 class Scorer(RowEncoder):
     """A model folder (or, with ``table_dir`` for its tables, a checkpoint) loaded for scoring on the CPU;
-    a quantized folder's tables are scored by TorchRec's quantized collections (:mod:`.quantize`), and so
+    a quantized folder's tables are scored by TorchRec's quantized collections (:mod:`pipeline.model_folder.quantize`), and so
     are float tables with ``fused`` (FBGEMM's fused inference kernel, the same numbers). The fused kernel
     copies the tables into memory; with ``shared_dir`` (a folder for this model) that copy is written
     there once and mapped, so that processes scoring the model share it.

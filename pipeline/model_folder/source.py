@@ -3,7 +3,7 @@
 :func:`model_source` reads the description — model config, dataset declaration, the store's feature
 description, the folder holding the vocabularies, the MLflow run — from a model folder's
 ``model.json`` or a checkpoint's run description (:mod:`pipeline.checkpoint.run_description`); the
-weights come from :func:`pipeline.serving.weights.read_weights`.
+weights come from :func:`pipeline.model_folder.weights.read_weights`.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ from pipeline.data.raw_files import first_fields
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import BundleError
 from pipeline.runtime.launch import world_from_env
-from pipeline.serving.row_encoder import RowEncoder
-from pipeline.serving.scorer import Scorer
+from pipeline.scoring.row_encoder import RowEncoder
+from pipeline.scoring.scorer import Scorer
 
 OUTPUT_FORMATS = (".parquet", ".csv")
 
@@ -170,7 +170,7 @@ def run(args: PredictArgs) -> Prediction | None:
         return predict(encoder, score, input_files(args.input, encoder.data), output, block_size, rank)
 
     if world > 1:
-        from pipeline.serving.sharded_scorer import sharded_scorer  # TorchRec's sharding: only under torchrun
+        from pipeline.scoring.sharded_scorer import sharded_scorer  # TorchRec's sharding: only under torchrun
 
         dist.init_process_group("gloo")
         return score_with(*sharded_scorer(checkpoint, batch_size), dist.get_rank())

@@ -27,9 +27,9 @@ from pipeline.checkpoint.full_state import full_model_state
 from pipeline.checkpoint.safe_reader import SafeFileSystemReader
 from pipeline.data.store import Ragged, SplitArrays
 from pipeline.runtime.errors import BundleError
-from pipeline.serving.row_encoder import RowEncoder
-from pipeline.serving.scorer import score_batches
-from pipeline.serving.source import model_source
+from pipeline.scoring.row_encoder import RowEncoder
+from pipeline.scoring.scorer import score_batches
+from pipeline.model_folder.source import model_source
 
 
 def sharded_scorer(checkpoint: Path, batch_size: int) -> tuple[RowEncoder, Callable[[SplitArrays], np.ndarray | None]]:

@@ -23,9 +23,9 @@ from modules.embedding.sparse_arch import is_table_parameter
 from pipeline.checkpoint.full_state import full_model_state
 from pipeline.runtime.errors import BundleError
 from pipeline.runtime.launch import group_rank
-from pipeline.serving import table_files
-from pipeline.serving.quantize import row_bytes, write_quantized
-from pipeline.serving.source import ModelSource, model_source
+from pipeline.model_folder import table_files
+from pipeline.model_folder.quantize import row_bytes, write_quantized
+from pipeline.model_folder.source import ModelSource, model_source
 
 
 def write_weights(folder: Path, state_dict: dict[str, torch.Tensor], tables: dict[str, list[int]],
@@ -88,7 +88,7 @@ def _mapped_table(folder: Path, key: str, shape: list[int], quantize: str) -> to
 def unsharded_state(module: torch.nn.Module, table_dir: Path) -> dict[str, torch.Tensor] | None:
     """The unsharded state dict of a (DMP-wrapped) model on rank 0, None on other ranks (collective:
     every rank must call it). Embedding tables are written to ``table_dir`` by the ranks holding their
-    shards and mapped (:func:`pipeline.serving.table_files.unshard_to_file`); other sharded tensors are gathered."""
+    shards and mapped (:func:`pipeline.model_folder.table_files.unshard_to_file`); other sharded tensors are gathered."""
     rank = group_rank()
     if torch.distributed.is_initialized():  # rank 0's folder: the ranks' output folders may differ
         agreed = [str(table_dir)]

@@ -1,4 +1,4 @@
-"""The pieces of the serving path against references computed another way: the joint vocabulary index
+"""The pieces of the scoring path against references computed another way: the joint vocabulary index
 against one pandas index per table, row-wise quantization against its formula in NumPy, the one-pass
 frame encoder against the generic reader path."""
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.data.vocab_growth import FREE, VocabIndex
-from pipeline.serving.joint_index import JointVocabIndex
-from pipeline.serving.quantize import quantize_rows, row_bytes
+from pipeline.scoring.joint_index import JointVocabIndex
+from pipeline.model_folder.quantize import quantize_rows, row_bytes
 
 
 @settings(max_examples=60, deadline=None)
@@ -66,8 +66,8 @@ def test_one_pass_frame_encoding_equals_the_reader_path(tmp_path):
     from pipeline.data.store import FIRST_VOCAB_ID
     from pipeline.data.vocab_files import write_vocabulary
     from pipeline.data.vocab_growth import fresh
-    from pipeline.serving.model_folder import write_bundle
-    from pipeline.serving.scorer import Scorer
+    from pipeline.model_folder.layout import write_bundle
+    from pipeline.scoring.scorer import Scorer
 
     data = builtin_layout("criteo")
     rng = np.random.default_rng(0)

@@ -24,7 +24,7 @@ from pipeline.data.hashing import factorized_string_keys, string_keys
 from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays, has_raw_ids
 from pipeline.data.vocab_files import read_vocabulary, vocabulary_file
 from pipeline.runtime.errors import BundleError
-from pipeline.serving.joint_index import JointVocabIndex
+from pipeline.scoring.joint_index import JointVocabIndex
 
 
 Columns = Mapping[str, Sequence[Any]]  # raw column → its values, one per row

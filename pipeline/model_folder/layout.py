@@ -4,13 +4,13 @@
                               numeric transforms and ranges, hashing), the dataset declaration (no path)
     <dir>/weights.pt          the unsharded state dict but the embedding tables (tensors only: loaded with
                               ``weights_only``)
-    <dir>/tables/<name>.f32   each embedding table, row-major float32 (:mod:`pipeline.serving.table_files`; shapes in
+    <dir>/tables/<name>.f32   each embedding table, row-major float32 (:mod:`pipeline.model_folder.table_files`; shapes in
                               model.json): written in row blocks, memory-mapped for scoring; ``.u8``: its rows
                               quantized (``quantize`` in model.json: int8, int4 or fp16; :mod:`.quantize`)
     <dir>/vocab/<t>.parquet   each table's vocabulary (key uint64, training count), as in the store
     <dir>/zch.npz             ``model.zch`` models: each table's mapping of raw ids to rows (:func:`modules.embedding.zch.mapping.mapping_state`)
 
-Written to ``<dir>.tmp-<pid>`` and renamed into place. :class:`pipeline.serving.scorer.Scorer` turns raw rows — exactly as the
+Written to ``<dir>.tmp-<pid>`` and renamed into place. :class:`pipeline.scoring.scorer.Scorer` turns raw rows — exactly as the
 training files hold them — into probabilities: the same readers, feature extraction, vocabulary
 lookup (unseen → OOV, missing → missing id) and numeric transforms as preprocessing, then the model
 on the CPU. Every training run writes one (``<output>/model``; logged to MLflow as a pyfunc model,
@@ -32,7 +32,7 @@ import torch
 from modules.embedding.sparse_arch import is_table_parameter
 from modules.models import ModelConfig
 from pipeline.data.dataset import DataConfig
-from pipeline.serving.weights import ZCH_FILE, write_weights
+from pipeline.model_folder.weights import ZCH_FILE, write_weights
 
 BUNDLE_VERSION = 2  # 2: tables in tables/*.f32 (version 1 kept them in weights.pt; still read)
 META_KEYS = ("dataset", "dense", "categorical", "sequence", "features", "transforms", "table_sizes", "dense_range",

@@ -31,7 +31,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
-from pipeline.serving import table_files
+from pipeline.model_folder import table_files
 
 QUANTIZE = ("none", "int8", "int4", "fp16")
 DATA_TYPES = {"int8": DataType.INT8, "int4": DataType.INT4, "fp16": DataType.FP16, "fp32": DataType.FP32}
