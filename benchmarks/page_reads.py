@@ -15,7 +15,7 @@ counted by a memory cgroup; ``O_DIRECT`` leaves none).
 
 Cold reads only. In training the page cache also serves run pages read again (other rows of a page met later):
 end to end, lookups by ``O_DIRECT`` with 32 threads trained 20–25 % slower than the mapping on the
-frequency-ordered case that reads most (docs/scale.md, "Reads past the page cache"), so the tier keeps the mapping.
+frequency-ordered case that reads most (docs/ssd_tier.md, "What did not work"), so the tier keeps the mapping.
 
     python benchmarks/page_reads.py                       # 4 GiB file, 10 steps of 40,000 pages
     python benchmarks/page_reads.py --threads 1 8 32 128 --dir /nvme/scratch

@@ -1,7 +1,7 @@
 """The row cache's own time per step with its loops in C against their torch / numpy twins, on a log's id stream.
 
     python benchmarks/row_cache_loops.py --rows 1000000 --cache-mb 121 --set data.synthetic.day=1 \
-        data.preprocess.base_vocabulary=<a larger log's store> ...        # the docs/scale.md case
+        data.preprocess.base_vocabulary=<a larger log's store> ...        # the docs/ssd_tier.md case
 
 The training split of the log is replayed in batches through the row caches a DeepFM's ``ssd`` tier has
 (modules/embedding/ssd_tier/row_cache.py): the stacked ``emb`` table (16 columns, drawn N(0, 0.01²)) and the

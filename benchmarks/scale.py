@@ -14,7 +14,7 @@ baseline: each cost is also shown per row relative to it (1.00 = linear in rows)
 ``tables``: one model at ``fractions`` × the memory the run may use. Each ``ssd`` run is put in a
 memory cgroup (cgroup v1, ``memory.limit_in_bytes``, which also caps the page cache) and told that
 limit (``topology.ddr_cap_gb``): placement counts the process, keeps what fits in host memory, moves
-the rest to files and gives the row cache what is left (docs/scale.md). The baseline is the same
+the rest to files and gives the row cache what is left (docs/ssd_tier.md). The baseline is the same
 model in host memory with no limit, in the same script. Two ways to size it:
 
 * ``--limit-gb L`` (hashed): every table hashed to ``H`` rows so the tables total fraction × L, limit L.

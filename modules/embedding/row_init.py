@@ -23,7 +23,7 @@ order, so that the C loop (``row_init.c``, built by :mod:`modules.embedding.nati
               (q ≤ ⅛: cos, else sin of ¼ − q), Taylor to x⁸ / x⁹ (error < 3·10⁻⁸; ln's < 2·10⁻⁹ relative).
 
 (Until 2026-11-27 numpy's float32 ``log`` and ``cos``: their results differ between numpy's SIMD paths, so a C
-loop could not match them. The C draws 3× faster than those and 10× faster than its twin (docs/scale.md): a row
+loop could not match them. The C draws 3× faster than those and 10× faster than its twin (docs/ssd_tier.md): a row
 cache draws each row it meets for the first time inside a training step, a host table all its rows before training.)
 
 A table's key is the CRC-32 of its name, so a table keeps its values when it is stacked with others

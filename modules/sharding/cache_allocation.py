@@ -2,7 +2,7 @@
 
 A table t read by n_t ids per sample, whose r hottest rows carry a share H_t(r) of its lookups, serves
 n_t · H_t(r) of a sample's lookups from host memory when a row cache of r slots sits in front of its
-``ssd`` files (an LFU cache keeps the hottest rows: docs/scale.md, "LRU or LFU"), and all n_t when the
+``ssd`` files (an LFU cache keeps the hottest rows: docs/ssd_tier.md), and all n_t when the
 whole table is in host memory. With a host budget B, choose for every table either host memory or
 ``ssd`` with r_t cache rows to
 

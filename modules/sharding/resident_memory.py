@@ -8,7 +8,7 @@ The subtracted term is the file-backed pages of GPU libraries (CUDA, cuBLAS, NCC
 from ``/proc/self/smaps``): a CUDA build of torch maps and initialises them on import, on a CPU run too (~200–300 MB
 with the pinned torch 2.14.1), and a CPU run never touches them again, so under a limit the kernel drops them
 first. Counting them made the same run's budget move by ~215 MB with what the page cache held when it started
-(docs/scale.md), and refused runs that fit. Their anonymous pages (relocated data) stay counted.
+(docs/ssd_tier.md), and refused runs that fit. Their anonymous pages (relocated data) stay counted.
 """
 
 from __future__ import annotations

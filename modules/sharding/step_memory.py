@@ -19,7 +19,7 @@ def collection_tables(collection: Collection) -> list:
 
 
 STEP_COPIES = 4  # activations, their gradients, masks and the allocator's slack: measured +300 MB for DeepFM at
-                 # batch 8,192 / eval 16,384 (docs/scale.md), estimated 216 MB by this rule
+                 # batch 8,192 / eval 16,384 (docs/ssd_tier.md), estimated 216 MB by this rule
 EVAL_COPIES = 2  # an evaluation step keeps no activations for a backward: a layer's input and output
 
 

@@ -20,10 +20,10 @@ class SsdSpec:
     path: Optional[str] = None     # where ssd-tier tables keep their files (GPU: FBGEMM's SSD TBE; CPU: memory maps)
     cap_gb: float = 0.0            # per node; on CPU 0 means the free space at path
     cache_mb: Optional[float] = None  # CPU: the row cache per rank, outright (None: what ddr_cap_gb leaves)
-    cache_policy: str = "lfu"      # CPU row cache eviction: lfu | lru (docs/scale.md: LFU hit more on both id orders)
+    cache_policy: str = "lfu"      # CPU row cache eviction: lfu | lru (docs/ssd_tier.md: LFU hit more on both id orders)
     # CPU: the next training batch's rows brought into the row cache in a thread while a step computes (one
     # process, no model.zch; modules/embedding/ssd_tier/rows_ahead.py). Off by default: on 2 cores it gained 5 %
-    # on a frequency-ordered table and lost 6-11 % on a hashed one (docs/scale.md)
+    # on a frequency-ordered table and lost 6-11 % on a hashed one (docs/ssd_tier.md)
     look_ahead: bool = False
 
     def __post_init__(self) -> None:

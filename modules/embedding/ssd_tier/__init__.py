@@ -17,6 +17,6 @@
   :mod:`.paged_records`), merged in key
   order, and written to their scattered homes in one sweep when something reads the files.
 
-Placement (which tables, how many cache rows) is :mod:`modules.sharding.placement`; docs/scale.md has the
+Placement (which tables, how many cache rows) is :mod:`modules.sharding.placement`; docs/ssd_tier.md has the
 measurements.
 """

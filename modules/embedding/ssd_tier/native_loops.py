@@ -9,7 +9,7 @@ Each twin computes the same thing in torch or numpy: it is the reference the tes
 (tests/test_native_loops.py) and what runs where no C compiler is found. Why: on a frequency-ordered table
 larger than the day, about half a step's rows are met for the first time, and this per-row work in torch
 and numpy — a few operations per row, each a pass over the batch — was most of the cache's time
-(docs/scale.md).
+(docs/ssd_tier.md).
 
 The source is built on first use by :mod:`modules.embedding.native_build`.
 """

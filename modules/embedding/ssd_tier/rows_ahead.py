@@ -20,7 +20,7 @@ evaluation batch, a set too full for two batches' rows) costs time, not exactnes
 assigned as without look-ahead.
 
 On with ``topology.ssd.look_ahead=true`` (off by default: on 2 cores it gained a few per cent on one table
-and lost on another, docs/scale.md). The sources of the idea: TorchRec's ``PrefetchTrainPipelineSparseDist``
+and lost on another, docs/ssd_tier.md). The sources of the idea: TorchRec's ``PrefetchTrainPipelineSparseDist``
 (UVM caches filled for the next batch while the current one trains) and FBGEMM's ``prefetch_pipeline``
 (rows of batches in flight locked).
 """

@@ -19,7 +19,7 @@ place: each dirties (and in a sparse file allocates) a 4 KiB page of its own, an
 the kernel writes pages back before it can reclaim them — about 60× the bytes changed at 68-byte rows.
 A log bounded by an in-memory index and written home when full did the same write in bursts: 0.045×
 the in-memory speed with frequency-ordered tables 2× the memory, where every row of the table is met,
-updated and evicted once an epoch (docs/scale.md). Sorted, every byte moves in order: appended runs,
+updated and evicted once an epoch (docs/ssd_tier.md). Sorted, every byte moves in order: appended runs,
 sequential merges, and one sweep of the files when something reads them.
 
 Cost: a record is rewritten once per tier, about log_F(records since the flush / M) + 1 times; the runs
@@ -36,7 +36,7 @@ cache, clean, reclaimable).
 F = 16: with the filters, a lookup reads from one run whatever their number; merges drop duplicates and
 keep the runs few, and compete with lookups for the disk (a merge thread busy 44 % of a 2× run at
 F = 4). At F = 16 the 2× frequency-ordered benchmark ran 17 % faster than at F = 4 (15,067 against
-12,849 samples/s, 400 steps, docs/scale.md; then with a byte per table row naming each key's run
+12,849 samples/s, 400 steps, docs/ssd_tier.md; then with a byte per table row naming each key's run
 instead of the filters, which at tables 8× the limit took more memory than the caches).
 
 Sources: O'Neil, Cheng, Gawlick, O'Neil, "The Log-Structured Merge-Tree (LSM-Tree)", Acta Informatica

@@ -7,7 +7,7 @@ Right after the sparse lookups of training batch i (a forward hook on the model'
 is laid out as each embedding collection will receive it (:meth:`SparseArch.inputs`), and each row cache
 starts bringing its rows in, in a thread, while batch i's dense layers, backward and optimizer step run.
 
-``topology.ssd.look_ahead=true`` (off by default: docs/scale.md has what it gained and lost on 2 cores), tables
+``topology.ssd.look_ahead=true`` (off by default: docs/ssd_tier.md has what it gained and lost on 2 cores), tables
 on the ``ssd`` tier; one process (with several ranks a kernel's ids come from every rank's batch) and no
 ``model.zch`` (its admission rounds remap ids between steps): :func:`pipeline.config.check_runnable` refuses
 the rest. At the end of training it prints how many results were taken and how many not.
