@@ -19,6 +19,14 @@ of this project and any other warning of these libraries still show.
 * TorchRec's planner: a FutureWarning and a logged warning that ``HeuristicalStorageReservation`` over-estimates
   dense tensors in dry runs — at every plan (the project sizes memory itself: :mod:`modules.sharding.placement`).
 * MLflow's "Downloading artifacts" progress bars — when a model is read back (logging it, serving it).
+* Lightning's start-up lines that say nothing about this run: "TPU available: False", "Initializing distributed:
+  GLOBAL_RANK ...", the "distributed_backend=gloo / All distributed processes registered" banner, "Loading
+  `train_dataloader` to estimate number of stepping batches", "`Trainer(val_check_interval=1.0)` was configured so
+  validation will run at the end of the training epoch", and its MLflow logger's "Experiment with name ... not
+  found. Creating it." (a first run's normal case, as a warning). "GPU available: ..." stays: it says where the
+  run trains.
+* MLflow's "Creating initial MLflow database tables..." / "Updating database tables" (a new local store) and
+  "Validating input example against model signature" (at model logging).
 
 Progress bars of the project's own (tqdm) show on a terminal only, never in a log file. Lightning's own console
 handler on its ``lightning`` logger prints every line a second time beside the run's (Hydra's) handlers:
@@ -42,9 +50,16 @@ WARNINGS = (  # (message regex, category)
 )
 LOGGED = {  # logger → the messages of it silenced
     "torch.fx._symbolic_trace": ("is_fx_tracing will return true for both fx.symbolic_trace",),
-    "lightning.pytorch.utilities.rank_zero": ("try installing [litlogger]",),
+    "lightning.pytorch.utilities.rank_zero": ("try installing [litlogger]", "TPU available:",
+                                               "All distributed processes registered",
+                                               "to estimate number of stepping batches",
+                                               "so validation will run at the end of the training epoch"),
+    "lightning.fabric.utilities.distributed": ("Initializing distributed: GLOBAL_RANK",),
+    "lightning.pytorch.loggers.mlflow": ("not found. Creating it.",),
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
     "mlflow.pyfunc": ("causes it to be serialized using CloudPickle",
-                      "The version of CloudPickle used to save the model could not be found"),
+                      "The version of CloudPickle used to save the model could not be found",
+                      "Validating input example against model signature"),
     "torchrec.distributed.planner.storage_reservations": ("There is a known issue with TorchRec's dense tensor size",),
     "": ("_fbgemm_torch_compat_table has no entry",),  # the root logger: torchrec 1.6.1 on fbgemm-gpu 1.6.0
 }
