@@ -142,3 +142,25 @@ class SsdFilesAtEnd(Callback):
             shutil.copy(path, self.record / path.name)
             layout[path.name] = [[name, int(tbe.weights_offsets[i])] for i, name in enumerate(tbe.table_names)]
         (self.record / "tables.json").write_text(json.dumps(layout))
+
+
+class CountBroadcasts(Callback):
+    """Counts the ``torch.distributed.broadcast`` calls a rank makes from the start of training to its end (the
+    function wrapped while it runs) and writes ``{"broadcasts": n, "steps": s}`` to ``<record>-rank<r>.json``."""
+
+    def __init__(self, record: str) -> None:
+        self.record, self.calls, self._original = record, 0, None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._original = original = torch.distributed.broadcast
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        torch.distributed.broadcast = counted
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.distributed.broadcast = self._original
+        Path(f"{self.record}-rank{trainer.global_rank}.json").write_text(
+            json.dumps({"broadcasts": self.calls, "steps": trainer.global_step}))
