@@ -16,7 +16,12 @@ queue of 100 ms) stands for a link of that rate; ``netem`` (delay, loss) is not 
 
 torchrun inside namespaces needs (checked here): ``--local_addr=<node address>`` on every node, since
 the host name is the same in every namespace; ``--rdzv_conf=is_host=true`` on node 0, which hosts the
-c10d rendezvous store; and ``GLOO_SOCKET_IFNAME=eth0`` so gloo binds the node's own interface.
+c10d rendezvous store; and ``GLOO_SOCKET_IFNAME=eth0`` so gloo binds the node's own interface. Each node's
+``/etc/hosts`` (``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` puts in its place) names every node's
+address ``ctr-node<i>``, also as an IPv4-mapped IPv6 address (``::ffff:198.18.0.<i+1>``: c10d's store listens on a
+dual-stack socket, and glibc does not look the IPv4 address up for it): without a name c10d's store prints "The
+hostname of the client socket cannot be retrieved" (in C++, from the agents and the workers) for every peer that
+connects, as on a real cluster whose addresses have no reverse DNS entry.
 
 Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip`` and ``tc`` commands; :func:`unavailable`
 says why not otherwise. Everything is removed on exit, failures included; namespaces left by a process
@@ -77,6 +82,7 @@ def _remove_orphans() -> None:
         if len(parts) >= 3 and parts[0] == NAME_PREFIX and parts[1].isdigit() and not Path(f"/proc/{parts[1]}").exists():
             _kill_namespace(name)
             _sh("ip", "netns", "del", name, check=False)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
 
 
 def _kill_namespace(name: str) -> None:
@@ -136,10 +142,20 @@ class Cluster:
                 if self.rate_mbit:
                     _shape(ns, "eth0", self.rate_mbit)
                     _shape(self.switch, f"p{i}", self.rate_mbit)
+            self._name_nodes()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _name_nodes(self) -> None:
+        """Every node's address in each node's own ``/etc/hosts`` (see the module doc)."""
+        names = "".join(f"{a}{self.address(i)} ctr-node{i}\n" for i in range(self.nodes) for a in ("", "::ffff:"))
+        hosts = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else ""
+        for ns in self.names:
+            folder = Path("/etc/netns") / ns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(hosts.rstrip("\n") + "\n" + names)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -158,6 +174,7 @@ class Cluster:
         for ns in [*self.names, self.switch]:
             if ns:
                 _sh("ip", "netns", "del", ns, check=False)
+                shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         self.names, self.switch = [], ""
 
     def popen(self, node: int, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:

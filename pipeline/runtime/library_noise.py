@@ -28,6 +28,10 @@ of this project and any other warning of these libraries still show.
 * MLflow's "Creating initial MLflow database tables..." / "Updating database tables" (a new local store) and
   "Validating input example against model signature" (at model logging).
 
+Not filtered, because it is not a Python line: c10d's "The hostname of the client socket cannot be retrieved" is
+printed in C++ (by torchrun's agent too, a process of torch's) when a peer's address has no name; give the nodes'
+addresses names (``/etc/hosts`` or reverse DNS), as ``benchmarks/netns_cluster.py`` does for its namespaces.
+
 Progress bars of the project's own (tqdm) show on a terminal only, never in a log file. Lightning's own console
 handler on its ``lightning`` logger prints every line a second time beside the run's (Hydra's) handlers:
 :func:`one_copy_of_each_line` removes it once those handlers exist.
