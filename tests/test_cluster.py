@@ -54,10 +54,10 @@ def _node_args(job_args: list[str], tmp: Path, node: int, *extra: str) -> list[s
             *extra, f"hydra.run.dir={tmp}/node{node}"]
 
 
-def _loopback(job_args: list[str], tmp: Path, *extra: str, max_restarts: int = 0):
-    """The job as 2 nodes × 1 process over 127.0.0.1 (two torchrun agents); its result."""
+def _loopback(job_args: list[str], tmp: Path, *extra: str, max_restarts: int = 0, nproc: int = 1):
+    """The job as 2 nodes × ``nproc`` processes over 127.0.0.1 (two torchrun agents); its result."""
     port = free_port()
-    agents = [subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+    agents = [subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
                                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=loop{port}",
                                 f"--max-restarts={max_restarts}", *_node_args(job_args, tmp, n, *extra)],
                                cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -130,17 +130,20 @@ def test_killed_worker_restarts_across_nodes_and_ends_as_over_loopback(job_args,
     assert all(s >= 0.9 * counted for s in sent), (sent, counted)
 
 
-def test_copies_killed_and_restarted_end_exactly_as_uninterrupted(job_args, tmp_path):
-    """Tables copied on both nodes (merged every 4 steps): node 1's worker SIGKILLed after step 8 (its last
-    checkpoint: step 5), torchrun restarts both, the job resumes and ends at the uninterrupted job's numbers — each
-    copy's optimizer state, the merge settings and the data position restored (over loopback: the link's speed
-    plays no part in the numbers)."""
-    copies = ["trainer.merging.k=4", "trainer.merging.tables=replicated", "trainer.merging.overlap=0"]
-    reference = _loopback(job_args, tmp_path / "reference", *copies)
+@pytest.mark.parametrize("nproc,tables", [(1, "replicated"), pytest.param(2, "per_node", marks=pytest.mark.slow)])
+def test_copies_killed_and_restarted_end_exactly_as_uninterrupted(job_args, tmp_path, nproc, tables):
+    """Tables copied on both nodes (merged every 4 steps; 2 × 1 with a copy per rank, and — slow, 4 processes —
+    2 × 2 with a copy per node sharded over its 2 ranks): node 1's last worker SIGKILLed after step 8 (its last
+    checkpoint: step 5), torchrun restarts both nodes' workers, the job resumes and ends at the uninterrupted job's
+    numbers — each copy's optimizer state, the merge settings and the data position restored (over loopback: the
+    link's speed plays no part in the numbers)."""
+    copies = ["trainer.merging.k=4", f"trainer.merging.tables={tables}", "trainer.merging.overlap=0"]
+    reference = _loopback(job_args, tmp_path / "reference", *copies, nproc=nproc)
     record = tmp_path / "killed.json"
-    kill = (f"trainer.callbacks=[{{_target_:tests.faults.KillRank,rank:1,step:8,record:{record},"
+    kill = (f"trainer.callbacks=[{{_target_:tests.faults.KillRank,rank:{2 * nproc - 1},step:8,record:{record},"
             f"checkpoint_dir:{tmp_path}/killed/ckpt}}]")
-    result = _loopback(job_args, tmp_path / "killed", *copies, "trainer.resume=auto", kill, max_restarts=1)
+    result = _loopback(job_args, tmp_path / "killed", *copies, "trainer.resume=auto", kill, max_restarts=1,
+                       nproc=nproc)
     killed = json.loads(record.read_text())
     assert killed["checkpoint"] == "step-000000005" and result.mlflow_run_id == killed["mlflow_run_id"]
     assert result.test_auc == pytest.approx(reference.test_auc, abs=1e-6)
