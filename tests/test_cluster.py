@@ -207,6 +207,32 @@ def test_lost_rendezvous_host_stops_the_other_node(job_args, tmp_path):
     ours = next((x for x in log.splitlines() if x.startswith(PEER_LOST)), None)
     assert ours and "rank 0 at 198.18.0.1 refuses connections" in ours, log[-3000:]
 
+def test_a_rank_stuck_inside_its_node_stops_every_rank_with_the_key_named(job_args, tmp_path):
+    """2 nodes × 2 processes, a copy of the tables per node (a node's 2 ranks in a group of their own: all-to-all
+    and DDP inside the node, merges across): rank 3 held after step 2 — nothing cut, it only stops answering inside
+    node 1's group. Rank 2 waits for it in that group, node 0's ranks for node 1 at the step-4 merge: each group's
+    collective times out after ``trainer.collective_timeout_s`` (gloo's default would wait 30 minutes), the ranks say
+    so naming the key, and both agents exit non-zero in bounded time."""
+    timeout_s = 10
+    hold, held, release = _hold(tmp_path, rank=3, step=2)
+    with Cluster(nodes=2, rate_mbit=RATE_MBIT) as cluster:
+        agents = _start(cluster, job_args, tmp_path, "stuck", f"trainer.collective_timeout_s={timeout_s}",
+                        "trainer.merging.k=4", "trainer.merging.tables=per_node", "trainer.merging.overlap=0", hold,
+                        nproc=2)
+        _wait_for(held.exists, 300, "rank 3 to hold after step 2")
+        held_at = time.monotonic()
+        # the timeout, the probes (3 s), torchrun's 30 s from SIGTERM to SIGKILL of the held rank, a loaded machine
+        codes = wait_all(agents, 240)
+        waited = time.monotonic() - held_at
+        release.touch()
+    assert all(c is not None and c != 0 for c in codes), f"agents {codes} {waited:.0f} s after rank 3 held"
+    assert waited >= timeout_s - 1
+    for node, rank in ((1, 2), (0, 0)):
+        line = next((x for x in _log(tmp_path, node).splitlines()
+                     if x.startswith(PEER_LOST) and f"rank {rank}: a collective failed" in x), None)
+        assert line and f"trainer.collective_timeout_s={timeout_s}" in line, _log(tmp_path, node)[-3000:]
+
+
 def test_stated_slow_link_chooses_merging_and_half_precision_comms(job_args, loopback_result, tmp_path):
     """``topology.bandwidth_gbps.inter_node=0.0125`` (100 Mbit/s, in GB/s) with sharded tables and the rest at
     ``auto``: k-step merging and fp16 embedding comms are chosen (logged to MLflow) and the bytes counted per step

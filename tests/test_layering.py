@@ -141,3 +141,19 @@ def test_the_checks_see_a_cycle_and_an_import_from_another_part():
 def test_no_source_file_is_much_over_300_lines(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines: split it by concern"
+
+
+GROUP_MAKERS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "init_process_group")
+
+
+def test_every_process_group_the_project_makes_takes_a_timeout():
+    """Every process group made in ``pipeline/`` and ``modules/`` is given a timeout (``trainer.collective_timeout_s``
+    reaches it): without one, gloo waits 30 minutes for a rank that stopped answering."""
+    missing = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = getattr(getattr(node, "func", None), "attr", None) or getattr(getattr(node, "func", None), "id", None)
+            if isinstance(node, ast.Call) and name in GROUP_MAKERS and \
+                    not any(k.arg == "timeout" for k in node.keywords):
+                missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}(...) without timeout=")
+    assert not missing, "\n".join(missing)

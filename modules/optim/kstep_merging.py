@@ -135,7 +135,7 @@ class KStepMerger:
             per_node = ranks_per_node or world
             if world % per_node:
                 raise ValueError(f"world size {world} is not a multiple of {per_node} ranks per node")
-            self.node_group, _ = dist.new_subgroups(group_size=per_node)
+            self.node_group, _ = dist.new_subgroups(group_size=per_node, timeout=timeout)
         with torch.no_grad(), comm_category("merge"):
             for p in self.params:  # identical start on every rank
                 dist.broadcast(p.data, src=0)

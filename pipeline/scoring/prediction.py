@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,7 @@ class PredictArgs:
     output: str = MISSING
     batch_size: int = 65536
     block_size: int = 32 << 20
+    collective_timeout_s: float = 600.0  # under torchrun: how long a rank waits for the others before it stops
 
 
 @dataclass
@@ -172,7 +174,7 @@ def run(args: PredictArgs) -> Prediction | None:
     if world > 1:
         from pipeline.scoring.sharded_scorer import sharded_scorer  # TorchRec's sharding: only under torchrun
 
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.collective_timeout_s))
         return score_with(*sharded_scorer(checkpoint, batch_size), dist.get_rank())
     with tempfile.TemporaryDirectory(prefix="ctr-predict-") as tmp:  # a checkpoint's tables, read in this process
         scorer = Scorer(checkpoint, table_dir=Path(tmp))
