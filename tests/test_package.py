@@ -24,11 +24,13 @@ pytestmark = pytest.mark.xdist_group("wheel")
 
 def test_every_package_of_the_checkout_is_in_the_wheel_list():
     """``pyproject.toml`` lists the packages explicitly (``conf/`` is mapped to ``ctr_conf``): a new
-    subpackage left out of the list would be missing from the wheel."""
+    subpackage left out of the list would be missing from the wheel, and a config folder left out makes setuptools
+    warn at every install."""
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("pipeline", "modules")
              for p in (ROOT / top).rglob("__init__.py")}
-    configs = {".".join(("ctr_conf", *p.parent.relative_to(ROOT / "conf").parts)) for p in (ROOT / "conf").rglob("__init__.py")}
+    configs = {".".join(("ctr_conf", *p.parent.relative_to(ROOT / "conf").parts))
+               for p in [*(ROOT / "conf").rglob("__init__.py"), *(ROOT / "conf").rglob("*.yaml")]}
     assert found | configs == listed, (found, listed)
 
 
