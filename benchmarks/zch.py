@@ -138,7 +138,7 @@ def main() -> None:
     print(f"{args.days} days x {args.rows_per_day:,} rows, drift {args.drift}, Zipf {args.zipf_exponent}: "
           f"{distinct_ids(files):,} distinct ids",
           flush=True)
-    # scaling=none: the default optimizer's rates unscaled at 8,192, as docs/incremental.md's numbers were measured
+    # scaling=none: the default optimizer's rates unscaled at 8,192, as docs/zch.md's numbers were measured
     common = ["trainer.max_epochs=1", "trainer.batch_size=8192", "scaling=none", "trainer.eval_batch_size=16384",
               "trainer.enable_progress_bar=false", "data.preprocess.split.method=sequential", *args.set]
     zch_min = args.min_count if args.zch_min_count is None else args.zch_min_count
