@@ -230,3 +230,14 @@ def test_errors_name_the_cause_and_write_nothing(trained, tmp_path):
         with pytest.raises(BadInputError, match="the header lacks column"):
             predict_here(folder / "run" / "model", criteo, out)
     assert not out.exists() and not list(tmp_path.glob("out.parquet.tmp-*"))
+
+
+def test_predict_refuses_a_collective_timeout_it_cannot_honour():
+    from omegaconf import OmegaConf
+
+    from pipeline.config import ConfigError, to_typed
+    from pipeline.scoring.prediction import PredictArgs
+
+    given = {"checkpoint": "m", "input": "i.csv", "output": "o.csv", "collective_timeout_s": 0}
+    with pytest.raises(ConfigError, match=r"collective_timeout_s=0.*expected seconds > 0"):
+        to_typed(OmegaConf.merge(OmegaConf.structured(PredictArgs), given))

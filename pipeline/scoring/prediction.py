@@ -61,6 +61,10 @@ class PredictArgs:
     block_size: int = 32 << 20
     collective_timeout_s: float = 600.0  # under torchrun: how long a rank waits for the others before it stops
 
+    def __post_init__(self) -> None:
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s}: expected seconds > 0")
+
 
 @dataclass
 class Prediction:

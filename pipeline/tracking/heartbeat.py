@@ -52,22 +52,45 @@ def reopen(client: MlflowClient, run_id: str) -> None:
         client.delete_tag(run_id, FAILURE_TAG)
 
 
-class Heartbeat:
+class _Background:
+    """``self._run`` on a daemon thread of its own (named ``name``), from :meth:`start` until :meth:`stop` sets
+    ``self._stop``."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)  # a store call in flight ends within the client's request timeout
+
+
+class Heartbeat(_Background):
     """Beats for ``run_id`` every ``interval_s`` from a daemon thread until :meth:`stop` (a failed beat —
     the store unreachable — is retried at the next one)."""
 
+    name = "mlflow-heartbeat"
+
     def __init__(self, client: MlflowClient, run_id: str, interval_s: float) -> None:
+        super().__init__()
         self.client, self.run_id, self.interval_s = client, run_id, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlflow-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
         try:
             self.beat()
         except Exception:  # noqa: BLE001 — the store is away: the thread beats when it is back
             pass
-        self._thread.start()
-        return self
+        return super().start()
 
     def beat(self) -> None:
         self.client.set_tag(self.run_id, INTERVAL_TAG, f"{self.interval_s:g}")
@@ -81,11 +104,6 @@ class Heartbeat:
                     reopen(self.client, self.run_id)
             except Exception:  # noqa: BLE001 — the store is away: the next beat tries again
                 continue
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)  # a beat in flight ends within the client's request timeout
 
 
 @dataclass(frozen=True)
@@ -167,26 +185,18 @@ def mark_stale_runs(client: MlflowClient, skip: str | None = None, overdue_only:
     return lines
 
 
-class StaleRunWatch:
+class StaleRunWatch(_Background):
     """:func:`mark_stale_runs` from a daemon thread (a starting run is not held up), printing what it marks;
     :meth:`stop` ends it (a run that ends first leaves the marking to the next)."""
 
+    name = "mlflow-stale-runs"
+
     def __init__(self, client: MlflowClient, skip: str | None) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(client, skip), name="mlflow-stale-runs",
-                                        daemon=True)
+        super().__init__()
+        self.client, self.skip = client, skip
 
-    def start(self) -> "StaleRunWatch":
-        self._thread.start()
-        return self
-
-    def _run(self, client: MlflowClient, skip: str | None) -> None:
+    def _run(self) -> None:
         try:
-            mark_stale_runs(client, skip=skip, stop=self._stop, say=lambda line: print(line, flush=True))
+            mark_stale_runs(self.client, skip=self.skip, stop=self._stop, say=lambda line: print(line, flush=True))
         except Exception as e:  # noqa: BLE001 — looking for dead runs never stops this one
             print(f"MLflow: could not look for runs whose heartbeat stopped: {e}", flush=True)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
