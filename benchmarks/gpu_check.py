@@ -1,27 +1,33 @@
-"""The GPU path end to end, as a new user runs it: one command, a report per stage.
+"""The GPU path end to end, as a new user runs it: one command, a report per stage, within a deadline.
 
-    python benchmarks/gpu_check.py --device cuda --out gpu_check        # one GPU (≤ 8 minutes on an H200)
-    python benchmarks/gpu_check.py --device cpu --out gpu_check_cpu     # the same stages at small sizes (CI)
+    python benchmarks/gpu_check.py --device cuda --deadline 480 --report gpu_report    # one GPU (docs/gpu.md)
+    python benchmarks/gpu_check.py --device cpu --report gpu_report_cpu                # the same stages, small (CI)
 
-Writes ``OUT/report.json`` after every stage (one entry per stage: status ok | failed | refused | skipped, seconds,
-samples/s, test AUC, peak memory, the error's last lines) and ``OUT/log.txt`` (every command and what it printed).
-Stages, each a real ``ctr`` command in its own process:
+``--report DIR`` receives two files only, ``report.json`` (rewritten after every stage) and ``log.txt`` (every command
+and what it printed): what a lent machine's output folder returns (at most 8 files, 2 folders down). Everything else
+(the synthetic log, its store, the MLflow store, checkpoints, model folders) goes to ``--work DIR``, by default a
+temporary folder removed at the end. Each stage is a real ``ctr`` command in its own process, with this process's
+``PYTHONPATH`` extended by the checkout (never replaced: on a device machine it names the unpacked stack), and ends
+within its own limit and the ``--deadline`` (seconds from the start); stages left when the deadline passes, or
+after a stage the rest need fails, are named as skipped. The exit status is 1 when any stage failed or was skipped
+for the deadline.
 
-1. ``imports`` — torch, torchrec, fbgemm-gpu, lightning: versions, the device;
-2. ``train`` — ``ctr train topology=1gpu`` on the default synthetic log; on CUDA also the same config and seed on the
-   CPU (``train_cpu``): the AUC difference;
-3. ``uvm_cache`` — the largest table behind a GPU cache of 10 % of its rows (``cache_load_factor=0.1``): samples/s
-   against ``train``'s (CUDA only);
-4. ``ssd`` — a table forced to the ``ssd`` tier on a stated path (on CUDA FBGEMM's KEY_VALUE tables, refused for
-   now: docs/gpu.md; on the CPU the file tier);
-5. ``batch_65536`` — batch 65,536 with ``scaling=auto`` (8,192 on the CPU);
-6. ``gpu_profile`` — ``benchmarks/gpu_profile.py`` at batches 32K and 128K (data in device memory);
-7. ``resume_export_predict`` — a run stopped after its first checkpoint, resumed to the end (same MLflow run), exported
-   and scored by ``ctr predict`` on the CPU (no GPU visible): the AUC of those scores against the run's.
+1. ``imports`` — ``benchmarks/gpu_check_imports.py`` as a child: every package and the configs, one forward/backward
+   of a row-wise Adagrad TBE on each compute kernel (``fused``; on CUDA ``fused_uvm_caching``) against its formula;
+2. ``train`` — ``ctr train`` (``topology=1gpu`` on CUDA) on the default synthetic log, fp32; ``train_bf16`` the
+   same in ``bf16-mixed``; on CUDA ``train_cpu``, the same config and seed on the CPU: each GPU AUC within
+   ``AUC_VS_CPU`` of it;
+3. ``gpu_profile`` — ``benchmarks/gpu_profile.py`` (data in device memory): the model's own rate;
+4. ``uvm_cache`` — the largest table behind a GPU cache of 10 % of its rows (on the CPU: host memory, the same
+   steps): stopped at its first checkpoint, resumed to the end with its model logged from the live shards (ending
+   within ``AUC_RESUMED`` of ``train``'s AUC), the model reloaded by ``ctr predict`` on the CPU and scored on the raw
+   rows of the test split: that AUC equals the run's ``test_auc`` (within ``AUC_PREDICT``);
+5. ``batch_<large>`` — batch 65,536 (8,192 on the CPU) with ``scaling=auto``;
+6. ``cowclip_l2_init_from`` — ``scaling=cowclip``, the embedding L2 term and ``trainer.init_from`` the model of 4;
+7. ``ssd`` — a table forced to the ``ssd`` tier on a stated path (refused on CUDA for now: docs/gpu.md).
 
-Peak memory is sampled while each command runs (``nvidia-smi`` on CUDA: the device's memory in use; on the CPU the
-process's resident memory). It stops after a stage whose failure makes the rest meaningless (``imports``,
-``train``) and says so in the report.
+samples/s are reported after each run's warm-up steps (``samples_per_s_after_warmup``), their time beside them.
+Peak memory is sampled while each command runs (``nvidia-smi`` on CUDA; on the CPU the process's resident memory).
 """
 
 from __future__ import annotations
@@ -30,19 +36,26 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {  # rows of the synthetic log, training batch, gpu_profile's arguments
+SIZES = {  # rows of the synthetic log, training batch, the large batch, gpu_profile's arguments
     "cuda": {"rows": 1_000_000, "batch": 4096, "large_batch": 65536,
-             "profile": ["--rows", "4000000", "--batches", "32768", "131072"]},
+             "profile": ["--rows", "4000000", "--batches", "65536", "131072", "--steps", "30"]},
     "cpu": {"rows": 40_000, "batch": 1024, "large_batch": 8192,
             "profile": ["--rows", "40000", "--batches", "2048", "--steps", "3", "--warmup", "1", "--profile-batch", "2048"]},
 }
+STAGE_LIMIT_S = 240        # one command's most
+AUC_VS_CPU = 0.003         # a GPU run's test AUC against the same run on the CPU
+AUC_RESUMED = 1e-4         # a run stopped and resumed against the uninterrupted one
+AUC_PREDICT = 1e-5         # ctr predict's AUC on the test split's raw rows against the run's test_auc
 
 
 class PeakMemory:
@@ -76,42 +89,62 @@ class PeakMemory:
         return round(self.peak_mb, 1)
 
 
+def child_env(extra: dict | None = None) -> dict:
+    """This process's environment with the checkout added to ``PYTHONPATH`` (kept: on a device machine it names
+    the unpacked stack, ``/tmp/site``)."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in paths:
+        paths.append(str(ROOT))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
 class Check:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.out = args, Path(args.out).resolve()
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.log = (self.out / "log.txt").open("w")
-        self.report: dict = {"device": args.device, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "stages": []}
+        self.args, self.device = args, args.device
+        self.report_dir = Path(args.report).resolve()
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        self.own_work = args.work is None
+        self.work = Path(tempfile.mkdtemp(prefix="gpu-check-") if self.own_work else args.work).resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + args.deadline
+        self.log = (self.report_dir / "log.txt").open("w")
+        self.report: dict = {"device": args.device, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                             "deadline_s": args.deadline, "stages": []}
         self.size = SIZES[args.device]
-        self.common = [f"data.synthetic.rows={args.rows or self.size['rows']}", f"paths.cache_dir={self.out / 'cache'}",
-                       f"logger.tracking_uri=sqlite:///{self.out / 'mlflow.db'}", "logger.log_model=false",
+        self.common = [f"data.synthetic.rows={args.rows or self.size['rows']}", f"paths.cache_dir={self.work / 'cache'}",
+                       f"logger.tracking_uri=sqlite:///{self.work / 'mlflow.db'}", "logger.log_model=false",
                        "trainer.enable_progress_bar=false", f"trainer.batch_size={self.size['batch']}"]
+        self.results: dict[str, dict] = {}
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
 
     def say(self, text: str) -> None:
         print(text, flush=True)
         self.log.write(text + "\n")
         self.log.flush()
 
-    def run(self, name: str, cmd: list[str], env: dict | None = None, timeout: float = 600) -> tuple[int, str, float]:
-        """``cmd`` in its own process: (exit status, what it printed, peak memory in MB)."""
+    def run(self, name: str, cmd: list[str], env: dict | None = None) -> tuple[int, str, float]:
+        """``cmd`` in its own process, within the stage limit and the deadline: (exit status, output, peak MB)."""
+        limit = max(1.0, min(STAGE_LIMIT_S, self.remaining()))
         self.say(f"\n$ {' '.join(cmd)}")
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})})
-        peak = PeakMemory(self.args.device, proc.pid)
+                                env=child_env(env))
+        peak = PeakMemory(self.device, proc.pid)
         try:
-            output, _ = proc.communicate(timeout=timeout)
+            output, _ = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
             proc.kill()
-            output = proc.communicate()[0] + f"\n[{name}: killed after {timeout:.0f} s]"
+            output = proc.communicate()[0] + f"\n[{name}: killed after {limit:.0f} s (stage limit or deadline)]"
         self.log.write(output + f"[exit {proc.returncode} after {time.perf_counter() - start:.1f} s]\n")
         self.log.flush()
         return proc.returncode, output, peak.stop()
 
     def train(self, name: str, overrides: list[str], device: str | None = None) -> dict:
-        """A ``ctr train`` run; its result.json and peak memory."""
-        folder = self.out / "runs" / name
-        topology = "1gpu" if (device or self.args.device) == "cuda" else "cpu"
+        """A ``ctr train`` run in ``<work>/runs/<name>``: its result.json and peak memory."""
+        folder = self.work / "runs" / name
+        topology = "1gpu" if (device or self.device) == "cuda" else "cpu"
         env = {"CUDA_VISIBLE_DEVICES": ""} if topology == "cpu" else None
         code, output, peak = self.run(name, [sys.executable, "-m", "pipeline.commands.train", f"topology={topology}",
                                              *self.common, *overrides, f"hydra.run.dir={folder}"], env)
@@ -121,150 +154,81 @@ class Check:
             return {"status": "refused" if refused else "failed", "peak_memory_mb": peak,
                     "error": refused.group(0) if refused else output[-1500:]}
         r = json.loads(result.read_text())
-        return {"status": "ok", "samples_per_s": round(r["samples_per_s"], 1), "test_auc": r["test_auc"],
-                "peak_memory_mb": peak, "mlflow_run_id": r["mlflow_run_id"], "output_dir": str(folder)}
+        out = {"status": "ok", "test_auc": r["test_auc"], "samples_per_s": round(r["samples_per_s"], 1),
+               "samples_per_s_after_warmup": r.get("samples_per_s_after_warmup") and
+               round(r["samples_per_s_after_warmup"], 1), "warmup_s": r.get("warmup_s") and round(r["warmup_s"], 2),
+               "peak_memory_mb": peak, "mlflow_run_id": r["mlflow_run_id"], "output_dir": str(folder)}
+        self.results[name] = out
+        return out
 
-    def stage(self, name: str, fn, fatal: bool = False) -> dict:
-        self.say(f"\n== {name}")
-        start = time.perf_counter()
-        try:
-            entry = fn()
-        except Exception as e:  # noqa: BLE001 - a stage's own failure goes into its entry
-            entry = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-        entry = {"stage": name, **entry, "seconds": round(time.perf_counter() - start, 1)}
+    def run_all(self, stages: list[tuple[str, Callable[[], dict], bool]]) -> None:
+        """Each stage in turn; after the deadline, or after a stage the rest need fails, the rest are named as
+        skipped, with why."""
+        for name, fn, fatal in stages:
+            if "stopped" in self.report or self.remaining() <= 0:
+                why = self.report.get("stopped") or f"the deadline ({self.args.deadline:.0f} s) passed"
+                if "stopped" not in self.report:
+                    self.report.setdefault("skipped_for_deadline", []).append(name)
+                self.record({"stage": name, "status": "skipped", "why": why})
+                continue
+            self.say(f"\n== {name} ({self.remaining():.0f} s left)")
+            start = time.perf_counter()
+            try:
+                entry = fn()
+            except Exception as e:  # noqa: BLE001 - a stage's own failure goes into its entry
+                entry = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+            self.record({"stage": name, **entry, "seconds": round(time.perf_counter() - start, 1)})
+            if fatal and entry["status"] != "ok":
+                self.report["stopped"] = f"{name} {entry['status']}: the stages after it need it; not run"
+                self.say(self.report["stopped"])
+
+    def record(self, entry: dict) -> None:
         self.report["stages"].append(entry)
         self.say(json.dumps(entry))
-        if fatal and entry["status"] != "ok":
-            self.report["stopped"] = f"{name} {entry['status']}: the stages after it need it; not run"
-            self.say(self.report["stopped"])
         self.write()
-        return entry
 
     def write(self) -> None:
-        tmp = self.out / ".report.json.tmp"
+        tmp = self.report_dir / ".report.json.tmp"
         tmp.write_text(json.dumps(self.report, indent=2) + "\n")
-        os.replace(tmp, self.out / "report.json")
+        os.replace(tmp, self.report_dir / "report.json")
+
+    def finish(self) -> int:
+        failed = [s["stage"] for s in self.report["stages"] if s["status"] == "failed"]
+        self.report.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"), failed=failed)
+        self.write()
+        self.say(f"\nfailed: {', '.join(failed) or 'none'}; skipped for the deadline: "
+                 f"{', '.join(self.report.get('skipped_for_deadline', [])) or 'none'}; report: {self.report_dir}")
+        self.log.close()
+        if self.own_work:
+            shutil.rmtree(self.work, ignore_errors=True)
+        return 1 if failed or "stopped" in self.report or "skipped_for_deadline" in self.report else 0
 
 
-def imports() -> dict:
-    import fbgemm_gpu  # noqa: F401
-    import lightning
-    import torch
-    import torchrec
-
-    from importlib.metadata import version
-    fbgemm = next((version(p) for p in ("fbgemm-gpu", "fbgemm-gpu-cpu") if _installed(p)), "?")
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"status": "ok", "torch": torch.__version__, "torchrec": torchrec.__version__, "fbgemm_gpu": fbgemm,
-            "lightning": lightning.__version__, "gpu": gpu}
-
-
-def _installed(package: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        version(package)
-        return True
-    except PackageNotFoundError:
-        return False
+def within(entry: dict, key: str, value: float, reference: float, tolerance: float) -> dict:
+    """``entry`` with ``key`` = value − reference; failed where |value − reference| > tolerance."""
+    entry[key] = round(value - reference, 6)
+    if abs(value - reference) > tolerance and entry["status"] == "ok":
+        entry.update(status="failed", error=f"{key} = {entry[key]}: beyond ±{tolerance}")
+    return entry
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--out", required=True, help="folder for report.json, log.txt and the runs")
+    p.add_argument("--report", required=True, help="folder for report.json and log.txt, and nothing else")
+    p.add_argument("--work", default=None, help="folder for data, stores, checkpoints (default: a temporary one, "
+                                                 "removed at the end)")
+    p.add_argument("--deadline", type=float, default=480, help="seconds from the start; later stages are skipped")
     p.add_argument("--rows", type=int, default=None, help="rows of the synthetic log (default: by device)")
-    args = p.parse_args()
-    check = Check(args)
-    cuda = args.device == "cuda"
-
-    entry = check.stage("imports", imports, fatal=True)
-    if cuda and entry.get("status") == "ok" and not entry.get("gpu"):
-        entry.update(status="failed", error="no CUDA device visible")
-        check.report["stopped"] = "imports failed: no GPU"
-        check.write()
-    if "stopped" in check.report:
-        return
-    base = check.stage("train", lambda: check.train("train", []), fatal=True)
-    if "stopped" in check.report:
-        return
-    if cuda:
-        def against_cpu() -> dict:
-            cpu = check.train("train_cpu", [], device="cpu")
-            if cpu["status"] == "ok":
-                cpu["auc_gpu_minus_cpu"] = round(base["test_auc"] - cpu["test_auc"], 6)
-            return cpu
-        check.stage("train_cpu", against_cpu)
-
-    def uvm() -> dict:
-        if not cuda:
-            return {"status": "skipped", "why": "UVM caching is a CUDA kernel"}
-        table = "emb_C3"  # the largest synthetic (Criteo-shaped) table
-        out = check.train("uvm_cache", [f"+topology.table_overrides.{table}.tier=uvm_cache",
-                                        f"+topology.table_overrides.{table}.cache_load_factor=0.1"])
-        if out["status"] == "ok":
-            out["samples_per_s_vs_hbm"] = round(out["samples_per_s"] / base["samples_per_s"], 3)
-        return out
-    check.stage("uvm_cache", uvm)
-
-    def ssd() -> dict:
-        path = check.out / "ssd"
-        return {**check.train("ssd", [f"topology.ssd.path={path}", "+topology.table_overrides.emb_C3.tier=ssd"]),
-                "path": str(path)}
-    check.stage("ssd", ssd)
-    large = check.size["large_batch"]
-    check.stage(f"batch_{large}", lambda: check.train(f"batch_{large}", [f"trainer.batch_size={large}", "scaling=auto"]))
-
-    def profile() -> dict:
-        code, output, peak = check.run("gpu_profile", [sys.executable, "benchmarks/gpu_profile.py", "--device",
-                                                       args.device, *check.size["profile"]])
-        rows = re.findall(r"^\| ([\d,]+) \| ([\d,]+) \|", output, re.M)
-        if code != 0:
-            return {"status": "failed", "error": output[-1500:], "peak_memory_mb": peak}
-        return {"status": "ok", "samples_per_s": {b.replace(",", ""): float(s.replace(",", "")) for b, s in rows},
-                "peak_memory_mb": peak}
-    check.stage("gpu_profile", profile)
-    check.stage("resume_export_predict", lambda: resume_export_predict(check))
-    check.report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    check.write()
-
-
-def resume_export_predict(check: Check) -> dict:
-    """Stop after the first checkpoint, resume to the end, export, and score raw rows on the CPU."""
-    import numpy as np
-    import pandas as pd
-    from sklearn.metrics import roc_auc_score
-
-    ckpt = check.out / "ckpt"
-    half = int(check.args.rows or check.size["rows"]) * 8 // 10 // check.size["batch"] // 2  # half an epoch's steps
-    first = check.train("resume_first", [f"trainer.checkpoint.dir={ckpt}", f"trainer.checkpoint.every_n_steps={half}",
-                                         f"trainer.max_steps={half}"])
-    if first["status"] != "ok":
-        return first
-    resumed = check.train("resume", [f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"])
-    if resumed["status"] != "ok":
-        return resumed
-    same_run = resumed["mlflow_run_id"] == first["mlflow_run_id"]
-    exported = check.out / "exported"
-    code, output, _ = check.run("export", [sys.executable, "-m", "pipeline.commands.export", f"checkpoint={ckpt}",
-                                           f"out={exported}"])
-    if code != 0:
-        return {"status": "failed", "error": "export: " + output[-1500:]}
-    raw = next((check.out / "cache" / "raw").glob("synthetic-*.tsv"))
-    rows = check.out / "predict_input.tsv"
-    rows.write_text("".join(line for _, line in zip(range(50_000), raw.open())))
-    scores = check.out / "scores.csv"
-    code, output, _ = check.run("predict", [sys.executable, "-m", "pipeline.commands.predict", f"checkpoint={exported}",
-                                            f"input={rows}", f"output={scores}"], env={"CUDA_VISIBLE_DEVICES": ""})
-    if code != 0:
-        return {"status": "failed", "error": "predict: " + output[-1500:]}
-    scored = pd.read_csv(scores)  # probability, and the label the rows carry
-    predicted = scored["probability"].to_numpy()
-    auc = float(roc_auc_score(scored["label"].to_numpy(), predicted))
-    return {"status": "ok" if same_run and np.isfinite(predicted).all() else "failed", "same_mlflow_run": same_run,
-            "stopped_after_steps": half, "test_auc_first_part": first["test_auc"], "test_auc": resumed["test_auc"],
-            "predict_auc_first_50k_rows": round(auc, 6),
-            "predicted_rows": int(len(predicted)), "peak_memory_mb": resumed["peak_memory_mb"]}
+    check = Check(p.parse_args())
+    from gpu_check_stages import stages  # beside this file
+    try:
+        check.run_all(stages(check))
+    finally:
+        code = check.finish()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 import torch
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
@@ -37,6 +37,7 @@ from modules.optim.scaling_rules import EMBEDDING_LR_RULES, RULES
 from modules.sharding.topology import TopologySpec
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import raw_fingerprint
+from pipeline.runtime.config_source import PACKAGE, config_path
 from pipeline.runtime.errors import ConfigError
 from pipeline.runtime.launch import world_from_env
 from pipeline.runtime.signals import PreemptionConfig
@@ -202,10 +203,13 @@ def unregister_configs() -> None:
 
 
 def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> DictConfig:
-    """``config`` composed with ``overrides`` outside a Hydra app (benchmarks, tests), from the installed
-    ``ctr_conf`` package as the commands read it."""
+    """``config`` composed with ``overrides`` outside a Hydra app (benchmarks, tests), from where the commands read
+    it (:mod:`pipeline.runtime.config_source`: the installed ``ctr_conf``, else the checkout's ``conf/``)."""
     register_configs()
-    with initialize_config_module("ctr_conf", version_base="1.3"):
+    source = config_path()
+    context = initialize_config_module(PACKAGE, version_base="1.3") if source.startswith("pkg://") else \
+        initialize_config_dir(source, version_base="1.3")
+    with context:
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 

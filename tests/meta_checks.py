@@ -112,3 +112,42 @@ class HostStructures(L.Callback):
             self.out.write_text(json.dumps({
                 "held": sorted(held), "not_on_cpu": {path: str(t.device) for path, t in held.items() if t.device.type != "cpu"},
                 "rows_differ": self.rows_differ, "module_device": str(task.device)}))
+
+
+class DeviceMoves(L.Callback):
+    """Writes ``<out>`` (JSON) when testing starts: every call that moved the LightningModule (``cpu``, ``cuda``, ``to``)
+    or its optimizers' state between ``fit`` and ``test``, and how often the strategy's ``model_to_device`` ran.
+    On a CPU a move to the CPU changes nothing, so the calls themselves are what is checked: on a GPU the model's
+    shards and state would leave the device (Lightning's ``Strategy.teardown`` moves them when ``fit`` ends)."""
+
+    def __init__(self, out: str) -> None:
+        self.out, self.moves, self.model_to_device = Path(out), [], 0
+
+    def setup(self, trainer: L.Trainer, task: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        for name in ("cpu", "cuda", "to"):
+            original = getattr(task, name)
+
+            def spy(*args, _name=name, _original=original, **kwargs):
+                self.moves.append(f"{_name}{tuple(str(a) for a in args)}")
+                return _original(*args, **kwargs)
+            setattr(task, name, spy)
+        strategy = trainer.strategy
+        original_to_device = strategy.model_to_device
+
+        def counted() -> None:
+            self.model_to_device += 1
+            original_to_device()
+        strategy.model_to_device = counted
+        import lightning.pytorch.strategies.strategy as lightning_strategy  # where Strategy.teardown finds it
+        to_device = lightning_strategy._optimizers_to_device
+
+        def optimizers_moved(optimizers, device):
+            self.moves.append(f"optimizers_to_device({device})")
+            return to_device(optimizers, device)
+        lightning_strategy._optimizers_to_device = optimizers_moved
+
+    def on_test_start(self, trainer: L.Trainer, task: L.LightningModule) -> None:
+        self.out.write_text(json.dumps({"moves": self.moves, "model_to_device": self.model_to_device,
+                                        "module_device": str(task.device)}))

@@ -70,6 +70,23 @@ def test_model_to_device_sets_the_modules_device():
     assert module.device == torch.device("meta")
 
 
+def test_nothing_moves_the_model_between_fit_and_test_and_the_strategy_sets_its_device(small_overrides, tmp_path):
+    """Lightning's ``Strategy.teardown`` moves the module and its optimizers' state to the CPU when ``fit`` ends; the
+    run then tests that module with batches on the GPU. On a CPU that move changes nothing, so the calls are spied
+    on (tests.meta_checks.DeviceMoves), with early stopping on (its best-epoch restore runs after the teardown)."""
+    out = tmp_path / "moves.json"
+    overrides = [*small_overrides, "trainer.max_steps=3", "trainer.max_epochs=1", "trainer.early_stopping_patience=1",
+                 f"hydra.run.dir={tmp_path}", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+                 f"trainer.callbacks=[{{_target_: tests.meta_checks.DeviceMoves, out: '{out}'}}]"]
+    proc = subprocess.run([PYTHON, "-m", "pipeline.commands.train", *overrides], cwd=ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    seen = json.loads(out.read_text())
+    assert seen["moves"] == [], seen  # was: ['optimizers_to_device(cpu)', "cpu()"] from Strategy.teardown
+    assert seen["model_to_device"] == 2 and seen["module_device"] == "cpu"  # in fit's setup and test's; was never
+    assert 0 < json.loads((tmp_path / "result.json").read_text())["test_auc"] < 1  # the test ran on that model
+
+
 def _host_collectives(rank: int, world: int) -> None:
     from modules import host_collectives
     from modules.embedding.zch.exchange import Exchange

@@ -11,9 +11,10 @@ from pipeline.commands.args import exit_on_user_error
 from pipeline.config import register_configs
 from pipeline.runtime.hydra_job import output_dir
 from pipeline.training.daily import run_daily
+from pipeline.runtime.config_source import config_path
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="config")
 def main(cfg: DictConfig) -> None:
     folder = output_dir()
     days = exit_on_user_error(lambda: run_daily(cfg, folder))

@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.model_folder.export import export_model
 from pipeline.model_folder.quantize import check_quantize
+from pipeline.runtime.config_source import config_path
 
 
 @dataclass
@@ -32,7 +33,7 @@ class ExportArgs:
         check_quantize(self.quantize, "quantize")
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="export")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="export")
 def cli(cfg: DictConfig) -> None:
     args = command_args(cfg, ExportArgs)
     out = exit_on_user_error(lambda: export_model(args.checkpoint, args.out, args.quantize))

@@ -29,6 +29,7 @@ from pipeline.data.dataset import DataConfig
 from pipeline.data.store import FIRST_VOCAB_ID, SplitArrays
 from pipeline.runtime.errors import ConfigError
 from pipeline.training.link_choice import LinkSettings
+from pipeline.runtime.config_source import config_path
 
 
 def spec_and_coverage(data: DataConfig, cache_dir: str, zch: ZchConfig | None = None
@@ -76,7 +77,7 @@ def plan_for_config(cfg: DictConfig) -> str:
     return format_plan(result, optim.name, span, title) + "\n" + link.describe()
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="config")
 def main(cfg: DictConfig) -> None:
     print(exit_on_user_error(lambda: plan_for_config(cfg)))
 

@@ -13,9 +13,10 @@ from omegaconf import DictConfig
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.runtime.process_exit import exit_now, leave_process_group
 from pipeline.scoring.prediction import PredictArgs, run
+from pipeline.runtime.config_source import config_path
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="predict")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="predict")
 def main(cfg: DictConfig) -> None:
     args = command_args(cfg, PredictArgs)
     try:

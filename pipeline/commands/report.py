@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+from pipeline.runtime.config_source import config_path  # noqa: E402
 
 RULE_ORDER = ("none", "sqrt", "linear", "cowclip", "auto")
 SAME_AT_SCALE_1 = ("none", "sqrt", "linear")  # identical hyperparameters at the base batch size
@@ -180,7 +181,7 @@ class ReportArgs:
     log_to_mlflow: bool = True
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="report")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="report")
 def cli(cfg: DictConfig) -> None:
     from pipeline.commands.args import command_args
 

@@ -26,6 +26,7 @@ from omegaconf import MISSING, DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.server.settings import ServeSettings
+from pipeline.runtime.config_source import config_path
 
 if TYPE_CHECKING:
     from pipeline.server.versions import Version
@@ -100,7 +101,7 @@ def run(args: ServeArgs) -> None:
         stop.set()
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf.serving", config_name="serve")
+@hydra.main(version_base="1.3", config_path=config_path("serving"), config_name="serve")
 def cli(cfg: DictConfig) -> None:
     args = command_args(cfg, ServeArgs)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig
 
 from pipeline.tracking.heartbeat import mark_stale_runs
 from pipeline.tracking.logger import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
+from pipeline.runtime.config_source import config_path
 
 SYNCED_TAG = "ctr.synced_to"
 BATCH = 1000  # MLflow's log_batch limit on metrics per call
@@ -73,7 +74,7 @@ class SyncArgs:
     target: Optional[str] = None
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="sync")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="sync")
 def cli(cfg: DictConfig) -> None:
     from pipeline.commands.args import command_args
 

@@ -30,6 +30,7 @@ from pipeline.runtime.signals import Preempted
 from pipeline.tracking.sweeps import record_failure
 from pipeline.training.result import RunResult
 from pipeline.training.run import train
+from pipeline.runtime.config_source import config_path
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def run_sweep_job(cfg: DictConfig) -> RunResult | None:
         return None
 
 
-@hydra.main(version_base="1.3", config_path="pkg://ctr_conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=config_path(), config_name="config")
 def main(cfg: DictConfig) -> float:
     """Returns the best validation AUC (what a sweeper maximises); NaN for a failed sweep job."""
     try:

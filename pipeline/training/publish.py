@@ -74,6 +74,9 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
                **comm.bytes_per_step(), "train/epochs": trainer.current_epoch,
                **{f"data/{k}_rows": v for k, v in meta["splits"].items()},
                **{f"data/skipped_rows/{k}": v for k, v in meta.get("skipped_rows", {}).items()}}
+    if throughput.samples_per_s_after_warmup is not None:
+        metrics.update({"train/samples_per_s_after_warmup": throughput.samples_per_s_after_warmup,
+                        "train/warmup_s": throughput.warmup_s})
     if "oracle_auc" in meta.get("provenance", {}):
         metrics["data/oracle_auc"] = meta["provenance"]["oracle_auc"]
     if best.best_epoch is not None:
@@ -117,7 +120,7 @@ def run_result(trainer: L.Trainer, test: dict[str, float], logger: TrackedMLflow
                                                                                  BestValidation))
     result = RunResult(test["test/auc"], test["test/logloss"], throughput.samples_per_s,
                        comm.bytes_per_step()["comm/total_bytes_per_step"], logger.run_id if logger else None,
-                       str(output_dir), best.best)
+                       str(output_dir), best.best, throughput.samples_per_s_after_warmup, throughput.warmup_s)
     if global_rank() == 0:
         result.write()
     return result

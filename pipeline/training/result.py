@@ -22,6 +22,8 @@ class RunResult:
     mlflow_run_id: str | None
     output_dir: str
     best_val_auc: float | None = None   # what a sweep optimises
+    samples_per_s_after_warmup: float | None = None  # after this process's first steps (their time: warmup_s)
+    warmup_s: float | None = None
 
     def line(self) -> str:
         return (f"RESULT test_auc={self.test_auc:.6f} test_logloss={self.test_logloss:.6f} "

@@ -4,7 +4,8 @@ Lightning's ``DDPStrategy`` gives process-group setup (torchrun / single process
 metric reduction. What it must not do with a ``DistributedModelParallel`` model (see DESIGN §4):
 wrap it in DDP (DMP already wraps the dense part), move it (DMP placed every shard on its device),
 or broadcast rank 0's parameters before evaluation (the embedding shards differ per rank).
-Checkpoints are written by every rank (each holds its own shards; see
+Nor may it move the module to the CPU when ``fit`` ends (Lightning's ``teardown``): the run tests the same model
+on its device afterwards. Checkpoints are written by every rank (each holds its own shards; see
 :mod:`pipeline.checkpoint.dcp_io`), not by rank 0 alone.
 
 Under ``torchrun`` the process group is made in a store of its own for each start of the workers
@@ -42,6 +43,17 @@ class TorchRecStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self.model_to_device()
+
+    def teardown(self) -> None:
+        """Lightning's, less its moves: ``Strategy.teardown`` moves the optimizers' state and the module to the CPU
+        when ``fit`` ends (to free device memory), and the run then tests on that module (``run.py``). The model's
+        FBGEMM tables, their UVM caches and optimizer state live where DMP placed them, and nothing moves them back:
+        everything stays on its device, and the process's end frees it."""
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     def setup_distributed(self) -> None:
         if agent_store_used() and not dist.is_initialized():
