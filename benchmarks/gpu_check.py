@@ -6,7 +6,8 @@
 ``--report DIR`` receives two files only, ``report.json`` (rewritten after every stage) and ``log.txt`` (every command
 and what it printed): what a lent machine's output folder returns (at most 8 files, 2 folders down). Everything else
 (the synthetic log, its store, the MLflow store, checkpoints, model folders) goes to ``--work DIR``, by default a
-temporary folder removed at the end. Each stage is a real ``ctr`` command in its own process, with this process's
+temporary folder removed at the end; the commands run there (MLflow puts a run's artifacts under the folder it is
+started in). Each stage is a real ``ctr`` command in its own process, with this process's
 ``PYTHONPATH`` extended by the checkout (never replaced: on a device machine it names the unpacked stack), and ends
 within its own limit and the ``--deadline`` (seconds from the start); stages left when the deadline passes, or
 after a stage the rest need fails, are named as skipped. The exit status is 1 when any stage failed or was skipped
@@ -129,7 +130,7 @@ class Check:
         limit = max(1.0, min(STAGE_LIMIT_S, self.remaining()))
         self.say(f"\n$ {' '.join(cmd)}")
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(cmd, cwd=self.work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=child_env(env))
         peak = PeakMemory(self.device, proc.pid)
         try:

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import yaml
 
-from gpu_check import AUC_PREDICT, AUC_RESUMED, AUC_VS_CPU, Check, within
+from gpu_check import AUC_PREDICT, AUC_RESUMED, AUC_VS_CPU, ROOT, Check, within
 
 LARGEST_TABLE = "emb_C3"  # of the synthetic (Criteo-shaped) log
 
@@ -35,7 +35,7 @@ def stages(check: Check) -> list[tuple[str, Callable[[], dict], bool]]:
 
 def imports(check: Check) -> dict:
     """``gpu_check_imports.py`` in a child with the children's environment; its JSON line."""
-    code, output, _ = check.run("imports", [sys.executable, "benchmarks/gpu_check_imports.py", "--device", check.device])
+    code, output, _ = check.run("imports", [sys.executable, str(ROOT / "benchmarks" / "gpu_check_imports.py"), "--device", check.device])
     found = [line for line in output.splitlines() if line.startswith("{")]
     if not found:
         return {"status": "failed", "error": output[-1500:]}
@@ -56,7 +56,7 @@ def against_cpu(check: Check) -> dict:
 
 
 def profile(check: Check) -> dict:
-    code, output, peak = check.run("gpu_profile", [sys.executable, "benchmarks/gpu_profile.py", "--device",
+    code, output, peak = check.run("gpu_profile", [sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"), "--device",
                                                    check.device, *check.size["profile"]])
     if code != 0:
         return {"status": "failed", "error": output[-1500:], "peak_memory_mb": peak}

@@ -134,6 +134,7 @@ class TrainerConfig:
     init_from: Optional[str] = None     # start from this model folder / checkpoint's weights (new data, grown tables)
     init_from_optimizer: str = "none"   # also carry a checkpoint's optimizer state: none | embedding | dense | all
     nonfinite: str = "stop"
+    nonfinite_check_every: int = 16     # under stop: steps between two host reads of the noted flags
     callbacks: List[Any] = field(default_factory=list)  # extra Lightning callbacks: {_target_: ..., ...}
     collective_timeout_s: float = 600.0  # a collective (or the process group's start) waiting longer fails the run
 
@@ -145,7 +146,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s}: expected a positive number of seconds")
-        for key in ("batch_size", "eval_batch_size", "max_epochs", "plateau_patience"):
+        for key in ("batch_size", "eval_batch_size", "max_epochs", "plateau_patience", "nonfinite_check_every"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key}={getattr(self, key)!r}: expected a positive integer")
         if str(self.precision) not in PRECISIONS:

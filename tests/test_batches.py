@@ -83,3 +83,54 @@ def test_peek_hands_the_iteration_the_same_batch_and_changes_no_order(arrays):
         if ahead is not None:
             assert loader.peek(i + 1) is ahead
     assert loader.peek(len(loader)) is None and len(loader._made) <= 3  # only the last few are kept
+
+
+def test_ring_batches_built_ahead_in_a_thread_equal_the_plain_ones_in_five_reused_buffers(arrays):
+    """For a GPU: each training batch gathered straight into one of 5 reused (page-locked there) buffers by the
+    loader's thread, two ahead; the same rows, in the same order, as the plain loader's, also for a resumed epoch.
+    A batch leaves its slot when moved (a copy; on the CPU a clone), and only then is the slot refilled."""
+    import torch
+
+    from pipeline.data.batch_ring import SLOTS
+
+    for resume in (None, 3):
+        plain = BatchLoader(arrays, KEYS, 64, rank=1, world_size=2, train=True, seed=5)
+        ring = BatchLoader(arrays, KEYS, 64, rank=1, world_size=2, train=True, seed=5, background=True)
+        for loader in (plain, ring):
+            loader.sampler.set_epoch(2)
+            if resume:
+                loader.resume_at(2, resume)
+        buffers, n = set(), 0
+        for want, got in zip(plain, ring):  # (held, not moved, 5 batches would use up the ring)
+            n += 1
+            buffers.add(got.sparse_features.values().data_ptr())
+            moved = got.to(torch.device("cpu"))
+            assert got.slot is None and moved.sparse_features.values().data_ptr() not in buffers
+            assert torch.equal(moved.sparse_features.values(), want.sparse_features.values())
+            assert torch.equal(moved.sparse_features.lengths(), want.sparse_features.lengths())
+            assert moved.sparse_features.offset_per_key() == want.sparse_features.offset_per_key()
+            assert torch.equal(moved.dense_features, want.dense_features)
+            assert torch.equal(moved.labels, want.labels)
+        assert n == 1000 // 64 - (resume or 0) and len(buffers) <= SLOTS
+
+
+def test_one_hot_batches_share_one_lengths_tensor(arrays):
+    """The lengths of a one-hot batch are all 1: made once per size, not per batch (nor copied to the device per
+    batch: pipeline/data/batch_ring.constant_lengths)."""
+    first, second = (make_batch(arrays, np.arange(s, s + 8), KEYS) for s in (0, 8))
+    assert first.sparse_features.lengths() is second.sparse_features.lengths()
+
+
+def test_an_epoch_left_early_stops_the_ring_builder(arrays):
+    """Batches taken but never moved hold their slots; leaving the epoch must not wait for them."""
+    import threading
+    import time
+
+    loader = BatchLoader(arrays, KEYS, 64, rank=0, world_size=1, train=True, background=True)
+    it = iter(loader)
+    held = [next(it) for _ in range(4)]  # the builder now waits for a free slot
+    time.sleep(0.3)
+    start = time.monotonic()
+    it.close()
+    assert time.monotonic() - start < 5 and len(held) == 4
+    assert not any(t.name == "prefetch" and t.is_alive() for t in threading.enumerate())

@@ -102,7 +102,7 @@ def _host_collectives(rank: int, world: int) -> None:
     guard.signum = signal.SIGTERM if rank == 1 else None
     assert guard.agreed()  # every rank stops when one got the signal
     loss = torch.tensor(float("nan") if rank == 0 else 0.5)
-    assert NonFiniteGuard("skip").bad_loss(loss, "step 0")  # every rank skips when one saw a NaN
+    assert NonFiniteGuard("skip").bad_loss(loss, 0)  # every rank skips when one saw a NaN
     assert slowest(float(rank + 1)) == float(world)
     peers = Peers.exchange()
     assert peers is not None and len(peers.addresses) == world

@@ -143,14 +143,38 @@ def test_train_on_the_ssd_tier_with_look_ahead_on_a_store_with_a_bad_id_ends_wit
             f"[0, {rows})") in proc.stdout + proc.stderr
 
 
-def test_a_batch_on_its_way_to_a_gpu_is_checked_on_the_host_before_the_copy():
-    """On CUDA the model does not check (a host sync per batch) and FBGEMM's check only clamps: the host batch is
-    checked before it is copied (``meta`` stands in for the GPU: the check must run before any copy)."""
-    from modules.embedding.lookup_inputs import check_ids_on_the_way
+@pytest.mark.parametrize("background", [False, True])
+def test_a_loader_for_a_gpu_checks_ids_on_the_host_in_the_thread_that_builds_the_batches(background, monkeypatch):
+    """On CUDA the model does not check (a host sync per batch) and FBGEMM's check only clamps: the loader checks
+    each host batch as it builds it — for training in its own thread (``background``), off the training thread —
+    and the error reaches the consumer at the batch that holds the id."""
+    import threading
 
-    rows = torch.tensor([SPEC.table_sizes[t] for t in SPEC.categorical])
-    bad = _batch([1, 25, 3]).sparse_features
+    import pipeline.data.batches as batches
+    from pipeline.data.batches import BatchLoader
+
+    seen = []
+    for name in ("check_ids", "check_ids_in_slot"):
+        real = getattr(batches, name)
+        monkeypatch.setattr(batches, name, lambda *a, _real=real: seen.append(threading.current_thread().name)
+                            or _real(*a))
+    c = [1] * 12
+    c[9] = 25  # in the third batch of 4
+    arrays = _batch(c)
+    loader = BatchLoader(SplitArrays(arrays.labels.numpy().astype(np.int8), arrays.dense_features.numpy(),
+                                     _rows(c)), list(SPEC.categorical), 4, 0, 1, train=True, shuffle=False,
+                         background=background, table_rows=[SPEC.table_sizes[t] for t in SPEC.categorical])
+    it = iter(loader)
+    for _ in range(2):
+        next(it).to(torch.device("cpu"))
     with pytest.raises(IdOutOfRangeError, match="feature 'c': id 25 is outside its table's rows \\[0, 20\\)"):
-        check_ids_on_the_way(bad, rows, torch.device("meta"))
-    check_ids_on_the_way(bad, rows, torch.device("cpu"))  # the model checks on the CPU (below)
-    check_ids_on_the_way(_batch([1, 19, 3]).sparse_features, rows, torch.device("meta"))
+        next(it)
+    assert len(seen) == 3 and set(seen) == {"prefetch" if background else threading.current_thread().name}
+
+
+def _rows(c_ids: list[int]) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    n = len(c_ids)
+    return np.stack([rng.integers(0, 10, n), rng.integers(0, 7, n), np.array(c_ids)], 1).astype(np.int32)
+
+

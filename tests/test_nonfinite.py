@@ -14,20 +14,44 @@ from pipeline.training.nonfinite import NonFiniteGuard
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_stop_names_the_step_and_the_value(value):
-    guard = NonFiniteGuard("stop")
-    with pytest.raises(FloatingPointError, match=f"the loss is {value} at step 7"):
-        guard.bad_loss(torch.tensor(value), "step 7")
+def test_stop_names_the_first_bad_step_and_its_value_at_the_next_check(value):
+    guard = NonFiniteGuard("stop", check_every=4)
+    for step in range(3):
+        assert not guard.bad_loss(torch.tensor(0.5 if step != 1 else value), step)
+        guard.step_done(step)  # steps 0..2: no read yet
+    with pytest.raises(FloatingPointError, match=f"the loss is {value} at step 1"):
+        guard.step_done(3)
     assert guard.skipped == 0
+
+
+def test_stop_reads_the_flags_once_every_n_steps_not_twice_a_step(monkeypatch):
+    """On a GPU each read waits for the device: 10 steps with check_every=4 read twice (after steps 3 and 7), and the
+    check before a checkpoint or the end once more; the old guard read twice a step (20)."""
+    import pipeline.training.nonfinite as nonfinite
+    reads = []
+    real = nonfinite.anywhere
+    monkeypatch.setattr(nonfinite, "anywhere", lambda flag, group=None: reads.append(1) or real(flag, group))
+    guard = NonFiniteGuard("stop", check_every=4)
+    for step in range(10):
+        guard.bad_loss(torch.tensor(0.5), step)
+        guard.bad_gradients([torch.ones(3), torch.zeros(2)], step)
+        guard.step_done(step)
+    assert len(reads) == 2
+    guard.check()
+    assert len(reads) == 3
+    guard.bad_gradients([torch.tensor([1.0, math.nan])], 10)
+    guard.bad_loss(torch.tensor(math.inf), 11)  # later: the message names the first
+    with pytest.raises(FloatingPointError, match="non-finite dense gradients at step 10"):
+        guard.check()
 
 
 def test_skip_counts_bad_losses_and_gradients_only():
     guard = NonFiniteGuard("skip")
-    assert not guard.bad_loss(torch.tensor(0.3), "step 0")
-    assert guard.bad_loss(torch.tensor(math.nan), "step 1")
-    assert not guard.bad_gradients([torch.ones(3), None, torch.zeros(2, 2)], "step 2")
-    assert guard.bad_gradients([torch.ones(3), torch.tensor([1.0, math.inf])], "step 3")
-    assert not guard.bad_gradients([None], "step 4")  # nothing to check
+    assert not guard.bad_loss(torch.tensor(0.3), 0)
+    assert guard.bad_loss(torch.tensor(math.nan), 1)
+    assert not guard.bad_gradients([torch.ones(3), None, torch.zeros(2, 2)], 2)
+    assert guard.bad_gradients([torch.ones(3), torch.tensor([1.0, math.inf])], 3)
+    assert not guard.bad_gradients([None], 4)  # nothing to check
     assert guard.skipped == 2
 
 
@@ -40,9 +64,9 @@ def _two_ranks(rank: int, world: int) -> None:
     counter = CommCounter()
     loss = torch.tensor(math.nan if rank == 1 else 0.5)
     counter.start()
-    together = NonFiniteGuard("skip").bad_loss(loss, "step 3")
+    together = NonFiniteGuard("skip").bad_loss(loss, 3)
     counted = sum(counter.bytes.values())
-    alone = NonFiniteGuard("skip", group=lambda: own).bad_loss(loss, "step 3")
+    alone = NonFiniteGuard("skip", group=lambda: own).bad_loss(loss, 3)
     counter.stop()
     assert together and counted == 4  # the flag all-reduced: both ranks skip
     assert alone == (rank == 1) and sum(counter.bytes.values()) == counted  # each decides for itself: no collective

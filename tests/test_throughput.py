@@ -74,3 +74,24 @@ def test_a_run_resumed_mid_epoch_counts_its_steps_time():
     callback.on_train_epoch_end(Trainer(), module)
     assert callback.samples == 24 and callback.seconds >= 3 * STEP_S
     assert module.logged[1] == pytest.approx(24 / callback.seconds)
+
+
+def test_samples_per_s_after_warmup_leaves_out_the_first_steps_and_says_their_time(monkeypatch):
+    """A GPU's first steps set up kernels and memory; at batch 65,536 a run has a dozen steps. Steps here take
+    1 s each, the first three 10 s: the figure after warm-up is 4 samples/s, the whole run's far less."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    callback = TrainThroughput(warmup_steps=3)
+
+    class Trainer:
+        world_size = 1
+
+    module = object()
+    for i, seconds in enumerate([10, 10, 10, 1, 1, 1, 1]):
+        callback.on_train_batch_start(Trainer(), module, Batch(torch.ones(4)), i)
+        clock[0] += seconds
+        callback.on_train_batch_end(Trainer(), module, None, Batch(torch.ones(4)), i)
+    assert callback.warmup_s == 30 and callback.samples_per_s_after_warmup == pytest.approx(16 / 4)
+    callback._stop()  # (the epoch's end)
+    assert callback.samples_per_s == pytest.approx(28 / 34)
+    assert TrainThroughput(warmup_steps=3).samples_per_s_after_warmup is None  # no step after the warm-up

@@ -12,8 +12,8 @@ drawn table by table (:class:`modules.embedding.row_init.RowInit`), the values t
 
 Every id is checked against its own table before any lookup (:func:`check_ids`), once per batch and
 vectorised: by the model on the CPU, whose FBGEMM kernels then run without their own check
-(:func:`modules.sharding.planner.shard_model`), and on the host batch before it is copied to a GPU
-(:func:`check_ids_on_the_way`).
+(:func:`modules.sharding.planner.shard_model`), and for a GPU by the loader, on the host batch, in its own thread
+(:mod:`pipeline.data.batches`).
 """
 
 from __future__ import annotations
@@ -57,14 +57,6 @@ def check_ids(features: KeyedJaggedTensor, rows: torch.Tensor) -> None:
         ids = values.split(per_key)[k]
         bad = ids[(ids < 0) | (ids >= int(rows[k]))][0]
         raise IdOutOfRangeError(f"feature {keys[k]!r}: id {int(bad)} is outside its table's rows [0, {int(rows[k])})")
-
-
-def check_ids_on_the_way(features: KeyedJaggedTensor, rows: torch.Tensor, device: torch.device) -> None:
-    """:func:`check_ids` of a host batch on its way to ``device``, before the copy, where the model does not check
-    (on CUDA its check would wait for the device each batch, and FBGEMM's own check there clamps a bad id to row 0
-    with a warning); on the CPU the model checks (:class:`modules.embedding.sparse_arch.SparseArch`)."""
-    if device.type != "cpu":
-        check_ids(features, rows)
 
 
 def shifted_keys(features: KeyedJaggedTensor, offsets: torch.Tensor, dtype: torch.dtype | None,

@@ -9,6 +9,9 @@ number of ranks: training on 1 rank with batch B sees the same data as on W rank
 Training drops the last incomplete global batch. Evaluation keeps every row: the last global batch
 is padded (with row 0) so that every rank runs the same number of steps, and ``num_valid`` tells
 how many leading rows of the local batch are real.
+
+For a GPU (``background``) one-hot training batches are built by a thread of their own, two ahead, into reused
+page-locked buffers (:mod:`pipeline.data.batch_ring`), and their ids are checked there (``table_rows``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
+from modules.embedding.lookup_inputs import check_ids
+
+from pipeline.data.batch_ring import BatchRing, Slot, check_ids_in_slot, constant_lengths
+from pipeline.data.prefetch import prefetch
 from pipeline.data.store import Ragged, SplitArrays
 
 
@@ -34,15 +41,29 @@ class CTRBatch:
     labels: torch.Tensor
     num_valid: int = -1
     time: int = -1
+    slot: Slot | None = None  # the ring buffers it lives in (pipeline/data/batch_ring.py), until moved
 
     def _with(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, labels: torch.Tensor) -> "CTRBatch":
         return CTRBatch(dense_features=dense, sparse_features=sparse, labels=labels, num_valid=self.num_valid,
                         time=self.time)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "CTRBatch":
-        return self._with(self.dense_features.to(device=device, non_blocking=non_blocking),
-                          self.sparse_features.to(device=device, non_blocking=non_blocking),
-                          self.labels.to(device=device, non_blocking=non_blocking))
+        if self.slot is None:
+            return self._with(self.dense_features.to(device=device, non_blocking=non_blocking),
+                              self.sparse_features.to(device=device, non_blocking=non_blocking),
+                              self.labels.to(device=device, non_blocking=non_blocking))
+        # out of its ring slot: copies (asynchronous from page-locked memory), the constant lengths made once per
+        # device; the slot is refilled once the copies have run
+        device = torch.device(device)
+        moved = [t.to(device, non_blocking=True) if device.type != "cpu" else t.clone()
+                 for t in (self.dense_features, self.sparse_features.values(), self.labels)]
+        kjt = self.sparse_features
+        sparse = KeyedJaggedTensor(keys=kjt.keys(), values=moved[1], lengths=constant_lengths(moved[1].numel(), device),
+                                   stride=kjt.stride(), length_per_key=kjt.length_per_key(),
+                                   offset_per_key=kjt.offset_per_key())
+        slot, self.slot = self.slot, None
+        slot.release(device)
+        return self._with(moved[0], sparse, moved[2])
 
     def pin_memory(self) -> "CTRBatch":
         return self._with(self.dense_features.pin_memory(), self.sparse_features.pin_memory(),
@@ -81,7 +102,7 @@ def make_batch(arrays: SplitArrays, rows: np.ndarray, keys: Sequence[str], num_v
         sparse = rows_of(arrays.sparse, rows)  # [b, F] int32 (int64: raw ids)
         f = sparse.shape[1]
         kjt = KeyedJaggedTensor(keys=list(keys), values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),
-                                lengths=torch.ones(b * f, dtype=torch.int32), stride=b,
+                                lengths=constant_lengths(b * f, "cpu"), stride=b,
                                 length_per_key=[b] * f, offset_per_key=[i * b for i in range(f + 1)])
     else:
         onehot = rows_of(arrays.sparse, rows) if len(categorical) else None
@@ -121,7 +142,8 @@ class BatchLoader:
 
     def __init__(self, arrays: SplitArrays, keys: Sequence[str], global_batch_size: int, rank: int,
                  world_size: int, train: bool, seed: int = 0, pin_memory: bool = False,
-                 categorical: Sequence[str] | None = None, shuffle: bool = True) -> None:
+                 categorical: Sequence[str] | None = None, shuffle: bool = True, background: bool = False,
+                 table_rows: Sequence[int] | None = None) -> None:
         if global_batch_size % world_size:
             raise ValueError(f"batch size {global_batch_size} is not divisible by world size {world_size}")
         self.arrays = arrays
@@ -134,6 +156,9 @@ class BatchLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.pin_memory = pin_memory  # page-locked batches: asynchronous host → GPU copies
+        # one-hot training batches built ahead by a thread into a ring of buffers (pipeline/data/batch_ring.py)
+        self.background = background and train and self.keys == self.categorical
+        self.table_rows = None if table_rows is None else np.asarray(table_rows, dtype=np.int64)  # ids checked
         self.sampler = EpochState()
         self.batch_sampler = None  # Lightning inspects DataLoader-like attributes
         n = len(arrays)
@@ -180,9 +205,42 @@ class BatchLoader:
         self._order, self._made = self._global_order(), {}
         start = self._resume[1] if self._resume and self._resume[0] == self.sampler.epoch else 0
         self._resume = None
+        if self.background:
+            yield from self._from_ring(start)
+            return
         for i in range(start, self.num_batches):
             batch = self.peek(i)
             yield batch.pin_memory() if self.pin_memory else batch
+
+    def _from_ring(self, start: int) -> Iterator[CTRBatch]:
+        """Batches ``start``… of the epoch, built two ahead by a thread into a ring of reused buffers."""
+        a = self.arrays
+        ring = BatchRing(self.local_batch_size, a.dense.shape[1], len(self.keys), a.sparse.dtype, self.pin_memory)
+        order = self._order
+        sparse, dense, label = np.asarray(a.sparse), np.asarray(a.dense), np.asarray(a.label)
+
+        def build() -> Iterator[CTRBatch]:
+            for i in range(start, self.num_batches):
+                slot = ring.acquire()
+                if slot is None:  # the iteration ended
+                    return
+                ring.fill(slot, sparse, dense, label, self.local_rows(i, order)[0])
+                if self.table_rows is not None:
+                    check_ids_in_slot(slot, self.keys, self.table_rows)
+                yield self._slot_batch(slot)
+        batches = prefetch(build(), depth=2)
+        try:
+            for batch in batches:  # (not ``yield from``: closing this generator must close the ring first, or the
+                yield batch        # builder could wait for a slot that the abandoned batches hold)
+        finally:
+            ring.closed.set()
+            batches.close()
+
+    def _slot_batch(self, slot: Slot) -> CTRBatch:
+        b, f = self.local_batch_size, len(self.keys)
+        kjt = KeyedJaggedTensor(keys=self.keys, values=slot.ids, lengths=constant_lengths(b * f, "cpu"), stride=b,
+                                length_per_key=[b] * f, offset_per_key=[i * b for i in range(f + 1)])
+        return CTRBatch(dense_features=slot.dense, sparse_features=kjt, labels=slot.labels, slot=slot)
 
     def peek(self, i: int) -> CTRBatch | None:
         """Batch ``i`` of the epoch under way (None past its end), made once: the iteration and a look ahead
@@ -197,4 +255,7 @@ class BatchLoader:
 
     def _batch(self, i: int) -> CTRBatch:
         rows, valid = self.local_rows(i, self._order)
-        return make_batch(self.arrays, rows, self.keys, -1 if self.train else valid, self.categorical)
+        batch = make_batch(self.arrays, rows, self.keys, -1 if self.train else valid, self.categorical)
+        if self.table_rows is not None:
+            check_ids(batch.sparse_features, torch.from_numpy(self.table_rows))
+        return batch

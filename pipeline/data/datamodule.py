@@ -13,7 +13,7 @@ from pipeline.data.batches import BatchLoader
 from pipeline.data.dataset import DataConfig
 from pipeline.data.sources import prepare_store, store_dir
 from modules.embedding.zch.config import ZchConfig
-from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore, with_table_sizes
+from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore, has_raw_ids, with_table_sizes
 from pipeline.data.vocab_files import read_vocabulary
 
 
@@ -90,14 +90,18 @@ class CTRDataModule(L.LightningDataModule):
         return RowBuckets(tables)
 
     def _loader(self, split: str, train: bool) -> BatchLoader:
+        """On a GPU: page-locked batches, one-hot training batches built ahead by a thread (``background``), and ids
+        checked against their tables on the host (on the CPU the model checks them: modules/embedding/lookup_inputs.py;
+        a raw store's ids are mapped by model.zch, a CPU path)."""
         assert self.store is not None, "setup() first"
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return BatchLoader(self.store.split(split), self.feature_spec.kjt_keys,
-                           self.batch_size if train else self.eval_batch_size, rank, world, train, self.seed,
-                           pin_memory=torch.cuda.is_available() and trainer is not None
-                           and trainer.strategy.root_device.type == "cuda", categorical=self.store.categorical_names,
-                           shuffle=self.shuffle)
+        gpu = torch.cuda.is_available() and trainer is not None and trainer.strategy.root_device.type == "cuda"
+        spec = self.feature_spec
+        rows = [spec.table_sizes[spec.table_of(f)] for f in spec.kjt_keys] if gpu and not has_raw_ids(self.store.meta) else None
+        return BatchLoader(self.store.split(split), spec.kjt_keys, self.batch_size if train else self.eval_batch_size,
+                           rank, world, train, self.seed, pin_memory=gpu, categorical=self.store.categorical_names,
+                           shuffle=self.shuffle, background=gpu, table_rows=rows)
 
     def train_dataloader(self) -> BatchLoader:
         loader = self._loader("train", train=True)

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from modules.embedding.table_views import reload_tables, sync_tables
 from modules.optim.cowclip_hooks import CowClipHooks, attach_cowclip
-from modules.embedding.lookup_inputs import check_ids_on_the_way
 from modules.embedding.sparse_arch import is_table_parameter
 from modules.optim.embedding_l2 import DecayRule, row_state_bytes
 from modules.models import ModelConfig, build_model, onednn_linear
@@ -72,14 +71,14 @@ class CTRTask(L.LightningModule):
         self.l2_scope = cfg.optim.embedding_l2_scope
         self.rates = LearningRates(self.scaled.dense_lr, self.scaled.embedding_lr, self.scaled.warmup_epochs,
                                    cfg.scaling.embedding_warmup_epochs)
-        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, lambda: self.link.shard_group())
+        self.nonfinite = NonFiniteGuard(cfg.trainer.nonfinite, lambda: self.link.shard_group(),
+                                        cfg.trainer.nonfinite_check_every)
         self.batch_rows = cfg.trainer.local_batches(topology.world_size)  # this rank's: training, evaluation
         self._reused: dict = {}  # init_from: vocabulary positions taken by new values (pipeline.training.init_from)
         self.data_position = (0, 0)  # (epoch, next batch) consumed by training
         self.model: torch.nn.Module | None = None
         self.zch: ZchStage | None = None  # model.zch: raw ids → rows (pipeline/training/zch_stage.py)
         self.plan: PlanResult | None = None
-        self.id_rows = torch.zeros(0, dtype=torch.int64)  # each sparse feature's table rows (configure_model)
         self.cowclip = CowClipHooks()
         self.val_metrics, self.test_metrics = CTRMetrics(), CTRMetrics()
         self._skip_step = False
@@ -110,7 +109,6 @@ class CTRTask(L.LightningModule):
             log.info("model.overlap_embedding_backward: not used (it needs the MLP on oneDNN, one process and 2+ "
                      "threads; here %d process(es), %d thread(s))", self.trainer.world_size, torch.get_num_threads())
         spec = data.feature_spec
-        self.id_rows = torch.tensor([spec.table_sizes[spec.table_of(f)] for f in spec.kjt_keys], device="cpu")
         ran = read_rank0_state(self.resume_from)["pipeline"]["layout"].get("link") if self.resume_from else None
         self.link = self.link.as_recorded(ran, self.topology) if ran else \
             self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch, data.store.split("train"))
@@ -173,8 +171,7 @@ class CTRTask(L.LightningModule):
         return self.model(batch.dense_features, sparse)
 
     def transfer_batch_to_device(self, batch: CTRBatch, device: torch.device, dataloader_idx: int) -> CTRBatch:
-        if self.zch is None:  # (model.zch: raw ids, mapped to rows after the copy; CPU only)
-            check_ids_on_the_way(batch.sparse_features, self.id_rows, device)
+        """(On a GPU the loader checked the ids on the host: pipeline/data/batches.py.)"""
         return batch.to(device, non_blocking=True)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -187,8 +184,7 @@ class CTRTask(L.LightningModule):
         self.data_position = (self.current_epoch, batch_idx + 1)
         logits = self(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        where = f"step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        self._skip_step = self.nonfinite.bad_loss(loss, where)
+        self._skip_step = self.nonfinite.bad_loss(loss, self.global_step)
         if self._skip_step:
             return (logits * 0.0).sum()  # zero gradients: every rank still runs the same collectives
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.shape[0])
@@ -203,12 +199,12 @@ class CTRTask(L.LightningModule):
             self.cowclip.every_row_l2.after_backward()
         if not self._skip_step:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
-            self._skip_step = self.nonfinite.bad_gradients(grads, f"step {self.global_step} (epoch {epoch}, "
-                                                                   f"batch {batch_idx})")
+            self._skip_step = self.nonfinite.bad_gradients(grads, self.global_step)
         if self._skip_step:
             optimizer.zero_grad()
         else:
             optimizer.step()
+        self.nonfinite.step_done(self.global_step)
 
     def _eval_step(self, batch: CTRBatch, batch_idx: int, metrics: CTRMetrics) -> None:
         n = batch.valid_rows  # may be 0 on some ranks for the padded last batch: update anyway, so
@@ -238,13 +234,16 @@ class CTRTask(L.LightningModule):
             self.cowclip.every_row_l2.flush()
 
     def on_validation_start(self) -> None:
+        self.nonfinite.check()  # (trainer.nonfinite=stop: what the steps since the last check noted)
         self._flush_l2()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.nonfinite.check()  # no checkpoint of non-finite weights
         self._flush_l2()
         sync_tables(self.model)  # the ssd tier's files hold every row (the state dict holds views of them)
 
     def on_train_end(self) -> None:
+        self.nonfinite.check()
         self._flush_l2()
 
     def on_validation_model_train(self) -> None:

@@ -48,9 +48,10 @@ class TrainThroughput(Callback):
     @property
     def samples_per_s_after_warmup(self) -> float | None:
         """None where the run had no step after its warm-up."""
-        if self.warmup_s is None or self.seconds <= self.warmup_s or self.samples <= self._warm_samples:
+        seconds = self._elapsed()
+        if self.warmup_s is None or seconds <= self.warmup_s or self.samples <= self._warm_samples:
             return None
-        return (self.samples - self._warm_samples) / (self.seconds - self.warmup_s)
+        return (self.samples - self._warm_samples) / (seconds - self.warmup_s)
 
     def _elapsed(self) -> float:
         return self.seconds + (time.perf_counter() - self._t0 if self._t0 is not None else 0.0)
