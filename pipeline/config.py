@@ -44,7 +44,7 @@ from pipeline.runtime.signals import PreemptionConfig
 from pipeline.model_folder.source import model_source
 from pipeline.tracking.logger_config import LoggerConfig
 
-PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = ("auto", "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")  # auto: pipeline/training/precision.py
 NONFINITE_POLICIES = ("stop", "skip")
 CUDA_REFUSED = {  # what does not run on CUDA yet, and why (check_runnable; docs/gpu.md)
     "model.zch": "its id mapping, admission buffers and row resets are host-side structures fed by the batch's ids",
@@ -118,7 +118,7 @@ class TrainerConfig:
     max_epochs: int = 1
     max_steps: int = -1
     shuffle: bool = True                # training rows in a new random order each epoch; false: the files' order
-    precision: str = "32-true"
+    precision: str = "auto"            # bf16-mixed where the device computes bf16 natively, else 32-true
     num_threads: Optional[int] = None
     log_every_n_steps: int = 25
     val_check_interval: Any = 1.0       # a float: share of an epoch; an int: every that many batches

@@ -6,8 +6,10 @@ Hydra job; the daily driver (:mod:`pipeline.training.daily`) once per day.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -33,10 +35,13 @@ from pipeline.tracking.store import logging_run, start_logger
 from pipeline.tracking.sweeps import sweep_job_tags
 from pipeline.training.link_choice import check_link_settings
 from pipeline.training.init_from import check_optimizer_source, init_source, lineage_tags
+from pipeline.training.precision import resolve_precision
 from pipeline.training.publish import publish, register_model, run_result
 from pipeline.training.result import RunResult
 from pipeline.training.task import CTRTask
 from pipeline.training.trainer import build_callbacks, build_trainer
+
+log = logging.getLogger(__name__)
 
 
 def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
@@ -45,6 +50,9 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     check_runnable(run_cfg)
     check_link_settings(run_cfg)
     topology = prepare_process(run_cfg)
+    precision, why = resolve_precision(run_cfg.trainer.precision, topology.compute_device)
+    log.info("Training in %s (%s)", precision, why)
+    run_cfg = replace(run_cfg, trainer=replace(run_cfg.trainer, precision=precision))
     output_dir = output_dir or job_output_dir()
     params = save_resolved_config(cfg, output_dir)
     t = run_cfg.trainer
@@ -52,6 +60,8 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     check_optimizer_source(t.init_from, t.init_from_optimizer)
     source = init_source(t.init_from) if ckpt_path is None else None  # checked once; a resumed run has its weights
     logger = start_logger(run_cfg.logger, output_dir, run_id, {**sweep_job_tags(), **lineage_tags(source)})
+    if logger:
+        logger.log_hyperparams({"trainer/precision_resolved": precision})
     datamodule = CTRDataModule(run_cfg.data, run_cfg.paths.cache_dir, t.batch_size, t.eval_batch_size, run_cfg.seed,
                                run_cfg.model.zch, shuffle=t.shuffle)
     task = CTRTask(run_cfg, topology, resume_from=ckpt_path, init_from=source)
