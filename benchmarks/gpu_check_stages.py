@@ -27,7 +27,8 @@ def stages(check: Check) -> list[tuple[str, Callable[[], dict], bool]]:
         *([("train_cpu", lambda: against_cpu(check), False)] if cuda else []),
         ("gpu_profile", lambda: profile(check), False),
         ("uvm_cache", lambda: uvm_cache(check, check.results["train"]), False),
-        (f"batch_{large}", lambda: check.train(f"batch_{large}", [f"trainer.batch_size={large}", "scaling=auto"]), False),
+        (f"batch_{large}", lambda: check.train(f"batch_{large}", [f"trainer.batch_size={large}", "scaling=auto",
+                                                                  "trainer.precision=32-true"]), False),
         ("cowclip_l2_init_from", lambda: cowclip_l2_init_from(check), False),
         ("ssd", lambda: ssd(check), False),
     ]
@@ -148,5 +149,6 @@ def cowclip_l2_init_from(check: Check) -> dict:
 
 def ssd(check: Check) -> dict:
     path = check.work / "ssd"
-    return {**check.train("ssd", [f"topology.ssd.path={path}", f"+topology.table_overrides.{LARGEST_TABLE}.tier=ssd"]),
+    return {**check.train("ssd", [f"topology.ssd.path={path}", f"+topology.table_overrides.{LARGEST_TABLE}.tier=ssd",
+                                  "trainer.precision=32-true"]),
             "path": str(path)}

@@ -16,6 +16,9 @@ sliced from the same preprocessed arrays (numpy → torch), no framework around 
   that bound with the project's MLP layers (the embeddings and dense features as blocks of the first
   layer, hidden layers on oneDNN): the dense compute of the project's own step.
 
+``--precision bf16`` runs the forward under ``torch.autocast("cpu", torch.bfloat16)`` (the loss in fp32), as a user
+wraps a plain model on a CPU with bf16 instructions: the baseline of ``trainer.precision=bf16-mixed``.
+
     python benchmarks/reference_deepfm.py <store dir> --batch 8192 --epochs 1 --dim 16 [--layout shared]
 prints one JSON line: samples_per_s (training only), test_auc, test_logloss (null for --mlp-only).
 """
@@ -118,6 +121,7 @@ def main() -> None:
     p.add_argument("--mlp-only", action="store_true", help="the MLP alone: the dense-compute bound")
     p.add_argument("--input-grad", action="store_true", help="with --mlp-only: also the embedding input's gradient")
     p.add_argument("--project-mlp", action="store_true", help="with --mlp-only --input-grad: the project's MLP layers")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: the forward under autocast")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -148,7 +152,9 @@ def main() -> None:
         t0 = time.perf_counter()
         for start in range(0, n, args.batch):
             rows = order[start:start + args.batch]
-            loss = F.binary_cross_entropy_with_logits(model(dense_t[rows], sparse_t[rows]), label_t[rows])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                logits = model(dense_t[rows], sparse_t[rows])
+            loss = F.binary_cross_entropy_with_logits(logits.float(), label_t[rows])
             dense_opt.zero_grad()
             sparse_opt.zero_grad()
             loss.backward()
@@ -156,9 +162,9 @@ def main() -> None:
             sparse_opt.step()
         seconds += time.perf_counter() - t0
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
         logits = torch.cat([model(torch.from_numpy(test.dense[i:i + 65536]),
-                                  torch.from_numpy(test.sparse[i:i + 65536].astype(np.int64)))
+                                  torch.from_numpy(test.sparse[i:i + 65536].astype(np.int64))).float()
                             for i in range(0, len(test), 65536)])
     y = torch.from_numpy(test.label.astype(np.int64))
     print(json.dumps({"samples_per_s": n * args.epochs / seconds,

@@ -138,7 +138,9 @@ def test_the_overlap_stays_out_where_it_does_not_apply(two_threads):
     torch.set_num_threads(1)  # no second core to give the lookups' backward
     assert untouched()
     torch.set_num_threads(2)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the MLP is not on oneDNN under autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed: the MLP on oneDNN in bf16, overlapped
+        assert not untouched()
+    with torch.autocast("cpu", dtype=torch.float16):  # the MLP is not on oneDNN under fp16 autocast
         assert untouched()
     with torch.no_grad():  # no backward follows
         lookups = model.sparse_arch(batch.sparse_features)

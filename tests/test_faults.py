@@ -229,6 +229,24 @@ def test_user_errors_print_one_line_and_exit_2(tmp_path, args, message):
     assert full.returncode != 0 and "Traceback" in full.stderr  # HYDRA_FULL_ERROR=1 shows everything
 
 
+def test_a_log_smaller_than_one_batch_is_refused_before_training_instead_of_training_nothing(tmp_path):
+    """5,000 rows (~85 % to train) at batch 8,192 train no batch: that once ran 0 steps, printed a test AUC, published a
+    model and exited 0. Now: one line naming the rows, the batch and the key."""
+    import numpy as np
+
+    from pipeline.data.pass1 import assign_splits
+    from pipeline.data.preprocess_config import SplitConfig
+
+    train_rows = int((assign_splits(np.arange(5000), 5000, SplitConfig("random", 0.05, 0.1, 0)) == 0).sum())
+    common = [f"paths.cache_dir={tmp_path}/cache", "data.synthetic.rows=5000", "trainer.enable_progress_bar=false",
+              f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
+    proc, result = _train([*common, "trainer.batch_size=8192"], tmp_path / "run", check=False)
+    assert proc.returncode == 2 and result is None, proc.stderr[-3000:]
+    assert (f"Error (ConfigError): trainer.batch_size=8192: the training split holds {train_rows:,} rows, fewer than "
+            f"one batch, so no training step would run; set trainer.batch_size to at most {train_rows:,}") in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "model").exists()
+
+
 def test_unexpected_errors_keep_their_traceback(small_overrides, tmp_path):
     # a bug, not a user error: a callback that raises
     proc, _ = _train([*small_overrides, "trainer.max_steps=2",

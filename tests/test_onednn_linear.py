@@ -58,7 +58,9 @@ def test_onednn_runs_where_it_applies_and_plain_kernels_elsewhere():
     big, small = torch.randn(onednn_linear.MIN_ROWS, 24), torch.randn(onednn_linear.MIN_ROWS - 1, 24)
     assert "mkldnn::_linear_pointwise" in _kernels(lambda: mlp(big))
     assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(small))  # small requests: addmm
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # trainer.precision=bf16-mixed: oneDNN's bf16 GEMM
+        assert "mkldnn::_linear_pointwise" in _kernels(lambda: mlp(big))
+    with torch.autocast("cpu", dtype=torch.float16):  # not this kernel's: plain layers
         assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(big))
     mlp.onednn = False
     assert "mkldnn::_linear_pointwise" not in _kernels(lambda: mlp(big))
@@ -100,3 +102,32 @@ def test_gradients_masked_in_place_only_where_no_one_else_holds_them():
     kept = given.clone()
     out.backward(given)
     assert torch.equal(given, kept)
+
+
+def test_under_bf16_autocast_the_onednn_mlp_is_as_close_to_float64_as_autocasts_plain_layers():
+    """bf16-mixed: oneDNN's bf16 GEMMs (bias and ReLU fused, ∂L/∂b summed in fp32) against the plain layers under
+    the same autocast, each measured against float64: the same rounding points, so no larger error (gradients of
+    the fp32 parameters arrive in fp32)."""
+    torch.manual_seed(0)
+    widths = (64, 13)
+    mlp = MLP(widths, [96, 96], 1)
+    plain = MLP(widths, [96, 96], 1, onednn=False)
+    plain.load_state_dict(mlp.state_dict())
+    ref = MLP(widths, [96, 96], 1, onednn=False).double()
+    ref.load_state_dict(mlp.state_dict())
+    xs = [torch.randn(512, w) for w in widths]
+    target = torch.randn(512, 1)
+
+    def run(model, dtype, autocast):
+        inputs = [x.detach().clone().to(dtype).requires_grad_() for x in xs]  # fresh leaves each run
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(inputs)
+        (out.to(dtype) - target.to(dtype)).pow(2).mean().backward()
+        return [out.detach().double(), *(x.grad.double() for x in inputs), *(p.grad for p in model.parameters())]
+
+    want = run(ref, torch.float64, False)
+    ours, theirs = run(mlp, torch.float32, True), run(plain, torch.float32, True)
+    assert all(g.dtype == torch.float32 for g in ours[3:])
+    for a, b, w in zip(ours, theirs, want):
+        err_ours, err_theirs = float((a - w).norm() / w.norm()), float((b - w).norm() / w.norm())
+        assert err_ours < 0.1 and err_ours <= 1.5 * err_theirs + 1e-3, (err_ours, err_theirs)  # bf16: ~2^-8 a rounding

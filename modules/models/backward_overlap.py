@@ -22,8 +22,9 @@ with the tables updated, as without the overlap.
 
 Same gradients up to float rounding (the weight gradient summed over fixed row chunks, the same chunks
 whatever thread count computes each: reproducible run to run; the lookups' gradient and the tables'
-update are the same computation). Applies to one training process with at least 2 intra-op threads,
-fp32 on the CPU, when the MLP's layers run on oneDNN (:mod:`modules.models.onednn_linear`); with several
+update are the same computation). Applies to one training process with at least 2 intra-op threads, on
+the CPU in fp32 or bf16 autocast, when the MLP's layers run on oneDNN (:mod:`modules.models.onednn_linear`: in bf16
+the chunks' products are bf16 GEMMs summed in fp32); with several
 processes the lookups' backward holds collectives, which must not run beside this thread's.
 """
 
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from modules.models.onednn_linear import MIN_ROWS, DeferSlot, add_weight_grad, narrow
+from modules.models.onednn_linear import MIN_ROWS, DeferSlot, add_weight_grad, compute_dtype, narrow
 
 # Rows of the batch per weight-gradient product. Fixed, so the sum's order never depends on timing; small
 # enough that the switch to all threads, when the worker ends, waits ≤ one chunk (512 rows of DeepFM's
@@ -159,12 +160,12 @@ class _Join(torch.autograd.Function):
 
 def applies(lookups: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> bool:
     """Whether :func:`overlap_lookup_backward` overlaps: a backward will follow (grad mode, lookups that
-    need gradients), fp32 on the CPU outside autocast in batches the MLP runs on oneDNN, ≥ 2 intra-op
-    threads, one process, and weights whose gradients the MLP can defer."""
+    need gradients), fp32 lookups on the CPU, outside autocast or under bf16 autocast (where the MLP runs on oneDNN),
+    ≥ 2 intra-op threads, one process, and weights whose gradients the MLP can defer."""
     return (bool(weights) and bool(lookups) and lookups[0].shape[0] >= MIN_ROWS and torch.is_grad_enabled()
             and any(t.requires_grad for t in lookups)
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in lookups)
-            and not torch.is_autocast_enabled("cpu") and torch.get_num_threads() > 1
+            and compute_dtype() is not None and torch.get_num_threads() > 1
             and not (dist.is_initialized() and dist.get_world_size() > 1))
 
 

@@ -23,8 +23,14 @@ The copy of the blocks costs what oneDNN's own copy of DeepFM's strided lookups 
 8,192), and buys one GEMM each way instead of a separate product for the 13 dense features: their
 weight gradient [13, 8192] × [8192, 400] alone took ≈ 2 ms, MKL being slow with 13 rows.
 
-Used by :class:`modules.models.layers.MLP` where it applies (:func:`applies`): fp32 CPU tensors, no
-autocast, oneDNN present; elsewhere (CUDA, bf16 autocast, float64) the layers run as plain modules.
+Under CPU bf16 autocast (``trainer.precision=bf16-mixed``) the same layer runs in bf16, as autocast would run a
+plain ``Linear``: x, W and b cast to bf16 (W and b stay fp32 parameters: the master weights), oneDNN's bf16 GEMM
+(products accumulated in fp32, the output rounded to bf16), ∂L/∂x and ∂L/∂W as bf16 GEMMs, ∂L/∂b summed in fp32;
+the gradients reach the fp32 parameters as fp32. Same rounding points as autocast's plain layers, with the bias and
+ReLU fused (≈ 10 % off the MLP's forward at batch 8,192 on 2 cores of a Zen 4, docs/throughput.md).
+
+Used by :class:`modules.models.layers.MLP` where it applies (:func:`applies`): fp32 CPU tensors outside autocast,
+or under CPU bf16 autocast, oneDNN present; elsewhere (CUDA, float64, fp16 autocast) the layers run as plain modules.
 """
 
 from __future__ import annotations
@@ -45,13 +51,21 @@ AVAILABLE = _linear is not None  # this PyTorch build has the op
 MIN_ROWS = 64
 
 
+def compute_dtype() -> torch.dtype | None:
+    """What :func:`linear` multiplies in here: fp32 outside autocast, bf16 under CPU bf16 autocast, else None."""
+    if not torch.is_autocast_enabled("cpu"):
+        return torch.float32
+    return torch.bfloat16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else None
+
+
 def applies(xs: Sequence[torch.Tensor], weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` runs these inputs: fp32 on the CPU, rows in memory order (a strided view
-    of another layout sends oneDNN to a reference kernel, orders of magnitude slower), at least
-    :data:`MIN_ROWS` rows, outside autocast."""
-    return (AVAILABLE and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and xs[0].shape[0] >= MIN_ROWS and not torch.is_autocast_enabled("cpu")
-            and all(x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 for x in xs))
+    """Whether :func:`linear` runs these inputs: fp32 (or, under bf16 autocast, bf16) on the CPU, rows in memory
+    order (a strided view of another layout sends oneDNN to a reference kernel, orders of magnitude slower), at
+    least :data:`MIN_ROWS` rows, fp32 parameters, outside autocast or under CPU bf16 autocast."""
+    dtype = compute_dtype()
+    return (AVAILABLE and dtype is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and xs[0].shape[0] >= MIN_ROWS
+            and all(x.dtype in (torch.float32, dtype) and x.device.type == "cpu" and x.stride(-1) == 1 for x in xs))
 
 
 def narrow(g: torch.Tensor, x: torch.Tensor) -> bool:
@@ -66,7 +80,12 @@ def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def add_weight_grad(out: torch.Tensor, g: torch.Tensor, x: torch.Tensor, beta: float) -> None:
-    """``out ← β·out + gᵀ x`` in place, the faster way round (:func:`narrow`)."""
+    """``out ← β·out + gᵀ x`` in place, the faster way round (:func:`narrow`); β ∈ {0, 1}. A bf16 product (bf16
+    ``g`` and ``x``, fp32 ``out``) is rounded to bf16 and summed into ``out`` in fp32."""
+    if g.dtype != out.dtype:
+        product = _weight_grad(g, x)
+        out.copy_(product) if beta == 0 else out.add_(product)
+        return
     if narrow(g, x):
         out.t().addmm_(x.t(), g, beta=beta)
     else:
@@ -78,9 +97,12 @@ class _Linear(torch.autograd.Function):
     def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool, defer: DeferSlot | None,
                 private: bool, *xs: torch.Tensor) -> torch.Tensor:
         ctx.relu, ctx.defer, ctx.private, ctx.widths = relu, defer, private, [x.shape[1] for x in xs]
+        dtype = compute_dtype() or torch.float32
         # one GEMM over [x_1 … x_K]: oneDNN copies a strided input (the lookups' columns of FBGEMM's output)
-        # into a contiguous one anyway, and the copy is made here instead, with the other blocks in it
-        x = xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+        # into a contiguous one anyway, and the copy is made here instead, with the other blocks in it (and cast)
+        x = xs[0].to(dtype) if len(xs) == 1 else torch.cat([x.to(dtype) for x in xs], dim=1)
+        weight = weight.to(dtype)  # under bf16 autocast a bf16 copy of the fp32 master weight
+        bias = bias.to(dtype) if bias is not None else None
         y = _linear(x, weight, bias, "relu" if relu else "none", [], "")
         ctx.save_for_backward(weight, y if relu else None, x)
         return y
@@ -100,7 +122,7 @@ class _Linear(torch.autograd.Function):
             ctx.defer(g, x)  # computed later in the backward, beside the lookups' (backward_overlap)
         elif need_w:
             grad_w = _weight_grad(g, x)
-        grad_b = g.sum(dim=0) if need_b else None
+        grad_b = g.sum(dim=0, dtype=torch.float32) if need_b else None  # (bf16 g: summed in fp32)
         grad_x = [_linear(g, w.t().contiguous(), None, "none", [], "") if need else None
                   for w, need in zip(weight.split(ctx.widths, dim=1), need_x)]
         return (grad_w, grad_b, None, None, None, *grad_x)

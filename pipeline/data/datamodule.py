@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +16,9 @@ from pipeline.data.sources import prepare_store, store_dir
 from modules.embedding.zch.config import ZchConfig
 from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore, has_raw_ids, with_table_sizes
 from pipeline.data.vocab_files import read_vocabulary
+from pipeline.runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class CTRDataModule(L.LightningDataModule):
@@ -105,6 +109,14 @@ class CTRDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> BatchLoader:
         loader = self._loader("train", train=True)
+        rows, batch = len(loader.arrays), loader.global_batch_size
+        if loader.num_batches == 0:  # training takes whole batches only: not one step would run
+            raise ConfigError(f"trainer.batch_size={batch}: the training split holds {rows:,} rows, fewer than one "
+                              f"batch, so no training step would run; set trainer.batch_size to at most {rows:,} "
+                              f"(or give more rows)")
+        if rows % batch:
+            log.info("Each epoch trains %d batches of %d rows; the last %d of its %d training rows (a partial "
+                     "batch, in a new order each epoch) are left out", loader.num_batches, batch, rows % batch, rows)
         if self.resume_position is not None:
             loader.resume_at(*self.resume_position)
         return loader

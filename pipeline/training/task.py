@@ -96,12 +96,12 @@ class CTRTask(L.LightningModule):
         net = build_model(self.model_cfg, data.feature_spec, device=torch.device("meta"))
         inits = table_inits(net)  # before sharding, which may swap them for the ssd tier's
         device = self.trainer.strategy.root_device
-        # a CPU fp32 kernel (modules/models/onednn_linear.py): elsewhere the MLP runs PyTorch's plain layers
+        # a CPU fp32 / bf16-autocast kernel (modules/models/onednn_linear.py): elsewhere the MLP runs PyTorch's layers
         self.onednn_mlp_used = (self.model_cfg.onednn_mlp and onednn_linear.AVAILABLE and device.type == "cpu"
-                                and self.trainer.precision == "32-true")
+                                and self.trainer.precision in ("32-true", "bf16-mixed"))
         if self.model_cfg.onednn_mlp and not self.onednn_mlp_used:
-            log.info("model.onednn_mlp: not used on %s with precision %s (a CPU fp32 kernel): the MLP runs "
-                     "PyTorch's plain layers", device.type, self.trainer.precision)
+            log.info("model.onednn_mlp: not used on %s with precision %s (a CPU fp32 or bf16-mixed kernel): the MLP "
+                     "runs PyTorch's plain layers", device.type, self.trainer.precision)
         # what modules.models.backward_overlap.applies checks at each forward, decided once for the record
         self.overlap_embedding_backward_used = (self.model_cfg.overlap_embedding_backward and self.onednn_mlp_used
                                                 and self.trainer.world_size == 1 and torch.get_num_threads() > 1)
@@ -208,7 +208,10 @@ class CTRTask(L.LightningModule):
 
     def _eval_step(self, batch: CTRBatch, batch_idx: int, metrics: CTRMetrics) -> None:
         n = batch.valid_rows  # may be 0 on some ranks for the padded last batch: update anyway, so
-        logits = self(batch)   # every rank's metric state is defined when torchmetrics syncs it
+        # every rank's metric state is defined when torchmetrics syncs it. In fp32 whatever the training precision:
+        # the model's weights are fp32, and its AUC is then what ctr predict and ctr serve give (fp32 scoring)
+        with torch.autocast(self.device.type, enabled=False):
+            logits = self(batch)
         metrics.update(logits[:n], batch.labels[:n])
         if batch_idx % heap.EVERY == heap.EVERY - 1:
             heap.trim()  # freed evaluation blocks back to the system (pipeline/runtime/heap.py)
