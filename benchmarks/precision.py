@@ -95,6 +95,7 @@ def main() -> None:
     from pipeline.training.precision import resolve_precision
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-precision-"))
+    work.mkdir(parents=True, exist_ok=True)
     auto, why = resolve_precision("auto", "cpu")
     print(f"{cpu_name()}; auto resolves to {auto} ({why})\n", flush=True)
     try:

@@ -156,3 +156,46 @@ def test_look_ahead_is_refused_where_the_next_ids_are_not_known(small_overrides,
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"\(here 2 process\(es\)\)"):
         check_config(compose_config(ahead))
+
+
+@pytest.mark.parametrize("override, line", [
+    ("trainer.batchsize=1024", "trainer.batchsize is not a key of trainer; did you mean trainer.batch_size or "
+                               "trainer.eval_batch_size? (trainer's keys: conf/trainer/default.yaml and `ctr train "
+                               "--help`)"),
+    ("+trainer.batchsize=1024", "trainer.batchsize is not a key of trainer; did you mean trainer.batch_size"),
+    ("trainer.checkpoint.dirr=ckpt", "trainer.checkpoint.dirr is not a key of trainer.checkpoint; did you mean "
+                                     "trainer.checkpoint.dir?"),
+    ("trainer.batch_size=big", "trainer.batch_size=big: expected int"),
+    ("model=deepfn", "Could not find 'model/deepfn'; available: dcn, dcnv2, deepfm, wide_deep"),
+    ("seedd=3", "seedd is not a key of the config; did you mean seed?"),
+])
+def test_a_bad_key_or_value_is_one_line_naming_it_with_the_nearest_keys(capsys, override, line):
+    """Hydra said these in 7 lines, and its own hint (+key=value) ran with the key ignored."""
+    from pipeline.commands.overrides import check_overrides
+    from pipeline.runtime.config_source import config_path
+
+    with pytest.raises(SystemExit) as stop:
+        check_overrides(config_path(), "config", [override])
+    error, hint = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and error.startswith("Error (ConfigError): ") and line in error, error
+    assert hint.startswith("Hint: ")
+
+
+def test_the_command_stops_on_it_with_status_2_before_writing_anything(tmp_path):
+    import subprocess
+
+    from tests.conftest import PYTHON, subprocess_env
+    proc = subprocess.run([PYTHON, "-m", "pipeline.commands.train", "+trainer.batchsize=1024",
+                           f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 2, proc.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
+
+
+def test_plus_still_adds_keys_where_the_schema_takes_free_keys():
+    """``+`` for a table's override (a mapping of free keys) and an experiment (a config group) still composes."""
+    from pipeline.commands.overrides import check_overrides
+    from pipeline.runtime.config_source import config_path
+
+    check_overrides(config_path(), "config", ["+topology.table_overrides.emb_C3.tier=ssd",
+                                              "+experiment=frappe_deepfm", "trainer.batch_size=1024"])

@@ -11,6 +11,7 @@ from pipeline.commands.args import exit_on_user_error
 from pipeline.config import register_configs
 from pipeline.runtime.hydra_job import output_dir
 from pipeline.training.daily import run_daily
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path
 
 
@@ -26,6 +27,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """``ctr daily`` / ``python -m pipeline.commands.daily``."""
     register_configs()
+    check_overrides(config_path(), "config")
     main()
 
 

@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.model_folder.export import export_model
 from pipeline.model_folder.quantize import check_quantize
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path
 
 
@@ -34,11 +35,17 @@ class ExportArgs:
 
 
 @hydra.main(version_base="1.3", config_path=config_path(), config_name="export")
-def cli(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
     args = command_args(cfg, ExportArgs)
     out = exit_on_user_error(lambda: export_model(args.checkpoint, args.out, args.quantize))
     tables = "tables/" if args.quantize == "none" else f"tables/ ({args.quantize})"
     print(f"Exported {args.checkpoint} to {out} (model.json, weights.pt, {tables}, vocab/)")
+
+
+def cli() -> None:
+    """``ctr export`` / ``python -m pipeline.commands.export``."""
+    check_overrides(config_path(), "export")
+    main()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pipeline.data.dataset import DataConfig
 from pipeline.data.store import FIRST_VOCAB_ID, SplitArrays
 from pipeline.runtime.errors import ConfigError
 from pipeline.training.link_choice import LinkSettings
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path
 
 
@@ -85,6 +86,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """``ctr plan`` / ``python -m pipeline.commands.plan``."""
     register_configs()
+    check_overrides(config_path(), "config")
     main()
 
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.runtime.process_exit import exit_now, leave_process_group
 from pipeline.scoring.prediction import PredictArgs, run
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path
 
 
@@ -34,6 +35,7 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """``ctr predict`` / ``python -m pipeline.commands.predict``."""
+    check_overrides(config_path(), "predict")
     main()
     exit_now(0)  # no interpreter teardown: under torchrun a gloo worker may still be ending (pipeline.runtime.process_exit)
 

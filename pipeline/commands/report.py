@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path  # noqa: E402
 
 RULE_ORDER = ("none", "sqrt", "linear", "cowclip", "auto")
@@ -182,7 +183,7 @@ class ReportArgs:
 
 
 @hydra.main(version_base="1.3", config_path=config_path(), config_name="report")
-def cli(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
     from pipeline.commands.args import command_args
 
     args = command_args(cfg, ReportArgs)
@@ -207,6 +208,12 @@ def cli(cfg: DictConfig) -> None:
         if args.parent is None:
             client.set_terminated(target)
         print(f"report logged to MLflow run {target}; files in {out}")
+
+
+def cli() -> None:
+    """``ctr report`` / ``python -m pipeline.commands.report``."""
+    check_overrides(config_path(), "report")
+    main()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from omegaconf import MISSING, DictConfig
 
 from pipeline.commands.args import command_args, exit_on_user_error
 from pipeline.server.settings import ServeSettings
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path
 
 if TYPE_CHECKING:
@@ -102,10 +103,16 @@ def run(args: ServeArgs) -> None:
 
 
 @hydra.main(version_base="1.3", config_path=config_path("serving"), config_name="serve")
-def cli(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
     args = command_args(cfg, ServeArgs)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     exit_on_user_error(lambda: run(args))
+
+
+def cli() -> None:
+    """``ctr serve`` / ``python -m pipeline.commands.serve``."""
+    check_overrides(config_path("serving"), "serve")
+    main()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig
 
 from pipeline.tracking.heartbeat import mark_stale_runs
 from pipeline.tracking.logger import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path
 
 SYNCED_TAG = "ctr.synced_to"
@@ -75,7 +76,7 @@ class SyncArgs:
 
 
 @hydra.main(version_base="1.3", config_path=config_path(), config_name="sync")
-def cli(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
     from pipeline.commands.args import command_args
 
     args = command_args(cfg, SyncArgs)
@@ -90,6 +91,12 @@ def cli(cfg: DictConfig) -> None:
     for local, dest, n in sync(args.source, target):
         print(f"run {local} -> {target} run {dest}: {n} metric values")
     mark_stale_runs(MlflowClient(target), overdue_only=True, say=print)
+
+
+def cli() -> None:
+    """``ctr sync`` / ``python -m pipeline.commands.sync``."""
+    check_overrides(config_path(), "sync")
+    main()
 
 
 if __name__ == "__main__":

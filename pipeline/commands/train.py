@@ -30,6 +30,7 @@ from pipeline.runtime.signals import Preempted
 from pipeline.tracking.sweeps import record_failure
 from pipeline.training.result import RunResult
 from pipeline.training.run import train
+from pipeline.commands.overrides import check_overrides
 from pipeline.runtime.config_source import config_path
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def main(cfg: DictConfig) -> float:
 def cli() -> None:
     """``ctr train`` / ``python -m pipeline.commands.train``."""
     register_configs()
+    check_overrides(config_path(), "config")
     status = 0
     try:
         main()
