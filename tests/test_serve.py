@@ -466,3 +466,35 @@ def test_each_serve_default_stands_once():
         value = getattr(parsed, f.name)
         if isinstance(value, (int, float)) and value not in (0, 1):
             assert f"`serve.{f.name}` ({value:,g})" not in docs and f"`serve.{f.name}` ({value:g})" not in docs
+
+
+def test_a_server_without_serve_dir_removes_its_temporary_folder_on_sigterm_and_ctrl_c(served_rows, tmp_path):
+    """The downloaded model and fused table copies live in a temporary folder (gigabytes with real tables): one
+    server per signal, both started at once; /version names the model, not that folder."""
+    model, _, _ = served_rows
+    servers = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        tmp = tmp_path / sig.name
+        tmp.mkdir()
+        port = free_port()
+        proc = subprocess.Popen([PYTHON, "-m", "pipeline.commands.serve", f"model={model}", f"serve.port={port}"],
+                                cwd=ROOT, env=subprocess_env(TMPDIR=str(tmp)), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        servers[sig] = (proc, port, tmp)
+    deadline = time.time() + 180
+    for sig, (proc, port, tmp) in servers.items():
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/version", timeout=5) as r:
+                    about = json.loads(r.read())
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-3000:]
+                time.sleep(0.5)
+        assert about["model"] == str(model.resolve()) and "folder" not in about
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("ctr-serve-")], "no temporary folder to remove"
+        os.kill(proc.pid, sig)  # the server process alone, as a terminal's Ctrl-C or a supervisor's stop
+    for sig, (proc, port, tmp) in servers.items():
+        proc.wait(timeout=90)
+        proc.stderr.close()
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("ctr-serve-")] == [], sig.name

@@ -7,7 +7,8 @@ The model is made a local model folder once (downloaded or exported), published 
 served by ``serve.workers`` uvicorn processes, which map its tables read-only. With ``serve.watch`` this
 process looks for a newer version every ``serve.watch_interval_s`` and publishes it; the workers load
 it beside the serving one and switch when it is ready. SIGTERM / Ctrl-C: the workers finish the
-requests in flight, then exit.
+requests in flight, then exit; without ``serve.dir`` the temporary folder (the downloaded model, the fused table
+copies) is removed, also when the signal comes while the model is being prepared.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import signal
+import sys
 import tempfile
 import threading
 from dataclasses import asdict, dataclass, replace
@@ -67,14 +71,28 @@ def _watch(args: ServeArgs, workdir: Path, current: Version, stop: threading.Eve
 
 
 def run(args: ServeArgs) -> None:
-    import uvicorn
-
     if args.tracking_uri:
         os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
     os.environ.setdefault("TQDM_DISABLE", "1")  # the raw-row reader's progress bars: not per request
     s = args.serve
+    temporary = not s.dir
     workdir = Path(s.dir or tempfile.mkdtemp(prefix="ctr-serve-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    # a signal ends the process through Python (uvicorn, once it has shut down gracefully, raises the signal again
+    # with these handlers in place): the folder below is removed on the way out
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        _serve(args, workdir)
+    finally:
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _serve(args: ServeArgs, workdir: Path) -> None:
+    import uvicorn
+
+    s = args.serve
     if s.workers > 1:  # the workers' metrics, summed by /metrics (set before prometheus_client is imported)
         metrics_dir = workdir / "metrics"
         metrics_dir.mkdir(exist_ok=True)

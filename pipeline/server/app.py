@@ -8,7 +8,8 @@ scoring protocol so that any MLflow client keeps working:
                         413 for a body larger than that bound (no retry helps); a client that disconnects
                         before its body arrived gets nothing scored
     GET  /ping, /health 200 once a model is loaded
-    GET  /version       {"model": <version>, "folder": ..., "mlflow": <MLflow's version>}
+    GET  /version       {"model": <version: the model's source as given, runs:/ and models:/ pinned>,
+                         "mlflow": <MLflow's version>}
     GET  /metrics       Prometheus text (:mod:`.metrics`)
 
 One app per worker process. At start it loads the version published in the serve directory
@@ -155,7 +156,7 @@ class ScoringApp:
             await _reply(send, 200 if ready else 503, b"\n", b"text/plain")
         elif path == "/version" and method == "GET":
             served = self.batcher.served.version
-            await _json(send, 200, {"model": served.label, "folder": served.folder, **self._about})
+            await _json(send, 200, {"model": served.label, **self._about})
         elif path == "/metrics" and method == "GET":
             await _reply(send, 200, metrics.exposition(), metrics.CONTENT_TYPE.encode())
         else:
