@@ -72,7 +72,7 @@ NOISE = ("try installing [litlogger]", "serialized using CloudPickle", "The vers
          "`broadcast_buffers` is deprecated", "non-tuple sequence for multidimensional indexing", "TPU available:",
          "All distributed processes registered", "Initializing distributed:", "to estimate number of stepping batches",
          "so validation will run at the end of the training epoch", "Creating initial MLflow database tables",
-         "not found. Creating it.", "Validating input example against model signature")
+         "not found. Creating it.", "Validating input example against model signature", "`weights_only` was not set")
 
 
 def test_a_two_process_job_prints_no_third_party_noise_and_each_line_once(straight_run):

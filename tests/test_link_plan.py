@@ -182,3 +182,18 @@ def test_a_resumed_run_takes_the_link_settings_its_checkpoint_ran_with():
     assert resumed.record() == recorded and resumed.copy_span == 2 and resumed.merging.overlap == 2
     with pytest.raises(ConfigError, match=r"trainer\.merging\.k=4: the checkpoint being resumed ran with 8"):
         LinkSettings.of(compose_run_config(["trainer.merging.k=4"])).as_recorded(recorded, topology)
+
+
+def test_one_node_prints_no_estimate_of_a_link_it_does_not_cross():
+    """``Estimated step 0.000 s against 0.000 s`` was printed where nothing was estimated."""
+    from modules.optim.kstep_merging import MergeConfig
+    from modules.sharding.comm_precision import CommsConfig
+    from pipeline.training.link_choice import LinkSettings
+    from modules.sharding.link_plan import DEFAULT, LinkChoice
+
+    nothing = LinkChoice(DEFAULT, 0.0, 0.0, 0.0, 0.0, "one node")
+    line = LinkSettings(MergeConfig(k=None, overlap=0), CommsConfig("fp32", "fp32", "fp32"), nothing).describe()
+    assert line.startswith("link: DDP (every step)") and "Estimated" not in line
+    some = LinkChoice(DEFAULT, 0.2, 0.5, 0.1, 1e6, "a 100 Mbit/s link")
+    assert "Estimated step 0.200 s against 0.500 s" in LinkSettings(MergeConfig(), CommsConfig("fp32", "fp32", "fp32"),
+                                                                     some).describe()

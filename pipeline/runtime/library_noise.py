@@ -25,6 +25,10 @@ of this project and any other warning of these libraries still show.
   validation will run at the end of the training epoch", and its MLflow logger's "Experiment with name ... not
   found. Creating it." (a first run's normal case, as a warning). "GPU available: ..." stays: it says where the
   run trains.
+* Lightning at every checkpoint: "`weights_only` was not set, defaulting to `False`" (the project's checkpoint IO reads
+  with ``weights_only`` and its own metadata reader whatever Lightning passes: :mod:`pipeline.checkpoint.dcp_io`), and
+  on a mid-epoch resume "your dataloader is not resumable" (the loader resumes at the batch training reached,
+  :meth:`pipeline.data.batches.BatchLoader.resume_at`; the kill-and-resume tests end at the uninterrupted run's bits).
 * MLflow's "Creating initial MLflow database tables..." / "Updating database tables" (a new local store) and
   "Validating input example against model signature" (at model logging).
 
@@ -51,6 +55,8 @@ WARNINGS = (  # (message regex, category)
     (r"Using a non-tuple sequence for multidimensional indexing is deprecated", UserWarning),
     (r"`_get_pg_default_device` will be deprecated", UserWarning),  # torchrec 1.6.1 on torch 2.11
     (r"Multiple backends are registered with this ProcessGroup", UserWarning),  # the same call, there
+    (r"You.re resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
+     UserWarning),  # Lightning on a mid-epoch resume: the project resumes it
 )
 LOGGED = {  # logger → the messages of it silenced
     "torch.fx._symbolic_trace": ("is_fx_tracing will return true for both fx.symbolic_trace",),
@@ -60,6 +66,7 @@ LOGGED = {  # logger → the messages of it silenced
                                                "so validation will run at the end of the training epoch"),
     "lightning.fabric.utilities.distributed": ("Initializing distributed: GLOBAL_RANK",),
     "lightning.pytorch.loggers.mlflow": ("not found. Creating it.",),
+    "lightning.pytorch.trainer.connectors.checkpoint_connector": ("`weights_only` was not set",),
     "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
     "mlflow.pyfunc": ("causes it to be serialized using CloudPickle",
                       "The version of CloudPickle used to save the model could not be found",

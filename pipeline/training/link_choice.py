@@ -19,7 +19,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from modules.embedding.feature_spec import FeatureSpec
@@ -222,10 +221,7 @@ class LinkSettings:
                                               dense_params, rows, fit)
         if merging.copies:  # no all-to-all across the link; the backward's precision is the updates' in a merge
             comms = CommsConfig("fp32", comms.embedding_backward, comms.dense)
-        settings = LinkSettings(merging, comms, choice, self.replicable, per_node, self.timeout)
-        if topology.world_size > 1:
-            rank_zero_info(settings.describe())
-        return settings
+        return LinkSettings(merging, comms, choice, self.replicable, per_node, self.timeout)
 
     def record(self) -> dict[str, Any]:
         """The resolved settings as a checkpoint keeps them (:meth:`as_recorded` takes them back)."""
@@ -243,10 +239,7 @@ class LinkSettings:
             if asked not in ("auto", ran):
                 raise ConfigError(f"trainer.{key}={asked!r}: the checkpoint being resumed ran with {ran!r}; resume with "
                                   f"it (or auto), or start a new run")
-        settings = replace(self, merging=merging, comms=comms, choice=None, ranks_per_node=topology.ranks_per_node or 1)
-        if topology.world_size > 1:
-            rank_zero_info("resumed as the checkpoint ran: " + settings.describe())
-        return settings
+        return replace(self, merging=merging, comms=comms, choice=None, ranks_per_node=topology.ranks_per_node or 1)
 
     @property
     def copy_span(self) -> int:
@@ -283,8 +276,9 @@ class LinkSettings:
             line = (f"link: {merge}; embedding all-to-all {comms.embedding_forward} forward, "
                     f"{comms.embedding_backward} backward; dense {'all-reduce' if merging.k is None else 'updates'} "
                     f"{comms.dense}.")
+        estimated = choice is not None and choice.default_step_s > 0  # (one node: nothing crosses a link)
         return line + (f" Estimated step {choice.step_s:.3f} s against {choice.default_step_s:.3f} s with DDP in "
-                       f"fp32 ({choice.reason})" if choice else "")
+                       f"fp32 ({choice.reason})" if estimated else "")
 
     def params(self) -> dict[str, Any]:
         """What ran for the link (MLflow parameters ``link/*``): the merge period, precisions, estimates."""

@@ -6,7 +6,6 @@ Hydra job; the daily driver (:mod:`pipeline.training.daily`) once per day.
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from dataclasses import replace
@@ -26,7 +25,7 @@ from pipeline.data.datamodule import CTRDataModule
 from pipeline.runtime import heap
 from pipeline.runtime.hydra_job import output_dir as job_output_dir
 from pipeline.runtime.hydra_job import threads_per_job
-from pipeline.runtime.launch import world_from_env
+from pipeline.runtime.launch import global_rank, world_from_env
 from pipeline.runtime.library_noise import one_copy_of_each_line
 from pipeline.runtime.numa import bind_to_gpu_numa_node
 from pipeline.runtime.peers import collective_failure, is_lost_peer
@@ -41,8 +40,6 @@ from pipeline.training.result import RunResult
 from pipeline.training.task import CTRTask
 from pipeline.training.trainer import build_callbacks, build_trainer
 
-log = logging.getLogger(__name__)
-
 
 def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     """Train and test as ``cfg`` says, in ``output_dir`` (default: the Hydra job's folder)."""
@@ -51,7 +48,8 @@ def train(cfg: DictConfig, output_dir: Path | None = None) -> RunResult:
     check_link_settings(run_cfg)
     topology = prepare_process(run_cfg)
     precision, why = resolve_precision(run_cfg.trainer.precision, topology.compute_device)
-    log.info("Training in %s (%s)", precision, why)
+    if global_rank() == 0:
+        print(f"Training in {precision} ({why})", flush=True)
     run_cfg = replace(run_cfg, trainer=replace(run_cfg.trainer, precision=precision))
     output_dir = output_dir or job_output_dir()
     params = save_resolved_config(cfg, output_dir)

@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 import torch.nn.functional as F
 
@@ -112,6 +113,8 @@ class CTRTask(L.LightningModule):
         ran = read_rank0_state(self.resume_from)["pipeline"]["layout"].get("link") if self.resume_from else None
         self.link = self.link.as_recorded(ran, self.topology) if ran else \
             self.link.resolved(self.model_cfg, spec, net, self.topology, self.global_batch, data.store.split("train"))
+        if self.topology.world_size > 1:  # (ctr plan prints the same line itself)
+            rank_zero_info(("resumed as the checkpoint ran: " if ran else "") + self.link.describe())
         self.model, self.plan = shard_model(net, self.embedding_optim, self.topology, device,
                                             data_parallel=self.link.dense_in_ddp,
                                             group=self.link.shard_group(),
