@@ -24,7 +24,10 @@ skew_s = float(sys.argv[2])
 wall = time.time
 time.time = lambda: wall() + skew_s  # this machine's clock, off by skew_s
 from mlflow.tracking import MlflowClient
+from pipeline.tracking import heartbeat
 from pipeline.tracking.heartbeat import Heartbeat
+if sys.argv[3] == "elsewhere":  # as if on another machine: only its beats tell whether it lives
+    heartbeat.this_process = lambda: "another-host 0-0-0 12345 678"
 client = MlflowClient(sys.argv[1])
 experiment = client.get_experiment_by_name("beating") or client.create_experiment("beating")
 run = client.create_run(getattr(experiment, "experiment_id", experiment)).info.run_id
@@ -34,8 +37,8 @@ time.sleep(600)
 """
 
 
-def start_run(uri: str, skew_s: float = 0.0) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([PYTHON, "-c", CHILD, uri, str(skew_s)], cwd=ROOT, env=subprocess_env(),
+def start_run(uri: str, skew_s: float = 0.0, where: str = "elsewhere") -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([PYTHON, "-c", CHILD, uri, str(skew_s), where], cwd=ROOT, env=subprocess_env(),
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     return proc, proc.stdout.readline().strip()
 
@@ -94,6 +97,36 @@ def test_a_killed_runs_stale_heartbeat_marks_it_failed_and_a_resume_reopens_it(t
         assert {i.status for i in ended} == {"FINISHED"} and all(i.end_time for i in ended)
     finally:
         for proc in (killed, behind):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            proc.stdout.close()
+
+
+def test_a_run_killed_on_this_machine_is_marked_failed_by_the_next_short_run_before_it_ends(tmp_path, capsys):
+    """The run recorded its host, boot id, pid and start time: a watcher on the same machine sees the process is gone
+    and marks it at once, without waiting 5 beats (the next run here lasts ~2 s; 5 beats of 2 s take 10 s). A live
+    run on this machine is left alone."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    create_local_store(uri)
+    client = MlflowClient(uri)
+    killed, killed_id = start_run(uri, where="here")
+    live, live_id = start_run(uri, where="here")
+    try:
+        assert killed_id and live_id
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=30)
+        assert client.get_run(killed_id).info.status == "RUNNING"
+        new = start_logger(LoggerConfig(tracking_uri=uri, experiment_name="another"), tmp_path, None, {})
+        time.sleep(2)
+        assert new.close(30, tmp_path) == []
+        dead = client.get_run(killed_id)
+        assert dead.info.status == "FAILED" and dead.info.end_time is None, dead.info
+        assert f"its process (pid {killed.pid} on " in dead.data.tags[FAILURE_TAG], dead.data.tags[FAILURE_TAG]
+        assert killed_id in capsys.readouterr().out
+        assert client.get_run(live_id).info.status == "RUNNING"
+    finally:
+        for proc in (killed, live):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)

@@ -6,8 +6,9 @@ Each run of the local store that carries the tag ``ctr.original_run_id`` (writte
 original run on the target — or into a new run of the same experiment if the target does not have
 it: parameters, every metric's full history (values, steps, timestamps), tags, artifacts and the
 final status. A synced local run is tagged ``ctr.synced_to`` and skipped the next time. Then the
-target's RUNNING runs whose last beat looks overdue are watched for 5 of their beats, and those that stay
-silent are marked FAILED (:mod:`pipeline.tracking.heartbeat`).
+target's RUNNING runs whose process is gone from this machine are marked FAILED at once, and those whose last beat
+looks overdue are watched for 5 of their beats and marked if they stay silent (:mod:`pipeline.tracking.heartbeat`).
+``ctr sync target=sqlite:///mlflow.db`` does only that.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import hydra
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from omegaconf import MISSING, DictConfig
+from omegaconf import DictConfig
 
 from pipeline.tracking.heartbeat import mark_stale_runs
 from pipeline.tracking.logger import ORIGINAL_RUN_TAG, ORIGINAL_URI_TAG
@@ -71,7 +72,7 @@ def sync(source_uri: str, target_uri: str) -> list[tuple[str, str, int]]:
 class SyncArgs:
     """``conf/sync.yaml``."""
 
-    source: str = MISSING
+    source: Optional[str] = None  # None: only look for dead runs in target
     target: Optional[str] = None
 
 
@@ -81,6 +82,9 @@ def main(cfg: DictConfig) -> None:
 
     args = command_args(cfg, SyncArgs)
     target = args.target
+    if args.source is None and target is None:
+        sys.exit("ctr sync: give source=<fallback store> (replayed to its server) and/or target=<store> (its runs "
+                 "whose process died are marked FAILED)")
     if target is None:
         uris = {r.data.tags.get(ORIGINAL_URI_TAG) for e in MlflowClient(args.source).search_experiments()
                 for r in MlflowClient(args.source).search_runs([e.experiment_id])} - {None}
@@ -88,8 +92,9 @@ def main(cfg: DictConfig) -> None:
             sys.exit(f"target=<tracking server> is needed: the store's runs come from "
                      f"{sorted(uris) or 'no known server'}")
         target = uris.pop()
-    for local, dest, n in sync(args.source, target):
-        print(f"run {local} -> {target} run {dest}: {n} metric values")
+    if args.source is not None:
+        for local, dest, n in sync(args.source, target):
+            print(f"run {local} -> {target} run {dest}: {n} metric values")
     mark_stale_runs(MlflowClient(target), overdue_only=True, say=print)
 
 
