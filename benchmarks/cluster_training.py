@@ -35,11 +35,11 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.netns_cluster import Cluster, wait_all  # noqa: E402
@@ -88,8 +88,8 @@ def _recipe(name: str, rate_mbit: float) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    out.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = child_env({"OMP_NUM_THREADS": "1"}, {k: v for k, v in os.environ.items()
+                                               if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")})
     return out
 
 
@@ -101,7 +101,7 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
     if name == "one_node":
         with open(folder / "node0.log", "w") as log:
             proc = subprocess.run([sys.executable, "-m", "pipeline.commands.train", *job,
-                                   f"hydra.run.dir={folder}/node0"], cwd=ROOT, env=env(), stdout=log,
+                                   f"hydra.run.dir={folder}/node0"], cwd=out, env=env(), stdout=log,
                                   stderr=subprocess.STDOUT)
         codes, sent = [proc.returncode], None
     elif name.endswith(LOOPBACK):
@@ -113,7 +113,7 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
                     [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
                      f"--nproc_per_node={args.nproc}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                      f"--rdzv_id={name}{port}", "-m", "pipeline.commands.train", *job, f"hydra.run.dir={folder}/node{n}"],
-                    cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT))
+                    cwd=out, env=env(), stdout=log, stderr=subprocess.STDOUT))
         codes, sent = wait_all(agents, args.timeout_s), None
     else:
         with Cluster(nodes=args.nodes, rate_mbit=args.rate_mbit) as cluster:
@@ -121,13 +121,14 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
             for n in range(args.nodes):
                 with open(folder / f"node{n}.log", "w") as log:
                     agents.append(cluster.torchrun(n, args.nproc, name, ["-m", "pipeline.commands.train", *job,
-                                                   f"hydra.run.dir={folder}/node{n}"], env(), cwd=ROOT, stdout=log,
+                                                   f"hydra.run.dir={folder}/node{n}"], env(), cwd=out, stdout=log,
                                                    stderr=subprocess.STDOUT))
             codes = wait_all(agents, args.timeout_s)
             sent = cluster.tx_bytes(0)
     wall = time.monotonic() - start
     if any(c != 0 for c in codes):
-        raise SystemExit(f"{name}: exit codes {codes}; see {folder}/node*.log")
+        tail = "".join(f"\n--- {log.name}:\n" + log.read_text()[-2000:] for log in sorted(folder.glob("node*.log")))
+        raise SystemExit(f"{name}: exit codes {codes}{tail}")
     result = read_result(folder / "node0")
     return {"name": name, "wall_s": wall, "result": result, "node0_tx": sent}
 
@@ -144,12 +145,17 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=3600)
     p.add_argument("--target-auc", type=float, help="the time-to-AUC target, from an earlier run of ddp on the same "
                    "data (DDP is deterministic here): ddp need not run again")
+    p.add_argument("--work", default=None, help="folder for the data and runs (default: a temporary one, removed)")
     args = p.parse_args()
     if "ddp" not in args.recipes and args.target_auc is None:
         raise SystemExit("--recipes must include ddp (the AUC target), or give --target-auc")
-    out = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    with work_folder(args.work, "bench-cluster-") as out:
+        measure(args, out)
+
+
+def measure(args: argparse.Namespace, out: Path) -> None:
     uri = f"sqlite:///{out}/mlflow.db"
-    common = [f"data.synthetic.rows={args.rows}", f"trainer.batch_size={args.batch}", "trainer.max_epochs=1",
+    common = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={out / 'cache'}", f"trainer.batch_size={args.batch}", "trainer.max_epochs=1",
               "trainer.num_threads=1", "trainer.enable_progress_bar=false", "trainer.val_check_interval=0.25",
               "logger.log_model=false", f"logger.tracking_uri={uri}", "logger.experiment_name=cluster_training"]
     rows = []

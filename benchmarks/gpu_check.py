@@ -37,16 +37,15 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # beside this file
+
 SIZES = {  # rows of the synthetic log, training batch, the large batch, gpu_profile's arguments
     "cuda": {"rows": 1_000_000, "batch": 4096, "large_batch": 65536,
              "profile": ["--rows", "4000000", "--batches", "65536", "131072", "--steps", "30"]},
@@ -90,23 +89,12 @@ class PeakMemory:
         return round(self.peak_mb, 1)
 
 
-def child_env(extra: dict | None = None) -> dict:
-    """This process's environment with the checkout added to ``PYTHONPATH`` (kept: on a device machine it names
-    the unpacked stack, ``/tmp/site``)."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(ROOT) not in paths:
-        paths.append(str(ROOT))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1", **(extra or {})}
-
-
 class Check:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args, self.device = args, args.device
         self.report_dir = Path(args.report).resolve()
         self.report_dir.mkdir(parents=True, exist_ok=True)
-        self.own_work = args.work is None
-        self.work = Path(tempfile.mkdtemp(prefix="gpu-check-") if self.own_work else args.work).resolve()
-        self.work.mkdir(parents=True, exist_ok=True)
+        self.work = work
         self.deadline = time.monotonic() + args.deadline
         self.log = (self.report_dir / "log.txt").open("w")
         self.report: dict = {"device": args.device, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -131,7 +119,7 @@ class Check:
         self.say(f"\n$ {' '.join(cmd)}")
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=self.work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=child_env(env))
+                                env=child_env({"PYTHONUNBUFFERED": "1", **(env or {})}))
         peak = PeakMemory(self.device, proc.pid)
         try:
             output, _ = proc.communicate(timeout=limit)
@@ -200,8 +188,6 @@ class Check:
         self.say(f"\nfailed: {', '.join(failed) or 'none'}; skipped for the deadline: "
                  f"{', '.join(self.report.get('skipped_for_deadline', [])) or 'none'}; report: {self.report_dir}")
         self.log.close()
-        if self.own_work:
-            shutil.rmtree(self.work, ignore_errors=True)
         return 1 if failed or "stopped" in self.report or "skipped_for_deadline" in self.report else 0
 
 
@@ -221,15 +207,16 @@ def main() -> None:
                                                  "removed at the end)")
     p.add_argument("--deadline", type=float, default=480, help="seconds from the start; later stages are skipped")
     p.add_argument("--rows", type=int, default=None, help="rows of the synthetic log (default: by device)")
-    check = Check(p.parse_args())
+    args = p.parse_args()
     from gpu_check_stages import stages  # beside this file
-    try:
-        check.run_all(stages(check))
-    finally:
-        code = check.finish()
+    with work_folder(args.work, "gpu-check-") as work:
+        check = Check(args, work)
+        try:
+            check.run_all(stages(check))
+        finally:
+            code = check.finish()
     sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

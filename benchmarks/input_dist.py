@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 
@@ -112,25 +113,29 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="threads of the whole machine, split between processes")
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "data"))
+    p.add_argument("--work", default=None, help="folder for the data and store (default: a temporary one)")
     p.add_argument("--worker", metavar="STORE", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args.worker, args.batch, args.steps)
+    with work_folder(args.work, "bench-input-dist-") as work:
+        measure(args, work)
 
+
+def measure(args: argparse.Namespace, work: Path) -> None:
     from pipeline.config import compose_run_config
     from pipeline.data.sources import prepare_store
 
-    cfg = compose_run_config([f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"])
+    cfg = compose_run_config([f"data.synthetic.rows={args.rows}", f"paths.cache_dir={work / 'cache'}"])
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
     results: dict[int, list[dict]] = {n: [] for n in args.procs}
     for r in range(args.repeats):
         for n in args.procs:
-            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // n)), "PYTHONPATH": str(ROOT)}
+            env = child_env({"OMP_NUM_THREADS": str(max(1, args.threads // n))})
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   __file__, "--worker", str(store.root), "--batch", str(args.batch), "--steps", str(args.steps)]
+                   str(Path(__file__).resolve()), "--worker", str(store.root), "--batch", str(args.batch), "--steps", str(args.steps)]
             print(f"round {r + 1}/{args.repeats}: {n} process(es)", file=sys.stderr, flush=True)
-            out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"torchrun of {n} process(es) failed:\n{out.stderr[-3000:]}")
             results[n].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -16,10 +16,10 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 from pipeline.runtime.launch import free_port  # noqa: E402
@@ -35,12 +35,14 @@ def run_two_nodes(k: int, overrides: list[str], tracking_uri: str, nproc: int, o
                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=kstep-{k}-{port}",
                 "-m", "pipeline.commands.train", f"trainer.merging.k={k}", "trainer.num_threads=1",
                 "trainer.enable_progress_bar=false", f"logger.tracking_uri={tracking_uri}",
-                "logger.experiment_name=kstep_merging", f"logger.run_name=k{k}", *overrides,
+                "logger.experiment_name=kstep_merging", f"logger.run_name=k{k}", f"paths.cache_dir={out.parent / 'cache'}",
+                *overrides,
                 f"hydra.run.dir={out}/node{node}"]
 
-    env = {key: v for key, v in os.environ.items() if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    agents = [subprocess.Popen(cmd(n), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = child_env({"OMP_NUM_THREADS": "1"}, {key: v for key, v in os.environ.items()
+                                               if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")})
+    out.mkdir(parents=True, exist_ok=True)
+    agents = [subprocess.Popen(cmd(n), cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for n in range(2)]
     outputs = [a.communicate() for a in agents]
     for a, (_, err) in zip(agents, outputs):
@@ -58,8 +60,13 @@ def main() -> None:
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--tracking-uri", default=None, help="MLflow store (default: a temporary sqlite file)")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides (e.g. data.synthetic.rows=...)")
+    p.add_argument("--work", default=None, help="folder for the data and runs (default: a temporary one, removed)")
     args = p.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-kstep-"))
+    with work_folder(args.work, "bench-kstep-") as tmp:
+        measure(args, tmp)
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> None:
     uri = args.tracking_uri or f"sqlite:///{tmp}/mlflow.db"
 
     from mlflow.tracking import MlflowClient

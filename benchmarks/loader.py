@@ -23,14 +23,13 @@ import argparse
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
@@ -58,12 +57,12 @@ def rate(batches, seconds: float, consume) -> float:
                 return samples / (time.perf_counter() - start)
 
 
-def model_rates(device: str, batches: list[int], steps: int) -> dict[int, float]:
+def model_rates(device: str, batches: list[int], steps: int, work: Path) -> dict[int, float]:
     """``gpu_profile.py``'s samples/s per batch size (the model alone, data in memory)."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"), "--device", device,
                           "--rows", str(max(batches) * 3), "--batches", *map(str, batches), "--steps", str(steps),
                           "--warmup", "1", "--profile-batch", str(min(batches))],
-                         capture_output=True, text=True, check=True).stdout
+                         cwd=work, env=child_env(), capture_output=True, text=True, check=True).stdout
     return {int(b.replace(",", "")): float(s.replace(",", "")) for b, s in re.findall(r"^\| ([\d,]+) \| ([\d,]+) \|",
                                                                                       out, re.M)}
 
@@ -82,8 +81,7 @@ def main() -> None:
     from pipeline.data.batches import BatchLoader
     from pipeline.data.datamodule import CTRDataModule
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench-loader-"))
-    try:
+    with work_folder(args.work, "bench-loader-") as work:
         cfg = compose_run_config([f"data.synthetic.rows={args.rows}", f"paths.cache_dir={work / 'cache'}"])
         data = CTRDataModule(cfg.data, cfg.paths.cache_dir, 4096, 4096, cfg.seed)
         data.prepare_data()
@@ -95,7 +93,7 @@ def main() -> None:
         cuda = torch.cuda.is_available()
         device = torch.device("cuda" if cuda else "cpu")
         rows_t = torch.tensor(table_rows)
-        models = model_rates(device.type, args.batches, args.model_steps) if args.model_steps else {}
+        models = model_rates(device.type, args.batches, args.model_steps, work) if args.model_steps else {}
         print(f"\n{cpu_name()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; "
               f"{len(arrays):,} training rows, {len(keys)} id features; device {device} "
               f"({'page-locked buffers' if cuda else 'no CUDA: pageable buffers, the ring batch cloned out of its slot'})\n")
@@ -121,9 +119,6 @@ def main() -> None:
                 m = models.get(b)
                 print(f"| {b:,} | {name} | {r:,.0f} | {b / r * 1e3:.2f} | {f'{m:,.0f}' if m else '-'} | "
                       f"{f'{r / m:.1f}×' if m else '-'} |", flush=True)
-    finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 MAX_AUC_LOSS = 0.0005
 SHARED = Path(os.environ.get("CTR_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -47,10 +46,8 @@ CASES = {  # name: (overrides, the synthetic rows it needs or None)
 }
 
 
-def run(cmd: list[str], cwd: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=child_env({"OMP_NUM_THREADS": "2"}), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     return proc
@@ -88,54 +85,52 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--seeds", type=int, default=2)
-    p.add_argument("--work", default=None)
+    p.add_argument("--work", default=None, help="folder for the logs, stores and runs (default: a temporary one)")
     args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from loader import cpu_name
+    with work_folder(args.work, "bench-precision-") as work:
+        measure(args, work)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    from loader import cpu_name  # beside this file
     from pipeline.training.precision import resolve_precision
 
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench-precision-"))
-    work.mkdir(parents=True, exist_ok=True)
     auto, why = resolve_precision("auto", "cpu")
     print(f"{cpu_name()}; auto resolves to {auto} ({why})\n", flush=True)
-    try:
-        if "multi_hot" in args.cases:
-            from tests.click_logs import click_log, write_dataset
-            click_log(400_000)[0].to_csv(work / "multi_hot.csv", index=False)
-            write_dataset(work / "conf")
-        results: dict[tuple[str, str], list[dict]] = {}
-        print("| case | precision | seed | samples/s | test AUC |\n|---|---|---:|---:|---:|", flush=True)
-        for case in args.cases:
-            for seed in range(args.seeds):
-                for precision in ("32-true", "auto"):
-                    r = project(case, precision, seed, work)
-                    results.setdefault((case, precision), []).append(r)
-                    print(f"| {case} | {precision} | {seed} | {r['samples_per_s']:,.0f} | {r['test_auc']:.6f} |",
-                          flush=True)
-                if case == "deepfm":
-                    for precision in ("fp32", "bf16"):
-                        r = baseline(precision, seed, work)
-                        results.setdefault(("plain", precision), []).append(r)
-                        print(f"| plain PyTorch DeepFM | {precision} | {seed} | {r['samples_per_s']:,.0f} | "
-                              f"{r['test_auc']:.6f} |", flush=True)
-        print("\n| case | auto / fp32 samples/s | mean ΔAUC (auto − fp32) | mean abs ΔAUC | auto keeps |\n"
-              "|---|---:|---:|---:|---|")
-        for case in args.cases:
-            a, f = results[(case, "auto")], results[(case, "32-true")]
-            ratio = statistics.mean(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(a, f))
-            deltas = [x["test_auc"] - y["test_auc"] for x, y in zip(a, f)]
-            loss = statistics.mean(abs(d) for d in deltas)
-            keep = "fp32" if loss > MAX_AUC_LOSS else auto
-            print(f"| {case} | {ratio:.2f}× | {statistics.mean(deltas):+.6f} | {loss:.6f} | {keep} |")
-        if ("plain", "bf16") in results:
-            a, b = results[("deepfm", "auto")], results[("plain", "bf16")]
-            print(f"\nauto against the plain DeepFM under the same autocast: "
-                  f"{statistics.mean(x['samples_per_s'] / y['samples_per_s'] for x, y in zip(a, b)):.2f}× "
-                  f"(fp32 defaults against plain fp32: "
-                  f"{statistics.mean(x['samples_per_s'] / y['samples_per_s'] for x, y in zip(results[('deepfm', '32-true')], results[('plain', 'fp32')])):.2f}×)")
-    finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
+    if "multi_hot" in args.cases:
+        from tests.click_logs import click_log, write_dataset
+        click_log(400_000)[0].to_csv(work / "multi_hot.csv", index=False)
+        write_dataset(work / "conf")
+    results: dict[tuple[str, str], list[dict]] = {}
+    print("| case | precision | seed | samples/s | test AUC |\n|---|---|---:|---:|---:|", flush=True)
+    for case in args.cases:
+        for seed in range(args.seeds):
+            for precision in ("32-true", "auto"):
+                r = project(case, precision, seed, work)
+                results.setdefault((case, precision), []).append(r)
+                print(f"| {case} | {precision} | {seed} | {r['samples_per_s']:,.0f} | {r['test_auc']:.6f} |",
+                      flush=True)
+            if case == "deepfm":
+                for precision in ("fp32", "bf16"):
+                    r = baseline(precision, seed, work)
+                    results.setdefault(("plain", precision), []).append(r)
+                    print(f"| plain PyTorch DeepFM | {precision} | {seed} | {r['samples_per_s']:,.0f} | "
+                          f"{r['test_auc']:.6f} |", flush=True)
+    print("\n| case | auto / fp32 samples/s | mean ΔAUC (auto − fp32) | mean abs ΔAUC | auto keeps |\n"
+          "|---|---:|---:|---:|---|")
+    for case in args.cases:
+        a, f = results[(case, "auto")], results[(case, "32-true")]
+        ratio = statistics.mean(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(a, f))
+        deltas = [x["test_auc"] - y["test_auc"] for x, y in zip(a, f)]
+        loss = statistics.mean(abs(d) for d in deltas)
+        keep = "fp32" if loss > MAX_AUC_LOSS else auto
+        print(f"| {case} | {ratio:.2f}× | {statistics.mean(deltas):+.6f} | {loss:.6f} | {keep} |")
+    if ("plain", "bf16") in results:
+        a, b = results[("deepfm", "auto")], results[("plain", "bf16")]
+        print(f"\nauto against the plain DeepFM under the same autocast: "
+              f"{statistics.mean(x['samples_per_s'] / y['samples_per_s'] for x, y in zip(a, b)):.2f}× "
+              f"(fp32 defaults against plain fp32: "
+              f"{statistics.mean(x['samples_per_s'] / y['samples_per_s'] for x, y in zip(results[('deepfm', '32-true')], results[('plain', 'fp32')])):.2f}×)")
 
 
 if __name__ == "__main__":

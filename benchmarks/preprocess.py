@@ -30,11 +30,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 
@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="preprocessing benchmark")
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--no-double", action="store_true", help="skip the 2× rows memory check")
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--workdir", default=None, help="folder for the logs (default: a temporary one, removed)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=["pandas", "project"],
                         help="pandas | project (vocabulary) | raw (categorical=raw: no counting) | hash; the first is the baseline")
@@ -109,9 +109,13 @@ def main() -> None:
     if args.child:
         _child(*args.child)
         return
+    with work_folder(args.workdir, "bench-preprocess-") as workdir:
+        report(args, workdir)
+
+
+def report(args: argparse.Namespace, workdir: Path) -> None:
     from pipeline.data.synthetic import SyntheticConfig, generate
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-preprocess-"))
     sizes = [args.rows] if args.no_double else [args.rows, 2 * args.rows]
     rows = []
     base = workdir / f"criteo-{args.rows}.tsv"

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 from modules.embedding.row_init import RowInit  # noqa: E402
@@ -73,9 +74,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps replayed (default: the whole training split)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
     p.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. data.synthetic.day=1")
-    p.add_argument("--work", default=str(ROOT / ".cache" / "row_cache_loops"))
+    p.add_argument("--work", default=None, help="folder for the data and the caches' files (default: a temporary one)")
     args = p.parse_args()
-    cfg = compose_run_config([f"data.synthetic.rows={args.rows}", *args.set])
+    with work_folder(args.work, "bench-row-cache-loops-") as work:
+        measure(args, work)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    cfg = compose_run_config([f"data.synthetic.rows={args.rows}", f"paths.cache_dir={work / 'cache'}", *args.set])
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
     sparse = np.asarray(store.split("train").sparse).astype(np.int64)
     sizes = [store.table_sizes[f] for f in store.categorical_names]
@@ -87,7 +93,7 @@ def main() -> None:
     times: dict[bool, list[float]] = {True: [], False: []}
     for repeat in range(args.repeats):
         for native in (False, True):
-            r = replay(ids, sum(sizes), args.cache_mb, args.batch, steps, native, Path(args.work))
+            r = replay(ids, sum(sizes), args.cache_mb, args.batch, steps, native, work / "caches")
             times[native].append(r["ms"])
             print(f"| {'C' if native else 'torch / numpy'} | {repeat + 1} | {r['ms']:.1f} | {r['hit']:.4f} | {r['drawn']:,} "
                   f"| {r['read']:,} | {r['written']:,} | {r['slots']:,} |", flush=True)

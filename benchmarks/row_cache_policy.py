@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 from modules.sharding.placement import MIN_SLOTS_PER_ID  # noqa: E402
@@ -57,9 +58,14 @@ def main() -> None:
     p.add_argument("--hashed", type=int, default=None, help="hash every table to this many rows")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5, 1.0])
     p.add_argument("--batch", type=int, default=8192)
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "scale" / "cache"))
+    p.add_argument("--work", default=None, help="folder for the data (default: a temporary one)")
     args = p.parse_args()
-    overrides = [f"paths.cache_dir={args.cache_dir}", f"data.synthetic.rows={args.rows}"]
+    with work_folder(args.work, "bench-row-cache-policy-") as work:
+        measure(args, work)
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    overrides = [f"paths.cache_dir={work / 'cache'}", f"data.synthetic.rows={args.rows}"]
     if args.hashed:
         overrides += ["data.preprocess.categorical=hash", f"data.preprocess.hash_buckets={args.hashed}"]
     cfg = compose_run_config(overrides)

@@ -52,7 +52,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env  # noqa: E402  (beside this file)
 
 
 def bytes_per_row(dim: int) -> int:
@@ -61,11 +61,12 @@ def bytes_per_row(dim: int) -> int:
 
 
 def measured(cmd: list[str], cgroup: Path | None = None, env: dict | None = None) -> dict:
-    """Run ``cmd`` (in ``cgroup`` if given); wall/user/sys seconds, major faults, peak VmHWM and RssAnon."""
+    """Run ``cmd`` in the current folder (in ``cgroup`` if given); wall/user/sys seconds, major faults, peak VmHWM
+    and RssAnon."""
     prefix = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"] if cgroup else []
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*prefix, *cmd], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen([*prefix, *cmd], cwd=Path.cwd(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env(env))
     peak = {"anon": 0, "hwm": 0, "majflt": 0, "utime": 0, "stime": 0}
     tick = os.sysconf("SC_CLK_TCK")
 
@@ -287,7 +288,8 @@ def main() -> None:
     t.add_argument("--set", nargs="*", default=[], help="more data overrides, e.g. data.synthetic.zipf_exponent=1.05 "
                    "'data.synthetic.cardinalities=[...]' data.preprocess.min_count=1 (large frequency-ordered vocabularies)")
     for q in (d, t):
-        q.add_argument("--work", default=str(ROOT / ".cache" / "scale"))
+        q.add_argument("--work", default=".cache/scale", help="folder for the logs, stores and runs (default: under "
+                       "the current folder, kept: a large log is generated once)")
         q.add_argument("--batch-size", type=int, default=8192)
     args = p.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)

@@ -27,13 +27,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 
@@ -59,8 +59,7 @@ def request_body(columns: list[str], data: list[list], rows: int, offset: int) -
 
 def start(kind: str, model: Path, pyfunc: Path, port: int, workers: int, workdir: Path) -> subprocess.Popen:
     bin_dir = Path(sys.executable).parent  # mlflow starts uvicorn from PATH
-    env = {**os.environ, "CTR_SERVING_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = child_env({"CTR_SERVING_THREADS": "1", "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"})
     if kind == "mlflow":
         cmd = [str(bin_dir / "mlflow"), "models", "serve", "-m", str(pyfunc), "--env-manager", "local",
                "-h", "127.0.0.1", "-p", str(port), "--workers", str(workers)]
@@ -69,7 +68,7 @@ def start(kind: str, model: Path, pyfunc: Path, port: int, workers: int, workdir
                f"serve.workers={workers}", f"serve.dir={workdir}"]
         if kind == "ctr_collection":  # the float collection for every call (before small batches went fused)
             cmd.append("serve.small_batch_rows=0")
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, env=env, cwd=workdir.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -141,8 +140,13 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1, help="server processes (both servers)")
     p.add_argument("--collection", action="store_true",
                    help="also ctr serve with serve.small_batch_rows=0 (the float collection for every model call)")
+    p.add_argument("--work", default=None, help="folder for the models and servers (default: a temporary one)")
     args = p.parse_args()
+    with work_folder(args.work, "bench-serving-") as tmp:
+        measure(args, tmp)
 
+
+def measure(args: argparse.Namespace, tmp: Path) -> None:
     from pipeline.data.other_readers import open_reader
     from pipeline.runtime.launch import free_port
     from pipeline.model_folder.export import export_model
@@ -153,7 +157,6 @@ def main() -> None:
     table = next(iter(open_reader([Path(args.rows)], reading, 32 << 20, "error", "rows to send")))
     frame = table.drop_columns([reading.label]).slice(0, 20_000).to_pandas()
     columns, data = list(frame.columns), frame.astype(object).where(frame.notna(), None).values.tolist()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     print(f"{len(frame):,} rows of {args.rows}; each server: {args.workers} worker(s) × 1 thread; {os.cpu_count()} "
           f"cores, shared with the clients (one asyncio process)\n")
     kinds = ("mlflow", "ctr", *(["ctr_collection"] if args.collection else []))

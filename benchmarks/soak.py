@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 
@@ -55,8 +56,8 @@ def start(job: Job, work: Path, epochs: int) -> None:
             "trainer.checkpoint.every_n_steps=25", "trainer.resume=auto",
             f"hydra.run.dir={work / job.name / f'attempt{job.attempts}'}"]
     log = open(work / job.name / f"attempt{job.attempts}.log", "w")
-    job.proc = subprocess.Popen([*launcher, "-m", "pipeline.commands.train", *args], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    job.proc = subprocess.Popen([*launcher, "-m", "pipeline.commands.train", *args], cwd=work, stdout=log,
+                                stderr=subprocess.STDOUT, env=child_env({"OMP_NUM_THREADS": "1"}))
     log.close()
     job.started, job.signalled_at = time.monotonic(), None
     job.attempts += 1
@@ -100,7 +101,8 @@ def main() -> None:
     p.add_argument("--kill-rate", type=float, default=0.08, help="chance per second that a running job gets SIGTERM")
     p.add_argument("--min-age", type=float, default=15.0, help="seconds a job runs before it may be signalled")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default=str(ROOT / ".cache" / "soak"))
+    p.add_argument("--work", default=".cache/soak", help="folder for the jobs (default: under the current folder; "
+                   "emptied at the start, kept at the end for a look)")
     args = p.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -35,15 +35,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 
-def _run_measured(cmd: list[str], env: dict[str, str]) -> tuple[str, float]:
-    """Run a child under /usr/bin/time-like accounting: fork, exec, wait4 for its rusage."""
+def _run_measured(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[str, float]:
+    """Run a child in ``cwd`` under /usr/bin/time-like accounting: fork, exec, wait4 for its rusage."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -51,7 +51,7 @@ def _run_measured(cmd: list[str], env: dict[str, str]) -> tuple[str, float]:
         os.dup2(w, 1)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
-        os.chdir(ROOT)
+        os.chdir(cwd)
         os.execvpe(cmd[0], cmd, env)
     os.close(w)
     chunks = []
@@ -69,24 +69,32 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--precision", default="32-true", help="project's trainer.precision (e.g. bf16-mixed)")
+    p.add_argument("--precision", default="32-true", help="the project's trainer.precision (auto, bf16-mixed, ...); "
+                   "where it is bf16-mixed the plain baselines run under the same bf16 autocast")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "data"))
+    p.add_argument("--work", default=None, help="folder for the data, stores and runs (default: a temporary one)")
     p.add_argument("--skip-reference", action="store_true", help="the project alone")
     p.add_argument("--repeats", type=int, default=1, help="alternate project and reference this many times")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for the project run")
     p.add_argument("--seed", type=int, default=1, help="round i's seed (every run in it): seed + i")
     args = p.parse_args()
+    with work_folder(args.work, "bench-throughput-") as work:
+        measure(args, work)
 
+
+def measure(args: argparse.Namespace, work: Path) -> None:
     from pipeline.config import compose_run_config
     from pipeline.data.sources import prepare_store
     from pipeline.training.result import read_result
 
-    data_overrides = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={args.cache_dir}"]
+    from pipeline.training.precision import resolve_precision
+
+    data_overrides = [f"data.synthetic.rows={args.rows}", f"paths.cache_dir={work / 'cache'}"]
     cfg = compose_run_config(data_overrides)
     store = prepare_store(cfg.data, cfg.paths.cache_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-    tmp = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    env = child_env({"OMP_NUM_THREADS": str(args.threads)})
+    tmp = work
+    precision, _ = resolve_precision(args.precision, args.device)
     project_cmd = [sys.executable, "-m", "pipeline.commands.train", *data_overrides, f"trainer.batch_size={args.batch}",
                    "scaling=none",  # the plain baselines' rates, unscaled
                    f"trainer.max_epochs={args.epochs}", f"trainer.precision={args.precision}",
@@ -94,7 +102,8 @@ def main() -> None:
                    f"topology={'1gpu' if args.device == 'cuda' else 'cpu'}", f"logger.tracking_uri=sqlite:///{tmp}/mlflow.db",
                    "logger.experiment_name=throughput", *args.extra]
     reference_cmd = [sys.executable, str(ROOT / "benchmarks" / "reference_deepfm.py"), str(store.root),
-                     "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads", str(args.threads)]
+                     "--batch", str(args.batch), "--epochs", str(args.epochs), "--threads", str(args.threads),
+                     "--precision", "bf16" if precision == "bf16-mixed" else "fp32"]
     baselines = {"plain PyTorch, one shared table (baseline)": ["--layout", "shared"],
                  "plain PyTorch, a table per field": ["--layout", "per_field"],
                  "MLP alone (dense-compute bound)": ["--mlp-only"],
@@ -118,15 +127,16 @@ def main() -> None:
         for kind, name in order:
             if kind == "project":
                 run_dir = tmp / f"run{i}-{list(variants).index(name)}"
-                _, rss = _run_measured([*project_cmd, *variants[name], f"seed={seed}", f"hydra.run.dir={run_dir}"], env)
+                _, rss = _run_measured([*project_cmd, *variants[name], f"seed={seed}", f"hydra.run.dir={run_dir}"], env,
+                                       work)
                 result = read_result(run_dir)
                 runs[name].append((result.samples_per_s, rss, result.test_auc))
             else:
-                out, rss = _run_measured([*reference_cmd, *baselines[name], "--seed", str(seed)], env)
+                out, rss = _run_measured([*reference_cmd, *baselines[name], "--seed", str(seed)], env, work)
                 r = json.loads(out.strip().splitlines()[-1])
                 runs[name].append((r["samples_per_s"], rss, r["test_auc"]))
     print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
-          f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {args.precision}"
+          f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {precision}"
           f"{f', median of {args.repeats} alternating rounds' if args.repeats > 1 else ''}\n")
     print("| run | samples/s | peak RSS MiB | test AUC |")
     print("|---|---:|---:|---:|")

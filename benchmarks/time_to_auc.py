@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def run_recipe(recipe: str, args: argparse.Namespace, out: Path) -> list[dict]:
         return json.loads(timeline.read_text())
     cmd = [sys.executable, "-m", "pipeline.commands.train", "+experiment=batch_scaling", "hydra.mode=RUN",
            f"hydra.run.dir={out / timeline.stem}", f"data.synthetic.rows={args.rows}",
-           f"paths.cache_dir={args.cache_dir}", f"trainer.batch_size={batch}", f"scaling={rule}",
+           f"paths.cache_dir={out / 'cache'}", f"trainer.batch_size={batch}", f"scaling={rule}",
            f"optim.embedding_l2_scope={scope}", f"trainer.max_epochs={epochs}",
            "trainer.early_stopping_patience=null", f"trainer.val_check_interval={1.0 / args.val_per_epoch}",
            "trainer.enable_progress_bar=false", "logger.log_model=false", f"seed={args.seed}",
@@ -88,9 +87,9 @@ def run_recipe(recipe: str, args: argparse.Namespace, out: Path) -> list[dict]:
            f"+trainer.callbacks=[{{_target_: benchmarks.time_to_auc.AUCTimeline, path: '{timeline}'}}]",
            *([f"scaling.embedding_lr={embedding_lr}"] if embedding_lr else []),
            *(["topology=1gpu"] if args.device == "cuda" else []), *args.extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     print(f"[{recipe}] {' '.join(cmd[3:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    from work_folder import child_env
+    proc = subprocess.run(cmd, cwd=out, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"[{recipe}] failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     done.touch()
@@ -111,13 +110,17 @@ def main() -> None:
     p.add_argument("--target-delta", type=float, default=0.001, help="target = baseline's best val AUC − this")
     p.add_argument("--seed", type=int, default=2026)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "data"))
-    p.add_argument("--out", default=None, help="folder for the runs (default: a temporary one); run again with the "
-                                               "same folder, recipes finished there are read instead of run")
+    p.add_argument("--out", default=None, help="folder for the data and runs (default: a temporary one, removed at "
+                                               "the end); run again with the same folder, recipes finished there are "
+                                               "read instead of run")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every run")
     args = p.parse_args()
-    out = Path(args.out or tempfile.mkdtemp(prefix="time-to-auc-"))
-    out.mkdir(parents=True, exist_ok=True)
+    from work_folder import work_folder  # beside this file (the module is also imported as benchmarks.time_to_auc)
+    with work_folder(args.out, "time-to-auc-") as out:
+        report(args, out)
+
+
+def report(args: argparse.Namespace, out: Path) -> None:
     timelines = {r: run_recipe(r, args, out) for r in args.recipes}
     baseline = args.recipes[0]
     target = max(q["val_auc"] for q in timelines[baseline]) - args.target_delta

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import pyarrow.csv as pacsv
 
-ROOT = Path(__file__).resolve().parents[1]
+from work_folder import ROOT, child_env  # noqa: E402  (beside this file)
+
 sys.path.insert(0, str(ROOT))
 
 from pipeline.data.synthetic import ARROW_SCHEMA, CHUNK_ROWS, SyntheticConfig, SyntheticCriteo  # noqa: E402
@@ -94,7 +95,7 @@ def run_method(name: str, settings: list[str], files: list[Path], work: Path, co
            f"data.path=[{','.join(str(f) for f in files)}]", f"paths.cache_dir={work / 'cache' / name}",
            f"logger.tracking_uri=sqlite:///{work / name}.db", f"hydra.run.dir={out}", *common, *settings]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=work, env=child_env(), capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"{name}: ctr daily failed ({proc.returncode})")
@@ -112,7 +113,8 @@ def run_method(name: str, settings: list[str], files: list[Path], work: Path, co
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/ctr-zch-bench")
+    parser.add_argument("--work", default=".cache/zch", help="folder for the days and runs (default: under the "
+                        "current folder, kept: the vocab method sizes later runs' tables)")
     parser.add_argument("--days", type=int, default=4)
     parser.add_argument("--rows-per-day", type=int, default=500_000)
     parser.add_argument("--rows", default="vocab",
