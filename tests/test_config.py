@@ -199,3 +199,30 @@ def test_plus_still_adds_keys_where_the_schema_takes_free_keys():
 
     check_overrides(config_path(), "config", ["+topology.table_overrides.emb_C3.tier=ssd",
                                               "+experiment=frappe_deepfm", "trainer.batch_size=1024"])
+
+
+def test_every_hint_names_only_settings_that_exist():
+    """Each user error's hint (printed under its one line) leads somewhere: every ``key=value`` it names composes in
+    ``ctr train``'s config, and a missing column is not answered with a setting that skips rows (the same error
+    followed) nor, in ctr predict, with a training key."""
+    import re
+
+    from modules.embedding.lookup_inputs import IdOutOfRangeError
+    from modules.embedding.ssd_tier.path_lock import SsdPathInUseError
+    from modules.sharding.placement import PlacementError
+    from pipeline.commands.overrides import check_overrides
+    from pipeline.runtime import errors
+    from pipeline.runtime.config_source import config_path
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.UserError)]
+    hints = {c.__name__: c.hint for c in [*classes, IdOutOfRangeError, SsdPathInUseError, PlacementError] if c.hint}
+    assert len(hints) >= 8
+    named = {k: re.findall(r"\b([a-z_]+(?:\.[a-z_]+)+=[^\s),;]+)", h) for k, h in hints.items()}
+    for error, settings in named.items():
+        for setting in settings:
+            value = setting.split("=", 1)[1]
+            if "${" in value or "/" in value:  # an example path
+                continue
+            check_overrides(config_path(), "config", [setting])  # exits 2 naming it if it does not compose
+    assert "bad_rows" not in errors.MissingColumnsError.hint
+    assert not named["MissingColumnsError"] and "export" not in errors.MissingColumnsError.hint

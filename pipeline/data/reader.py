@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from pipeline.data.dataset import DataConfig
 from pipeline.data.raw_files import first_fields, open_lines
-from pipeline.runtime.errors import BadInputError
+from pipeline.runtime.errors import BadInputError, MissingColumnsError
 
 POLICIES = ("error", "skip")
 INT_PATTERN = r"^[+-]?[0-9]+$"
@@ -189,7 +189,7 @@ class RawReader:
         names = first_fields(path, self.data.delimiter)
         missing = [c for c in self.data.read_columns if c not in names]
         if missing:
-            raise BadInputError(f"{path}:1: the header lacks column{'s' * (len(missing) > 1)} "
+            raise MissingColumnsError(f"{path}:1: the header lacks column{'s' * (len(missing) > 1)} "
                                 f"{', '.join(map(repr, missing))} (declared in data={self.data.name}); the file has "
                                 f"{names[:60]}")
         return names

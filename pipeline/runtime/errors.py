@@ -35,8 +35,13 @@ class ConfigError(UserError, ValueError,
 
 
 class BadInputError(UserError, ValueError,
-                    hint="fix the file, or drop and count such rows with data.preprocess.bad_rows=skip"):
+                    hint="fix the file; when training, data.preprocess.bad_rows=skip drops and counts such rows"):
     """A raw file that does not match its declared layout."""
+
+
+class MissingColumnsError(BadInputError, hint="give the file (or request) the columns its dataset's declaration reads "
+                                              "(docs/datasets.md); skipping rows cannot help"):
+    """A file (or a request) laid out otherwise than its declaration reads: columns missing, another count."""
 
 
 class CheckpointMismatchError(UserError, ValueError,

@@ -42,7 +42,7 @@ from pipeline.data.features import extract
 from pipeline.data.other_readers import open_reader
 from pipeline.data.raw_files import first_fields
 from pipeline.data.store import SplitArrays
-from pipeline.runtime.errors import BundleError
+from pipeline.runtime.errors import BundleError, MissingColumnsError
 from pipeline.runtime.launch import world_from_env
 from pipeline.scoring.row_encoder import RowEncoder
 from pipeline.scoring.scorer import Scorer
@@ -88,8 +88,9 @@ def has_label(data: DataConfig, path: Path) -> bool:
         return True
     if len(fields) == len(data.columns or ()) - 1:
         return False
-    raise BundleError(f"{path}:1: {len(fields)} columns; the model reads files of {len(data.columns or ())} columns "
-                      f"{list(data.columns or ())} (or {len(data.columns or ()) - 1} without {data.label!r})")
+    raise MissingColumnsError(f"{path}:1: {len(fields)} columns; the model reads files of {len(data.columns or ())} "
+                              f"columns {list(data.columns or ())} (or {len(data.columns or ()) - 1} without "
+                              f"{data.label!r})")
 
 
 class _Writer:
@@ -123,7 +124,7 @@ def predict(model: RowEncoder, score: Callable[[SplitArrays], np.ndarray | None]
     """Score every row of ``inputs`` (each rank calls this; ``score`` returns the probabilities on rank 0)."""
     labels = {has_label(model.data, p) for p in inputs}
     if len(labels) > 1:
-        raise BundleError(f"input: some files have the label column {model.data.label!r} and some do not")
+        raise MissingColumnsError(f"input: some files have the label column {model.data.label!r} and some do not")
     with_label = labels.pop()
     data = model.reading(with_label)
     writer = _Writer(output, with_label) if rank == 0 else None

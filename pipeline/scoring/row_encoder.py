@@ -23,7 +23,7 @@ from pipeline.data.features import FeatureBlock, extract
 from pipeline.data.hashing import factorized_string_keys, string_keys
 from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays, has_raw_ids
 from pipeline.data.vocab_files import read_vocabulary, vocabulary_file
-from pipeline.runtime.errors import BundleError
+from pipeline.runtime.errors import BundleError, MissingColumnsError
 from pipeline.scoring.joint_index import JointVocabIndex
 
 
@@ -166,7 +166,7 @@ class RowEncoder:
     def _check_columns(data: DataConfig, columns: Columns) -> None:
         missing = [c for c in data.read_columns if c not in columns]
         if missing:
-            raise BundleError(f"input lacks column{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
+            raise MissingColumnsError(f"input lacks column{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
                               f"(the model reads {list(data.read_columns)}); it has {list(columns)[:40]}")
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data.store import SplitArrays
-from pipeline.runtime.errors import BundleError
+from pipeline.runtime.errors import BundleError, MissingColumnsError
 from pipeline.server import metrics
 from pipeline.server.requests import Parsed, RequestError, encode_lines, parse
 from pipeline.server.versions import Version
@@ -145,7 +145,7 @@ def score_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int
             for i in by_columns:
                 try:
                     parts.append(([i], scorer.encode_columns(requests[i].columns, requests[i].rows)))
-                except (BundleError, KeyError) as e:
+                except (BundleError, MissingColumnsError, KeyError) as e:
                     outcome[i] = RequestError(str(e))
                 except Exception as e:  # noqa: BLE001 — a bug met by this request's values: a 500 for it alone
                     log.exception("encoding one request failed")

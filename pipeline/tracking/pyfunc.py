@@ -33,7 +33,7 @@ from mlflow.types.schema import AnyType, ColSpec, DataType, Schema
 import modules
 import pipeline
 from pipeline.data.dataset import DataConfig
-from pipeline.runtime.errors import BundleError
+from pipeline.runtime.errors import BundleError, MissingColumnsError
 from pipeline.runtime.library_noise import quiet_libraries
 from pipeline.scoring.scorer import Scorer
 from pipeline.model_folder.source import model_source
@@ -58,7 +58,7 @@ class CTRModel(mlflow.pyfunc.PythonModel):
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         try:
             probability = self.scorer.score_frame(frame)
-        except BundleError as e:  # a column missing or unreadable: HTTP 400 naming it
+        except (BundleError, MissingColumnsError) as e:  # a column missing or unreadable: HTTP 400 naming it
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
         return pd.DataFrame({"probability": probability})
 
