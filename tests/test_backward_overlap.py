@@ -145,3 +145,49 @@ def test_the_overlap_stays_out_where_it_does_not_apply(two_threads):
     with torch.no_grad():  # no backward follows
         lookups = model.sparse_arch(batch.sparse_features)
         assert untouched()
+
+
+def test_the_lookups_backward_beside_or_first_gives_the_same_bits(two_threads):
+    """The tuner may switch between the two ways at any step (another process on the cores): no result may change.
+    Three training steps each way, from the same start: parameters and tables equal bit for bit."""
+    from modules.models.backward_overlap import ConcurrencyTuner
+
+    _, batch = _batch(ROWS)
+    states = []
+    for beside in (True, False):
+        model = _deepfm(True)
+        tuner = ConcurrencyTuner()
+        tuner.beside = beside
+        model.overlap_tuner = tuner
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(batch.dense_features, batch.sparse_features).pow(2).mean().backward()
+            opt.step()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert states[0].keys() == states[1].keys()
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_the_tuner_keeps_the_way_whose_steps_are_shorter():
+    """Steps of 100 ms beside and 60 ms first (the cores shared with another process): after its first probe the
+    tuner runs them first; when beside becomes the faster again, it goes back. Probes are PROBE steps of the other
+    way every PERIOD steps, none in the first period."""
+    from modules.models.backward_overlap import PERIOD, PROBE, ConcurrencyTuner
+
+    cost = {True: 0.100, False: 0.060}
+    now = [0.0]
+    tuner = ConcurrencyTuner(clock=lambda: now[0])
+    ways = []
+    for _ in range(4 * PERIOD):
+        way = tuner.step()
+        ways.append(way)
+        now[0] += cost[way]
+        if len(ways) == 2 * PERIOD:
+            cost = {True: 0.050, False: 0.060}  # the other process ended
+    assert all(ways[:PERIOD])  # beside until the first probe
+    assert ways[2 * PERIOD - PROBE - 1: 2 * PERIOD - 1] == [False] * PROBE  # the first probe
+    assert not any(ways[2 * PERIOD: 3 * PERIOD - PROBE - 1])  # then first
+    assert all(ways[3 * PERIOD: 4 * PERIOD - PROBE - 1])  # beside again after the next probe
+    assert tuner.switches == 2

@@ -54,8 +54,8 @@ class ModelConfig:
     # (modules/models/onednn_linear.py); false: PyTorch's default kernels (MKL). Same model, float rounding apart
     onednn_mlp: bool = True
     # CPU, one process, 2+ threads: the lookups' backward (FBGEMM's serial loop and its fused update) on a
-    # second thread beside the MLP's weight gradients (modules/models/backward_overlap.py). Same gradients, float
-    # rounding apart; false: one after the other
+    # second thread beside the MLP's weight gradients, or before them where the measured step is shorter so (another
+    # process on the cores): the same bits either way (modules/models/backward_overlap.py). false: the plain backward
     overlap_embedding_backward: bool = True
     # raw 64-bit ids (data.preprocess.categorical=raw) mapped to table rows without collisions, with eviction
     # (modules/embedding/zch/remapper.py); rows 0: off

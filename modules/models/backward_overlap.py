@@ -22,7 +22,15 @@ with the tables updated, as without the overlap.
 
 Same gradients up to float rounding (the weight gradient summed over fixed row chunks, the same chunks
 whatever thread count computes each: reproducible run to run; the lookups' gradient and the tables'
-update are the same computation). Applies to one training process with at least 2 intra-op threads, on
+update are the same computation).
+
+**Beside, or first.** The worker thread gains only while the cores are the process's own: with another process
+competing for them the overlap ran at 0.58× the plain backward's rate (13.4k against 23.0k samples/s on 2 cores).
+So the join runs the lookups' backward either on the worker beside the weight gradients, or first on this thread
+(all threads) and the weight gradients after it — the same chunks, the same sums, in the same order: the same bits
+either way, so the choice changes no result. :class:`ConcurrencyTuner` makes the choice from the measured step time:
+every ``PERIOD`` steps it runs ``PROBE`` steps the other way and keeps the way whose median step was shorter (by more
+than ``MARGIN``). Applies to one training process with at least 2 intra-op threads, on
 the CPU in fp32 or bf16 autocast, when the MLP's layers run on oneDNN (:mod:`modules.models.onednn_linear`: in bf16
 the chunks' products are bf16 GEMMs summed in fp32); with several
 processes the lookups' backward holds collectives, which must not run beside this thread's.
@@ -31,8 +39,10 @@ processes the lookups' backward holds collectives, which must not run beside thi
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from statistics import median
 from typing import Any, Callable, Sequence
 
 import torch
@@ -119,17 +129,54 @@ class DeferredWeightGrads:
         return grads
 
 
+PERIOD, PROBE, MARGIN = 100, 3, 0.02
+
+
+class ConcurrencyTuner:
+    """Whether the lookups' backward runs beside the weight gradients (``beside``) or before them, decided from the
+    step times (module docstring). Each training forward that defers is one step: its period is the time between two
+    of them. ``clock``: seconds (monotonic)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock, self.beside, self.steps, self.switches = clock, True, 0, 0
+        self._last: float | None = None
+        self._times: dict[bool, list[float]] = {True: [], False: []}
+
+    def step(self) -> bool:
+        """Called at each training step's forward: records the period that ended; returns how this step's backward
+        runs (True: beside)."""
+        now = self.clock()
+        if self._last is not None:
+            self._times[self._mode(self.steps - 1)].append(now - self._last)
+        self._last = now
+        if self.steps % PERIOD == PERIOD - 1:  # a probe and the steps before it measured: keep the faster way
+            mine, other = self._times[self.beside][-(PERIOD - PROBE - 1):], self._times[not self.beside][-PROBE:]
+            if len(mine) >= PROBE and len(other) == PROBE and median(other) < (1 - MARGIN) * median(mine):
+                self.beside, self.switches = not self.beside, self.switches + 1
+            self._times = {True: [], False: []}
+        self.steps += 1
+        return self._mode(self.steps - 1)
+
+    def _mode(self, step: int) -> bool:
+        """Step ``step``'s way: the other one for the ``PROBE`` steps before each decision (not in the first period)."""
+        probing = step >= PERIOD and PERIOD - PROBE - 1 <= step % PERIOD < PERIOD - 1
+        return self.beside != probing
+
+
 class _Overlap:
     """What :class:`_Join`'s backward needs: the lookups (still attached to their graph) and the weight
-    gradients left pending."""
+    gradients left pending; ``beside``: whether the lookups' backward runs on the worker beside them."""
 
-    def __init__(self, lookups: Sequence[torch.Tensor], deferred: DeferredWeightGrads) -> None:
-        self.lookups, self.deferred = list(lookups), deferred
+    def __init__(self, lookups: Sequence[torch.Tensor], deferred: DeferredWeightGrads, beside: bool = True) -> None:
+        self.lookups, self.deferred, self.beside = list(lookups), deferred, beside
 
     def run(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         roots = [(t, g) for t, g in zip(self.lookups, grads) if g is not None]
         self.lookups = []
         job: Future | None = None
+        if roots and not self.beside:  # first, on this thread with all of its threads; the same sums after it
+            torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+            return self.deferred.compute(busy=lambda: False)
         if roots:
             job = _worker().submit(torch.autograd.backward, [t for t, _ in roots], [g for _, g in roots])
         try:
@@ -169,16 +216,19 @@ def applies(lookups: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) ->
             and not (dist.is_initialized() and dist.get_world_size() > 1))
 
 
-def overlap_lookup_backward(lookups: tuple[torch.Tensor | None, ...], mlp: Any, enabled: bool = True
+def overlap_lookup_backward(lookups: tuple[torch.Tensor | None, ...], mlp: Any, enabled: bool = True,
+                            tuner: ConcurrencyTuner | None = None
                             ) -> tuple[tuple[torch.Tensor | None, ...], DeferredWeightGrads | None]:
     """``lookups`` (a sparse arch's outputs, None for an absent one) as the dense part should read them,
     and the :class:`DeferredWeightGrads` to hand to ``mlp`` (a :class:`modules.models.layers.MLP`);
-    unchanged and None where the overlap does not apply (:func:`applies`) or is not ``enabled``."""
+    unchanged and None where the overlap does not apply (:func:`applies`) or is not ``enabled``. ``tuner``: decides
+    whether this step's lookups' backward runs beside the weight gradients (None: always)."""
     present = [t for t in lookups if t is not None]
     weights = mlp.deferrable_weights()
     if not (enabled and applies(present, weights)):
         return lookups, None
     deferred = DeferredWeightGrads(weights)
-    joined = iter(_Join.apply(_Overlap(present, deferred), len(present),
+    beside = tuner.step() if tuner is not None else True
+    joined = iter(_Join.apply(_Overlap(present, deferred, beside), len(present),
                               *(t.detach() for t in present), *weights))
     return tuple(None if t is None else next(joined) for t in lookups), deferred

@@ -20,7 +20,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.crossnet import CrossNet, LowRankMixtureCrossNet, VectorCrossNet
 
 from modules.embedding.sparse_arch import FeatureSpec, SparseArch
-from modules.models.backward_overlap import overlap_lookup_backward
+from modules.models.backward_overlap import ConcurrencyTuner, overlap_lookup_backward
 from modules.models.layers import MLP
 
 CROSS_TYPES = ("vector", "full")
@@ -46,11 +46,12 @@ class DCN(nn.Module):
         self.mlp = MLP(width, mlp, None, dropout, batch_norm, bn_momentum, onednn=onednn_mlp)
         self.head = nn.Linear(width + self.mlp.out_features, 1)
         self.overlap_embedding_backward = overlap_embedding_backward
+        self.overlap_tuner = ConcurrencyTuner()  # beside or first, by the measured step (backward_overlap.py)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         # the MLP's weight gradients beside the lookups' backward (modules/models/backward_overlap.py)
         (emb, wide), deferred = overlap_lookup_backward(self.sparse_arch(sparse), self.mlp,
-                                                        self.overlap_embedding_backward)
+                                                        self.overlap_embedding_backward, self.overlap_tuner)
         x0 = torch.cat([emb.flatten(1), dense], dim=1)
         logit = self.head(torch.cat([self.cross(x0), self.mlp(x0, deferred)], dim=1)).squeeze(1)
         return logit if wide is None else logit + wide

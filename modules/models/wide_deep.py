@@ -12,7 +12,7 @@ from torch import nn
 from torchrec import KeyedJaggedTensor
 
 from modules.embedding.sparse_arch import FeatureSpec, SparseArch
-from modules.models.backward_overlap import DeferredWeightGrads, overlap_lookup_backward
+from modules.models.backward_overlap import ConcurrencyTuner, DeferredWeightGrads, overlap_lookup_backward
 from modules.models.layers import MLP
 
 
@@ -28,6 +28,7 @@ class WideDeep(nn.Module):
         deep_in = (n_cat * embedding_dim, n_dense) if n_dense else n_cat * embedding_dim
         self.mlp = MLP(deep_in, mlp, 1, dropout, batch_norm, bn_momentum, onednn=onednn_mlp)
         self.overlap_embedding_backward = overlap_embedding_backward
+        self.overlap_tuner = ConcurrencyTuner()  # beside or first, by the measured step (backward_overlap.py)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         (emb, first_order), deferred = self.lookups(sparse)
@@ -36,7 +37,8 @@ class WideDeep(nn.Module):
     def lookups(self, sparse: KeyedJaggedTensor) -> tuple[tuple[torch.Tensor, torch.Tensor], DeferredWeightGrads | None]:
         """The sparse arch's outputs as the dense part reads them, and what the MLP defers its weight
         gradients to when the lookups' backward overlaps them (:mod:`modules.models.backward_overlap`)."""
-        return overlap_lookup_backward(self.sparse_arch(sparse), self.mlp, self.overlap_embedding_backward)
+        return overlap_lookup_backward(self.sparse_arch(sparse), self.mlp, self.overlap_embedding_backward,
+                                       self.overlap_tuner)
 
     def wide_and_deep(self, emb: torch.Tensor, first_order: torch.Tensor, dense: torch.Tensor,
                       deferred: DeferredWeightGrads | None = None) -> torch.Tensor:
