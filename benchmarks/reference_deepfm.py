@@ -133,7 +133,9 @@ def main() -> None:
         grad_width = len(sizes) * args.dim if args.input_grad else 0
         if args.project_mlp and not args.input_grad:
             raise SystemExit("--project-mlp needs --input-grad (its first layer takes the embeddings as a block)")
-        print(json.dumps({"samples_per_s": mlp_bound(width, args.batch, steps, args.lr, grad_width, args.project_mlp),
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            rate = mlp_bound(width, args.batch, steps, args.lr, grad_width, args.project_mlp)
+        print(json.dumps({"samples_per_s": rate,
                           "test_auc": None,
                           "test_logloss": None}))
         return

@@ -34,7 +34,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from work_folder import ROOT, child_env, work_folder  # noqa: E402  (beside this file)
@@ -63,6 +65,22 @@ def _run_measured(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[str, 
     return "".join(chunks), usage.ru_maxrss / 1024
 
 
+VARIANTS = {"project (TorchRec + Lightning), defaults": [],
+            "project, model.stack_tables=false": ["model.stack_tables=false"],
+            "project, model.onednn_mlp=false": ["model.onednn_mlp=false"],
+            "project, model.overlap_embedding_backward=false": ["model.overlap_embedding_backward=false"]}
+
+
+def competitor(data_overrides: list[str], work: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A training of the defaults that outlasts the measured run; given 10 s to start training."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.commands.train", *data_overrides, "trainer.max_epochs=1000",
+                             "logger.log_model=false", f"logger.tracking_uri=sqlite:///{work}/rival.db",
+                             "trainer.enable_progress_bar=false", f"hydra.run.dir={work}/rival"], cwd=work, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(10)
+    return proc
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2_000_000, help="synthetic rows generated (85 %% train)")
@@ -77,6 +95,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="alternate project and reference this many times")
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for the project run")
     p.add_argument("--seed", type=int, default=1, help="round i's seed (every run in it): seed + i")
+    p.add_argument("--variants", nargs="+", default=["defaults", "stack_tables=false", "onednn_mlp=false",
+                                                      "overlap_embedding_backward=false"],
+                   help="the project's runs: defaults and any of the switches off (see VARIANTS)")
+    p.add_argument("--compete", action="store_true", help="a second training (the defaults, on the same data) runs "
+                   "beside every measured run, started 10 s before it: the cores shared with another process")
     args = p.parse_args()
     with work_folder(args.work, "bench-throughput-") as work:
         measure(args, work)
@@ -112,10 +135,8 @@ def measure(args: argparse.Namespace, work: Path) -> None:
                                                                               "--project-mlp"]}
     if args.skip_reference:
         baselines = {}
-    variants = {"project (TorchRec + Lightning), defaults": [],
-                "project, model.stack_tables=false": ["model.stack_tables=false"],
-                "project, model.onednn_mlp=false": ["model.onednn_mlp=false"],
-                "project, model.overlap_embedding_backward=false": ["model.overlap_embedding_backward=false"]}
+    variants = {name: overrides for name, overrides in VARIANTS.items()
+                if any(name.endswith(v) for v in args.variants)}
     runs: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name in [*variants, *baselines]}
     baseline = next(iter(baselines), None)
     for i in range(args.repeats):
@@ -125,6 +146,7 @@ def measure(args: argparse.Namespace, work: Path) -> None:
             order.remove(("reference", baseline))
             order.insert(i % 2, ("reference", baseline))
         for kind, name in order:
+            rival = competitor(data_overrides, work, env) if args.compete else None
             if kind == "project":
                 run_dir = tmp / f"run{i}-{list(variants).index(name)}"
                 _, rss = _run_measured([*project_cmd, *variants[name], f"seed={seed}", f"hydra.run.dir={run_dir}"], env,
@@ -135,8 +157,12 @@ def measure(args: argparse.Namespace, work: Path) -> None:
                 out, rss = _run_measured([*reference_cmd, *baselines[name], "--seed", str(seed)], env, work)
                 r = json.loads(out.strip().splitlines()[-1])
                 runs[name].append((r["samples_per_s"], rss, r["test_auc"]))
+            if rival is not None:
+                rival.kill()
+                rival.wait()
     print(f"\nDeepFM, {sum(store.meta['splits'].values()):,} rows ({store.meta['splits']['train']:,} train), "
           f"batch {args.batch}, {args.epochs} epoch(s), {args.threads} threads, precision {precision}"
+          f"{', beside a competing training' if args.compete else ''}"
           f"{f', median of {args.repeats} alternating rounds' if args.repeats > 1 else ''}\n")
     print("| run | samples/s | peak RSS MiB | test AUC |")
     print("|---|---:|---:|---:|")
