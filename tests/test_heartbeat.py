@@ -43,6 +43,14 @@ def start_run(uri: str, skew_s: float = 0.0, where: str = "elsewhere") -> tuple[
     return proc, proc.stdout.readline().strip()
 
 
+def stop_children(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
 def beat(client: MlflowClient, run_id: str) -> float:
     return float(client.get_run(run_id).data.tags[HEARTBEAT_TAG])
 
@@ -96,11 +104,7 @@ def test_a_killed_runs_stale_heartbeat_marks_it_failed_and_a_resume_reopens_it(t
         ended = [client.get_run(r).info for r in (killed_id, new.run_id, alive_id)]
         assert {i.status for i in ended} == {"FINISHED"} and all(i.end_time for i in ended)
     finally:
-        for proc in (killed, behind):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            proc.stdout.close()
+        stop_children(killed, behind)
 
 
 def test_a_run_killed_on_this_machine_is_marked_failed_by_the_next_short_run_before_it_ends(tmp_path, capsys):
@@ -126,8 +130,4 @@ def test_a_run_killed_on_this_machine_is_marked_failed_by_the_next_short_run_bef
         assert killed_id in capsys.readouterr().out
         assert client.get_run(live_id).info.status == "RUNNING"
     finally:
-        for proc in (killed, live):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            proc.stdout.close()
+        stop_children(killed, live)
