@@ -207,6 +207,10 @@ def test_lost_rendezvous_host_stops_the_other_node(job_args, tmp_path):
     ours = next((x for x in log.splitlines() if x.startswith(PEER_LOST)), None)
     assert ours and "rank 0 at 198.18.0.1 refuses connections" in ours, log[-3000:]
 
+# slow: 63 s, 4 processes held until a timeout; its path in CI: the timeouts of every group the project makes
+# (test_every_process_group_the_project_makes_takes_a_timeout, from the source) and a collective that times out
+# naming the key and the peer (test_cut_link_stops_every_rank_with_the_peer_named_and_a_restart_resumes)
+@pytest.mark.slow
 def test_a_rank_stuck_inside_its_node_stops_every_rank_with_the_key_named(job_args, tmp_path):
     """2 nodes × 2 processes, a copy of the tables per node (a node's 2 ranks in a group of their own: all-to-all
     and DDP inside the node, merges across): rank 3 held after step 2 — nothing cut, it only stops answering inside
@@ -282,6 +286,10 @@ def test_stated_slow_link_replicates_the_tables_and_sends_only_the_rows_a_pass_m
     assert result.test_auc > loopback_result.test_auc - 0.005  # 12 steps of a small job: a coarse bar
 
 
+# slow: 28 s, 4 processes over the shaped link; its path in CI: a copy per node sharded over its ranks and merged
+# across nodes (tests/test_sparse_merging.py::test_tables_per_node_are_sharded_inside_a_node_and_merged_across_nodes,
+# 4 processes) and the copies' merges over the namespace cluster (test_stated_slow_link_replicates_the_tables_...)
+@pytest.mark.slow
 def test_two_ranks_a_node_keep_one_copy_of_the_tables_per_node(job_args, loopback_result, tmp_path):
     """2 nodes × 2 processes, everything at ``auto`` with a 100 Mbit/s link stated: each node keeps a copy of the
     tables sharded over its two ranks (all-to-all and DDP inside the node; modules/sharding/replicated_tables.py),

@@ -22,7 +22,8 @@ of this project and any other warning of these libraries still show.
 * Lightning's start-up lines that say nothing about this run: "TPU available: False", "Initializing distributed:
   GLOBAL_RANK ...", the "distributed_backend=gloo / All distributed processes registered" banner, "Loading
   `train_dataloader` to estimate number of stepping batches", "`Trainer(val_check_interval=1.0)` was configured so
-  validation will run at the end of the training epoch", and its MLflow logger's "Experiment with name ... not
+  validation will run at the end of the training epoch", "Using bfloat16 Automatic Mixed Precision (AMP)" (the run
+  prints its precision and why itself: pipeline/training/run.py), and its MLflow logger's "Experiment with name ... not
   found. Creating it." (a first run's normal case, as a warning). "GPU available: ..." stays: it says where the
   run trains.
 * Lightning at every checkpoint: "`weights_only` was not set, defaulting to `False`" (the project's checkpoint IO reads
@@ -63,7 +64,8 @@ LOGGED = {  # logger → the messages of it silenced
     "lightning.pytorch.utilities.rank_zero": ("try installing [litlogger]", "TPU available:",
                                                "All distributed processes registered",
                                                "to estimate number of stepping batches",
-                                               "so validation will run at the end of the training epoch"),
+                                               "so validation will run at the end of the training epoch",
+                                               "Automatic Mixed Precision (AMP)"),
     "lightning.fabric.utilities.distributed": ("Initializing distributed: GLOBAL_RANK",),
     "lightning.pytorch.loggers.mlflow": ("not found. Creating it.",),
     "lightning.pytorch.trainer.connectors.checkpoint_connector": ("`weights_only` was not set",),
