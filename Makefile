@@ -25,8 +25,9 @@ install: $(STAMP)
 train: $(STAMP)
 	$(PY) -m pipeline.commands.train $(ARGS)
 
+# --durations=10: the 10 slowest tests at the end of every run (CI's too), so the next regression shows.
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 tests $(ARGS)
 
 # Also the end-to-end variants marked slow (their path is covered by `make test`).
 test-all: $(STAMP)

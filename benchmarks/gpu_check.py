@@ -50,7 +50,8 @@ SIZES = {  # rows of the synthetic log, training batch, the large batch, gpu_pro
     "cuda": {"rows": 1_000_000, "batch": 4096, "large_batch": 65536,
              "profile": ["--rows", "4000000", "--batches", "65536", "131072", "--steps", "30"]},
     "cpu": {"rows": 40_000, "batch": 1024, "large_batch": 8192,
-            "profile": ["--rows", "40000", "--batches", "2048", "--steps", "3", "--warmup", "1", "--profile-batch", "2048"]},
+            "profile": ["--rows", "20000", "--batches", "2048", "--steps", "2", "--warmup", "1", "--profile-batch", "2048",
+                        "--dim", "4", "--mlp", "64"]},
 }
 STAGE_LIMIT_S = 240        # one command's most
 AUC_VS_CPU = 0.003         # a GPU run's test AUC against the same run on the CPU

@@ -32,25 +32,33 @@ from tests.test_config import check_config
 
 
 def _run(module: str, overrides: list[str], folder) -> dict:
-    """``python -m <module> <overrides>`` with :class:`tests.meta_checks.HostStructures` after 2 steps; its findings
-    and the run's result."""
-    out = folder / "host_structures.json"
+    """``python -m <module> <overrides>`` with :class:`tests.meta_checks.HostStructures` after 2 steps and
+    :class:`tests.meta_checks.DeviceMoves`; their findings (``moves``: the latter's) and the run's result."""
+    out, moves = folder / "host_structures.json", folder / "moves.json"
     args = [*overrides, f"hydra.run.dir={folder}", f"logger.tracking_uri=sqlite:///{folder}/mlflow.db",
-            f"trainer.callbacks=[{{_target_: tests.meta_checks.HostStructures, out: '{out}'}}]"]
+            f"trainer.callbacks=[{{_target_: tests.meta_checks.HostStructures, out: '{out}'}}, "
+            f"{{_target_: tests.meta_checks.DeviceMoves, out: '{moves}'}}]"]
     proc = subprocess.run([PYTHON, "-m", module, *args], cwd=ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return {**json.loads(out.read_text()), **json.loads((folder / "result.json").read_text())}
+    return {**json.loads(out.read_text()), **json.loads((folder / "result.json").read_text()),
+            "moves": json.loads(moves.read_text())}
 
 
-def test_a_model_built_under_lightnings_device_context_keeps_host_structures_on_the_cpu(small_overrides, tmp_path):
-    """With CowClip (its statistics and row buckets), the L2 term on every row (its replay's buffers) and the
-    tables stacked (rows drawn table by table into one)."""
+@pytest.fixture(scope="module")
+def meta_and_plain(small_overrides, tmp_path_factory):
+    """The same 3 steps built under ``torch.device("meta")`` and plainly, with CowClip (its statistics and row
+    buckets), the L2 term on every row (its replay's buffers), the tables stacked (rows drawn table by table into
+    one) and early stopping (its best-epoch restore runs after Lightning's teardown)."""
     variant = ["optim=reference", "scaling=cowclip", "optim.embedding_l2_scope=all", "optim.embedding_l2=1e-4",
-               "model.stack_tables=true"]
+               "model.stack_tables=true", "trainer.early_stopping_patience=1"]
     overrides = [*small_overrides, *variant, "trainer.max_steps=3", "trainer.max_epochs=1"]
-    meta = _run("tests.meta_init_run", overrides, tmp_path / "meta")
-    plain = _run("pipeline.commands.train", overrides, tmp_path / "plain")
+    tmp = tmp_path_factory.mktemp("device_paths")
+    return _run("tests.meta_init_run", overrides, tmp / "meta"), _run("pipeline.commands.train", overrides, tmp / "plain")
+
+
+def test_a_model_built_under_lightnings_device_context_keeps_host_structures_on_the_cpu(meta_and_plain):
+    meta, plain = meta_and_plain
     assert meta["held"], "the walk found none of the run's host structures: it checks nothing"
     assert meta["not_on_cpu"] == {}, meta["not_on_cpu"]
     assert meta["rows_differ"] == [] and plain["rows_differ"] == []
@@ -70,21 +78,15 @@ def test_model_to_device_sets_the_modules_device():
     assert module.device == torch.device("meta")
 
 
-def test_nothing_moves_the_model_between_fit_and_test_and_the_strategy_sets_its_device(small_overrides, tmp_path):
+def test_nothing_moves_the_model_between_fit_and_test_and_the_strategy_sets_its_device(meta_and_plain):
     """Lightning's ``Strategy.teardown`` moves the module and its optimizers' state to the CPU when ``fit`` ends; the
     run then tests that module with batches on the GPU. On a CPU that move changes nothing, so the calls are spied
     on (tests.meta_checks.DeviceMoves), with early stopping on (its best-epoch restore runs after the teardown)."""
-    out = tmp_path / "moves.json"
-    overrides = [*small_overrides, "trainer.max_steps=3", "trainer.max_epochs=1", "trainer.early_stopping_patience=1",
-                 f"hydra.run.dir={tmp_path}", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-                 f"trainer.callbacks=[{{_target_: tests.meta_checks.DeviceMoves, out: '{out}'}}]"]
-    proc = subprocess.run([PYTHON, "-m", "pipeline.commands.train", *overrides], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    seen = json.loads(out.read_text())
+    _, plain = meta_and_plain
+    seen = plain["moves"]
     assert seen["moves"] == [], seen  # was: ['optimizers_to_device(cpu)', "cpu()"] from Strategy.teardown
     assert seen["model_to_device"] == 2 and seen["module_device"] == "cpu"  # in fit's setup and test's; was never
-    assert 0 < json.loads((tmp_path / "result.json").read_text())["test_auc"] < 1  # the test ran on that model
+    assert 0 < plain["test_auc"] < 1  # the test ran on that model
 
 
 def _host_collectives(rank: int, world: int) -> None:
