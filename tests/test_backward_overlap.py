@@ -173,7 +173,7 @@ def test_the_lookups_backward_beside_or_first_gives_the_same_bits(two_threads):
 def test_the_tuner_keeps_the_way_whose_steps_are_shorter():
     """Steps of 100 ms beside and 60 ms first (the cores shared with another process): after its first probe the
     tuner runs them first; when beside becomes the faster again, it goes back. Probes are PROBE steps of the other
-    way every PERIOD steps, none in the first period."""
+    way before each decision, every PERIOD steps."""
     from modules.models.backward_overlap import PERIOD, PROBE, ConcurrencyTuner
 
     cost = {True: 0.100, False: 0.060}
@@ -186,8 +186,8 @@ def test_the_tuner_keeps_the_way_whose_steps_are_shorter():
         now[0] += cost[way]
         if len(ways) == 2 * PERIOD:
             cost = {True: 0.050, False: 0.060}  # the other process ended
-    assert all(ways[:PERIOD])  # beside until the first probe
-    assert ways[2 * PERIOD - PROBE - 1: 2 * PERIOD - 1] == [False] * PROBE  # the first probe
-    assert not any(ways[2 * PERIOD: 3 * PERIOD - PROBE - 1])  # then first
-    assert all(ways[3 * PERIOD: 4 * PERIOD - PROBE - 1])  # beside again after the next probe
+    assert all(ways[:PERIOD - PROBE - 1]) and ways[PERIOD - PROBE - 1: PERIOD - 1] == [False] * PROBE  # the probe
+    assert not any(ways[PERIOD: 2 * PERIOD - PROBE - 1])  # then first
+    assert not any(ways[2 * PERIOD: 3 * PERIOD - PROBE - 1])  # the beside probe of the 2nd period lost: still first
+    assert all(ways[3 * PERIOD: 4 * PERIOD - PROBE - 1])  # the other process gone: beside again after a probe
     assert tuner.switches == 2

@@ -158,8 +158,8 @@ class ConcurrencyTuner:
         return self._mode(self.steps - 1)
 
     def _mode(self, step: int) -> bool:
-        """Step ``step``'s way: the other one for the ``PROBE`` steps before each decision (not in the first period)."""
-        probing = step >= PERIOD and PERIOD - PROBE - 1 <= step % PERIOD < PERIOD - 1
+        """Step ``step``'s way: the other one for the ``PROBE`` steps before each decision."""
+        probing = PERIOD - PROBE - 1 <= step % PERIOD < PERIOD - 1
         return self.beside != probing
 
 
