@@ -74,6 +74,9 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
                **comm.bytes_per_step(), "train/epochs": trainer.current_epoch,
                **{f"data/{k}_rows": v for k, v in meta["splits"].items()},
                **{f"data/skipped_rows/{k}": v for k, v in meta.get("skipped_rows", {}).items()}}
+    tuner = next((m.overlap_tuner for m in task.model.modules() if hasattr(m, "overlap_tuner")), None)
+    if tuner is not None and task.overlap_embedding_backward_used:  # (modules/models/backward_overlap.py)
+        metrics.update({"train/overlap_beside_at_end": float(tuner.beside), "train/overlap_switches": tuner.switches})
     if throughput.samples_per_s_after_warmup is not None:
         metrics.update({"train/samples_per_s_after_warmup": throughput.samples_per_s_after_warmup,
                         "train/warmup_s": throughput.warmup_s})
