@@ -82,6 +82,7 @@ def test_a_two_process_job_prints_no_third_party_noise_and_each_line_once(straig
     printed = (straight_run[2].parent / "printed.txt").read_text()
     assert [n for n in NOISE if n in printed] == [], printed[-3000:]
     assert printed.count("GPU available: False") == 1  # rank 0's, once
+    assert printed.count("training rows (a partial batch") == 1  # what an epoch leaves out: said once, by rank 0
     assert "RESULT test_auc=" in printed
 
 

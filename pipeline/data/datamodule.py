@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import lightning as L
@@ -17,8 +16,6 @@ from modules.embedding.zch.config import ZchConfig
 from pipeline.data.store import FIRST_VOCAB_ID, ColumnarStore, has_raw_ids, with_table_sizes
 from pipeline.data.vocab_files import read_vocabulary
 from pipeline.runtime.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 class CTRDataModule(L.LightningDataModule):
@@ -114,9 +111,9 @@ class CTRDataModule(L.LightningDataModule):
             raise ConfigError(f"trainer.batch_size={batch}: the training split holds {rows:,} rows, fewer than one "
                               f"batch, so no training step would run; set trainer.batch_size to at most {rows:,} "
                               f"(or give more rows)")
-        if rows % batch:
-            log.info("Each epoch trains %d batches of %d rows; the last %d of its %d training rows (a partial "
-                     "batch, in a new order each epoch) are left out", loader.num_batches, batch, rows % batch, rows)
+        if rows % batch and (self.trainer is None or self.trainer.global_rank == 0):
+            print(f"Each epoch trains {loader.num_batches:,} batches of {batch:,} rows: {rows % batch:,} of its {rows:,} "
+                  f"training rows (a partial batch, other rows each epoch when shuffled) are left out", flush=True)
         if self.resume_position is not None:
             loader.resume_at(*self.resume_position)
         return loader
