@@ -111,7 +111,8 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
             with open(folder / f"node{n}.log", "w") as log:
                 agents.append(subprocess.Popen(
                     [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.nodes}",
-                     f"--nproc_per_node={args.nproc}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                     f"--nproc_per_node={args.nproc}", f"--max-restarts={args.max_restarts}",
+                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                      f"--rdzv_id={name}{port}", "-m", "pipeline.commands.train", *job, f"hydra.run.dir={folder}/node{n}"],
                     cwd=out, env=env(), stdout=log, stderr=subprocess.STDOUT))
         codes, sent = wait_all(agents, args.timeout_s), None
@@ -122,6 +123,7 @@ def run(name: str, args, common: list[str], out: Path) -> dict:
                 with open(folder / f"node{n}.log", "w") as log:
                     agents.append(cluster.torchrun(n, args.nproc, name, ["-m", "pipeline.commands.train", *job,
                                                    f"hydra.run.dir={folder}/node{n}"], env(), cwd=out, stdout=log,
+                                                   max_restarts=args.max_restarts,
                                                    stderr=subprocess.STDOUT))
             codes = wait_all(agents, args.timeout_s)
             sent = cluster.tx_bytes(0)
@@ -143,6 +145,8 @@ def main() -> None:
     p.add_argument("--recipes", nargs="+", default=["one_node", "ddp", "auto", "k8", "half"])
     p.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for every recipe")
     p.add_argument("--timeout-s", type=float, default=3600)
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun's, for each agent: with "
+                   "--extra trainer.checkpoint.dir=... trainer.resume=auto, a killed worker's job resumes")
     p.add_argument("--target-auc", type=float, help="the time-to-AUC target, from an earlier run of ddp on the same "
                    "data (DDP is deterministic here): ddp need not run again")
     p.add_argument("--work", default=None, help="folder for the data and runs (default: a temporary one, removed)")

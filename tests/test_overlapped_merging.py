@@ -129,3 +129,62 @@ def test_overlapped_merges_land_late_and_the_final_merge_makes_replicas_agree(up
     """``late`` = k: a merge lands when the next leaves; 1: in the middle of the next pass, whose own updates are
     then measured from a base the landed merge moved too."""
     run_workers(_worker, 2, updates, late)
+
+
+def _trained(rank: int, updates: str, late: int, save_every: int | None = None, restart_after: int | None = None
+             ) -> tuple[torch.Tensor, bool]:
+    """The dense vector and tables after STEPS steps and the final merge, as one flat tensor; and whether a merge was
+    in flight at the restart. ``save_every``: the merger's state taken (and serialised) every so many steps, as a
+    checkpoint does; ``restart_after``: after that step the state goes through ``torch.save`` into a new merger over
+    new tensors (zeros: everything comes from the state), as a resumed run's."""
+    import io
+
+    from modules.optim.kstep_merging import KStepMerger, MergeConfig
+    from modules.optim.sparse_merging import TableMerger
+
+    def build(dense: torch.Tensor, tables: dict[str, torch.Tensor]) -> KStepMerger:
+        return KStepMerger([dense], MergeConfig(k=K, overlap=late), tables=TableMerger(tables, updates), dense=updates)
+
+    dense = torch.nn.Parameter(torch.zeros(DENSE))
+    tables = {name: torch.zeros(shape) for name, shape in TABLES.items()}
+    merger = build(dense, tables)
+    in_flight = False
+    for step in range(1, STEPS + 1):
+        d, t = _updates(rank, step)
+        with torch.no_grad():
+            for name, (ids, v) in t.items():
+                merger.tables.record(name, torch.from_numpy(ids))
+                tables[name][torch.from_numpy(ids)] += torch.from_numpy(v)
+            dense += torch.from_numpy(d)
+        merger.after_step()
+        if save_every and step % save_every == 0:
+            torch.save(merger.state_dict(), io.BytesIO())
+        if step == restart_after:
+            in_flight = merger.in_flight is not None
+            saved = io.BytesIO()
+            torch.save(merger.state_dict(), saved)
+            saved.seek(0)
+            dense = torch.nn.Parameter(torch.zeros(DENSE))
+            tables = {name: torch.zeros(shape) for name, shape in TABLES.items()}
+            merger = build(dense, tables)
+            merger.load_state_dict(torch.load(saved, weights_only=True))
+    merger.merge_if_dirty()
+    return torch.cat([dense.detach().reshape(-1)] + [t.reshape(-1) for t in tables.values()]), in_flight
+
+
+def _checkpoint_worker(rank: int, world: int, updates: str, late: int) -> None:
+    plain, _ = _trained(rank, updates, late)
+    saved, _ = _trained(rank, updates, late, save_every=2)
+    assert torch.equal(saved, plain), "taking the merger's state changed the run"
+    for restart in range(1, STEPS):  # every step, those with a merge in flight among them
+        resumed, in_flight = _trained(rank, updates, late, restart_after=restart)
+        assert in_flight == (late > 0 and restart % K < late and restart >= K), restart
+        assert torch.equal(resumed, plain), f"resumed after step {restart}: not the uninterrupted run's bits"
+
+
+@pytest.mark.parametrize("updates, late", [("fp16", 2), ("fp32", K), ("fp16", 0)])
+def test_a_checkpoint_changes_nothing_and_a_restart_at_any_step_keeps_the_bits(updates, late):
+    """The merger's state taken every 2 steps leaves the run's bits as they were, and a new merger given the state
+    after any step — a merge in flight, the updates' base in fp16, the tables' pass under way — ends with the
+    uninterrupted run's bits on every rank (issue 82: checkpoints used to force a merge)."""
+    run_workers(_checkpoint_worker, 2, updates, late)

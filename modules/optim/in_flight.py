@@ -33,8 +33,16 @@ class InFlight(Generic[T]):
         except BaseException as e:  # handed to the training thread by result()
             self._error = e
 
+    @classmethod
+    def landed(cls, value: T) -> "InFlight[T]":
+        """A merge whose bytes already arrived (restored from a checkpoint): :meth:`result` returns ``value``."""
+        done = cls.__new__(cls)
+        done._value, done._error, done._thread = value, None, None
+        return done
+
     def result(self) -> T:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._error is not None:
             raise self._error
         return self._value

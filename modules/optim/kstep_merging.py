@@ -26,8 +26,9 @@ instead of k. The final merge (below) waits for the merge in flight and merges t
 replicas then agree to float rounding (not bit for bit: each rank adds the means to its own sum). Hierarchical
 variant: every ``k_intra`` steps the mean is taken inside each node, every ``k`` steps over all
 workers (``k`` a multiple of ``k_intra``). A final merge happens at the end of each epoch and before
-evaluation and checkpoints (:meth:`KStepMerger.merge`), and parameters start identical (broadcast
-from rank 0). The averaging is ``torch.distributed.algorithms.model_averaging.utils.average_parameters``.
+evaluation (:meth:`KStepMerger.merge`), and parameters start identical (broadcast from rank 0). A checkpoint merges
+nothing: each rank saves what differs between ranks or what the next merges read (:meth:`KStepMerger.state_dict`),
+so that the run with checkpoints, and one resumed from any of them, keep the bits of the run without. The averaging is ``torch.distributed.algorithms.model_averaging.utils.average_parameters``.
 
 With SGD, merging every step (k = 1) is exactly synchronous data parallelism (the mean of the
 locally updated parameters is the update with the mean gradient); with Adam it is not, since
@@ -205,7 +206,7 @@ class KStepMerger:
         return False
 
     def merge_if_dirty(self) -> None:
-        """Final merge (end of epoch, before evaluation / checkpoints) unless nothing changed."""
+        """Final merge (end of epoch, before evaluation) unless nothing changed."""
         if self.overlap and (self.dirty or self.in_flight is not None):
             self._land()
             self._launch()
@@ -213,6 +214,42 @@ class KStepMerger:
             self.dirty = False
         elif self.dirty:
             self.merge()
+
+    def state_dict(self, tables: bool = True) -> dict[str, Any]:
+        """Everything that differs between ranks or that the next merges read, so that a run resumed from a checkpoint
+        merges as the uninterrupted one does (a checkpoint merges nothing): this rank's replicated parameters, the
+        updates' base, the tables' pass (:meth:`TableMerger.state_dict`; its shards with ``tables``) and a merge in
+        flight, waited for (its bytes must have arrived: they are not sent again) and saved unlanded with the step
+        it lands after. Live tensors, not copies: written at once."""
+        state: dict[str, Any] = {"steps": self.steps, "merges": self.merges, "dirty": self.dirty,
+                                 "params": [p.detach() for p in self.params], "base": self._base,
+                                 "tables": self.tables.state_dict(tables) if self.tables is not None else None,
+                                 "in_flight": None, "lands_at": self.lands_at}
+        if self.in_flight is not None:
+            dense, mean, moments, sent, rows = self.in_flight.result()
+            state["in_flight"] = {
+                "updates": dense.updates, "moments": dense.moments, "mean": mean, "mean_moments": moments,
+                "sent": None if sent is None else {"ids": sent.ids, "parts": [list(part) for part in sent.parts]},
+                "rows": None if rows is None else [list(r) for r in rows]}
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state``: after the parameters were loaded and made equal (each rank's
+        own are put back) and before the next step."""
+        self.steps, self.merges, self.dirty, self.lands_at = (int(state["steps"]), int(state["merges"]),
+                                                              bool(state["dirty"]), int(state["lands_at"]))
+        for p, saved in zip(self.params, state["params"], strict=True):
+            p.copy_(saved)
+        self._base = [b.clone() for b in state["base"]]
+        if self.tables is not None:
+            self.tables.load_state_dict(state["tables"])
+        flight = state["in_flight"]
+        self.in_flight = None if flight is None else InFlight.landed((
+            DensePass(flight["updates"], flight["moments"]), flight["mean"], flight["mean_moments"],
+            None if flight["sent"] is None else TablePass(flight["sent"]["ids"],
+                                                          [tuple(part) for part in flight["sent"]["parts"]]),
+            None if flight["rows"] is None else [tuple(r) for r in flight["rows"]]))
 
     @torch.no_grad()
     def _launch(self) -> None:

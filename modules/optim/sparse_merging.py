@@ -129,6 +129,23 @@ class TableMerger:
             if part.numel():
                 self._base.setdefault(name, []).append((part, self.tables[name][part - self.first_row[name]].clone()))
 
+    def state_dict(self, tables: bool = True) -> dict:
+        """What a checkpoint must hold for the merges to go on as if it had not been written: the rows met since the
+        last merge and their kept ``b`` (and, with ``tables``, this rank's shards themselves: between merges each copy
+        holds its own rows). Live tensors, not copies: written at once."""
+        return {"touched": self.touched, "merged_rows": self.merged_rows,
+                "bases": {name: [[ids, rows] for ids, rows in kept] for name, kept in self._base.items()},
+                "tables": self.tables if tables else None}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (its ``tables`` copied into this rank's shards, if saved)."""
+        self.touched.copy_(state["touched"])
+        self.merged_rows = int(state["merged_rows"])
+        self._base = {name: [(ids, rows) for ids, rows in kept] for name, kept in state["bases"].items()}
+        for name, saved in (state["tables"] or {}).items():
+            self.tables[name].copy_(saved)
+
     def _gathered_ids(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
         """Every rank's ``local`` ids (sorted; all-gathered as ``id_dtype``, padded to the longest)."""
         world = dist.get_world_size(group)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from pipeline.checkpoint.chunks import MAX_CHUNK_BYTES, row_chunks
 from pipeline.checkpoint.manifest import write_manifest
@@ -81,7 +81,10 @@ class DCPCheckpointIO(CheckpointIO):
         barrier()
         try:
             t0 = time.perf_counter()
-            dcp.save(row_chunks(tensors, self.chunk_bytes), storage_writer=FileSystemWriter(str(tmp)))
+            # a tensor several ranks hold (the dense part, a copy of the tables) from the lowest of them: between
+            # k-step merges rank 0's replica, the others' in their own state (pipeline/training/callbacks/kstep_merging.py)
+            dcp.save(row_chunks(tensors, self.chunk_bytes), storage_writer=FileSystemWriter(str(tmp)),
+                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
             (tmp / STATE_FILE.format(rank=group_rank())).write_text(json.dumps(skeleton))
             barrier()
             if group_rank() == 0:

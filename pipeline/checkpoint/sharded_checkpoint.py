@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 from filelock import FileLock, Timeout
@@ -15,15 +15,13 @@ from pipeline.runtime.errors import CheckpointMismatchError
 
 class ShardedCheckpoint(Callback):
     """Checkpoints every ``every_n_steps`` training steps and at the end of every epoch, keeping the
-    newest ``keep`` (see :mod:`pipeline.checkpoint`); ``before_save`` runs first (k-step merging merges the replicas).
+    newest ``keep`` (see :mod:`pipeline.checkpoint`).
 
     The folder belongs to one run at a time: global rank 0 holds a lock file in it (``.lock``, released
     when the process ends, however it ends); a second run naming the same folder is refused."""
 
-    def __init__(self, dirpath: str, every_n_steps: int | None = None, keep: int = 2,
-                 before_save: Callable[[], None] | None = None) -> None:
+    def __init__(self, dirpath: str, every_n_steps: int | None = None, keep: int = 2) -> None:
         self.dirpath, self.every_n_steps, self.keep = dirpath, every_n_steps, max(1, keep)
-        self.before_save = before_save
         self._saved_step: int | None = None
         self._lock: FileLock | None = None
 
@@ -48,8 +46,6 @@ class ShardedCheckpoint(Callback):
         if self._saved_step == trainer.global_step:
             return
         self._saved_step = trainer.global_step
-        if self.before_save is not None:
-            self.before_save()
         trainer.save_checkpoint(str(Path(self.dirpath) / f"step-{trainer.global_step:09d}"))
         if trainer.is_global_zero:
             for old in complete_checkpoints(self.dirpath)[:-self.keep]:
@@ -58,7 +54,8 @@ class ShardedCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+        last = trainer.is_last_batch or trainer.global_step == trainer.max_steps  # saved at the epoch's end instead:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0 and not last:  # after its merge
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -40,8 +40,7 @@ def build_callbacks(cfg: RunConfig, topology: TopologySpec, guard: SignalGuard,
     callbacks += [CommAccounting(), TrainThroughput(), RowCacheLogging(), CowClipLogging(), TrainingState(), NextBatchRows(),
                   BestValidation("val/auc", t.plateau_lr_factor, t.plateau_patience, t.early_stopping_patience,
                                  restore_best=t.early_stopping_patience is not None)]
-    checkpoint = ShardedCheckpoint(t.checkpoint.dir, t.checkpoint.every_n_steps, t.checkpoint.keep,
-                                   before_save=merging.merge_if_dirty if merging else None) \
+    checkpoint = ShardedCheckpoint(t.checkpoint.dir, t.checkpoint.every_n_steps, t.checkpoint.keep) \
         if t.checkpoint.dir else None
     callbacks += [checkpoint] if checkpoint else []
     callbacks.append(StopOnSignal(guard, checkpoint.save if checkpoint else None))

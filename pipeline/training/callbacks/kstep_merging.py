@@ -15,8 +15,9 @@ from modules.sharding.replicated_tables import attach_table_merger, peer_group
 
 class KStepMerging(Callback):
     """k-step model merging of the replicated parameters (:mod:`modules.optim.kstep_merging`): after every
-    training step, and a final merge before validation, testing, checkpoints and at each epoch's end.
-    Its step and merge counters are saved with checkpoints. The period is the task's ``merging`` (resolved
+    training step, and a final merge before validation, testing and at each epoch's end. A checkpoint merges
+    nothing: each rank saves its replicas, the pass under way and any merge in flight, and a resumed run goes on
+    from them as the uninterrupted run does. The period is the task's ``merging`` (resolved
     for the link when ``trainer.merging.k=auto``); a run that resolved to DDP merges nothing. With
     ``trainer.merging.tables=replicated|per_node`` the looked-up rows of the tables' copies are merged with the
     dense part, each shard with the ranks that hold it on the other nodes."""
@@ -25,13 +26,19 @@ class KStepMerging(Callback):
         self.ranks_per_node = ranks_per_node
         self.timeout = timeout  # of an overlapped merge's own process group
         self.merger: KStepMerger | None = None
-        self._counters = {"steps": 0, "merges": 0}
+        self._saved: dict[str, Any] = {"steps": 0, "merges": 0}  # until training starts: as the checkpoint has it
+        self._copy = 0  # which copy of the tables this rank's shards belong to
 
     def state_dict(self) -> dict[str, Any]:
-        return self._counters if self.merger is None else {"steps": self.merger.steps, "merges": self.merger.merges}
+        """The merger's state (:meth:`KStepMerger.state_dict`), saved per rank: checkpoints merge nothing. The tables'
+        shards of the first copy are not repeated: the checkpoint's model holds them (DCP writes a replicated
+        tensor from the lowest rank holding it: :mod:`pipeline.checkpoint.dcp_io`)."""
+        if self.merger is None:
+            return self._saved
+        return self.merger.state_dict(tables=self._copy > 0)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._counters = dict(state)
+        self._saved = dict(state)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         cfg: MergeConfig = pl_module.link.merging
@@ -45,8 +52,12 @@ class KStepMerging(Callback):
                                   dense=pl_module.link.comms.dense, timeout=self.timeout,
                                   table_group=peer_group(span, self.timeout) if tables is not None and span > 1
                                   else None)
-        self.merger.steps, self.merger.merges = self._counters["steps"], self._counters["merges"]
+        self._copy = trainer.global_rank // span if tables is not None else 0
         self.merger.attach_optimizer(trainer.optimizers[0])
+        if "params" in self._saved:  # resumed: each rank's replicas, their pass and any merge in flight
+            self.merger.load_state_dict(self._saved)
+        else:
+            self.merger.steps, self.merger.merges = self._saved["steps"], self._saved["merges"]
 
     def merge_if_dirty(self) -> None:
         if self.merger is not None:
