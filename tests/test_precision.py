@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.training.precision import cpu_bf16_kernels, resolve_precision
+from pipeline.runtime.bf16 import cpu_bf16_kernels
+from pipeline.training.precision import resolve_precision
 
 
 @pytest.mark.parametrize("flags, want", [

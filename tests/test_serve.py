@@ -1,5 +1,5 @@
 """``ctr serve`` as a real server on 127.0.0.1 (2 worker processes): every request format answers what
-``ctr predict`` writes for the same rows, bad requests get a 400 naming the column or field and never
+``ctr predict`` writes for the same rows (``/rank`` what ``/invocations`` answers for its rows expanded), bad requests get a 400 naming the column or field and never
 kill a worker, ``/metrics`` counts what was sent, a flood of 64 clients is shed with 503 while memory
 stays bounded and ``/ping`` answers, and new versions published under load are swapped in on both
 workers with no request lost and no answer mixing versions (float32 → int8 → int4, each checked
@@ -20,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeline.server.requests import ARROW_STREAM
 from tests.conftest import PYTHON, ROOT, free_port, subprocess_env
 
 
@@ -60,8 +62,9 @@ class Server:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
             return r.status, r.read()
 
-    def post(self, body: bytes, content_type: str = "application/json") -> tuple[int, dict, str | None]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/invocations", data=body,
+    def post(self, body: bytes, content_type: str = "application/json", path: str = "/invocations"
+             ) -> tuple[int, dict, str | None]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=body,
                                          headers={"Content-Type": content_type})
         try:
             with urllib.request.urlopen(request, timeout=60) as r:
@@ -154,6 +157,40 @@ def test_every_request_format_answers_what_predict_writes_and_bad_ones_get_a_400
                  if line.startswith(f'ctr_serve_requests_total{{status="{status}"}}')}
         assert count == {"200": len(bodies) + 2 + 4, "400": len(bad) + 1 + 4}, count  # summed over both workers
         assert "ctr_serve_batch_rows_bucket" in metrics and 'ctr_serve_request_seconds_recent{quantile="0.99"}' in metrics
+
+        # POST /rank: the first row's user and time as the context of every row's price and tags, as JSON and as an
+        # Arrow stream, answers what /invocations answers for the rows so expanded (this model has a sequence
+        # feature: the expanded path; the shared-context path is tested model by model in tests/test_ranking.py)
+        context = {c: str(rows.iloc[0][c]) for c in ("user_id", "click_time")}
+        _, expanded, _ = server.post(split_body(rows.assign(**context)))
+        candidates = {c: json.loads(rows[c].to_json(orient="values")) for c in ("price", "tags")}
+        table = pa.table(candidates).replace_schema_metadata({"context": json.dumps(context)})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        for body, content_type in ((json.dumps({"context": context, "candidates": candidates}).encode(),
+                                    "application/json"), (sink.getvalue().to_pybytes(), ARROW_STREAM)):
+            status, answer, version = server.post(body, content_type, path="/rank")
+            assert status == 200 and version == str(model.resolve()), answer
+            np.testing.assert_allclose(probabilities(answer), probabilities(expanded), atol=1e-6)
+        bad_rank = {
+            "a column in both": ({"context": {**context, "price": 3}, "candidates": candidates}, "column 'price' is "
+                                 "in both context and candidates"),
+            "a context column per candidate": ({"context": {**context, "user_id": ["u1", "u2"]},
+                                                "candidates": candidates}, "context.user_id: expected one value"),
+            "a candidate column missing": ({"context": context, "candidates": {"price": candidates["price"]}},
+                                           "lacks column 'tags'"),
+            "no candidate": ({"context": context, "candidates": {"price": [], "tags": []}}, "no candidate to rank"),
+        }
+        for name, (doc, expected) in bad_rank.items():
+            status, answer, _ = server.post(json.dumps(doc).encode(), path="/rank")
+            assert status == 400 and expected in answer["message"], (name, answer)
+        too_large = json.dumps({"context": context, "candidates": candidates}).encode() + b" " * (FLOOD_BOUND_MB << 20)
+        status, answer, _ = server.post(too_large, path="/rank")
+        assert status == 413 and "serve.max_queued_mb" in answer["message"], answer
+        status, answer, _ = server.post(json.dumps({"context": context, "candidates": candidates}).encode(),
+                                        path="/rank")  # and the worker ranks on
+        assert status == 200 and np.allclose(probabilities(answer), probabilities(expanded), atol=1e-6)
 
         # 64 clients flood it with 6 MiB bodies (the rows, then spaces) for 4 s: each worker holds at most
         # serve.max_queued_mb of them, sheds the rest with 503 + Retry-After, and keeps answering /ping

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from modules.embedding.sparse_arch import FeatureSpec
 from modules.embedding.zch.mapping import lookup_rows
 from pipeline.checkpoint.run_description import declaration_from
-from pipeline.data.dataset import DataConfig
+from pipeline.data.dataset import DataConfig, FeatureDecl
 from pipeline.data.encoding import encode_ids, hashed_ids, ids_of, raw_ids, transform_dense
 from pipeline.data.features import FeatureBlock, extract
 from pipeline.data.hashing import factorized_string_keys, string_keys
@@ -105,20 +105,24 @@ class RowEncoder:
         decls = data.declared()
         if any(f.type == "sequence" or f.derive for f in decls):
             return self.encode(self.columns_block(columns, rows))
-        numeric = [f.source for f in decls if f.type == "numeric"]
-        categorical = [f for f in decls if f.type == "categorical"]
+        sparse, dense = self.encode_features(columns, rows, decls)
+        return SplitArrays(np.zeros(rows, np.int8), dense, sparse, {})
+
+    def encode_features(self, columns: Columns, rows: int, features: Sequence[FeatureDecl]
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """The ids [rows, categorical ``features``] and transformed numbers [rows, numeric ``features``] of some of
+        the declared features (no sequence or derived one), in declaration order, from ``rows`` raw values of each
+        of their columns: every categorical column hashed in one pass, every numeric one converted in one. A
+        column's values may be a Python sequence, a numpy array or an Arrow array (read as it is, no list made)."""
+        numeric = [f for f in features if f.type == "numeric"]
+        categorical = [f for f in features if f.type == "categorical"]
         sources = list(dict.fromkeys(f.source for f in categorical))
-        try:
-            values = _strings([v for c in sources for v in columns[c]])
-        except _NotOneValue as e:
-            raise _not_one_value(sources[e.index // rows], e.index % rows, e.value) from None
-        if len(values) <= HASH_EACH_UP_TO:  # a few rows: each value hashed (factorizing first costs more)
-            keys = string_keys(values)
-        else:
-            codes, distinct = factorized_string_keys(values)
-            keys = distinct[codes]
-        keys = keys.reshape(len(sources), rows)[[sources.index(f.source) for f in categorical]].ravel()
-        if self.raw:
+        if sources:
+            keys = self._keys(columns, sources, rows)
+            keys = keys.reshape(len(sources), rows)[[sources.index(f.source) for f in categorical]].ravel()
+        if not categorical:
+            ids = np.zeros(0, np.int32)
+        elif self.raw:
             ids = np.concatenate([self._rows(t, raw_ids(part, t)) for part, t in
                                   zip(keys.reshape(len(categorical), rows), (self.spec.table_of(f.name) for f in categorical))])
         elif self.joint is None:
@@ -127,8 +131,26 @@ class RowEncoder:
             tables = np.repeat([self.joint.tables[self.spec.table_of(f.name)] for f in categorical], rows)
             ids = ids_of(keys, self.joint.positions_of(keys, tables.astype(np.int16)))
         sparse = np.ascontiguousarray(ids.reshape(len(categorical), rows).T)
-        dense = transform_dense(_number_matrix(columns, numeric, rows), self.transforms, self.lo, self.hi)
-        return SplitArrays(np.zeros(rows, np.int8), dense, sparse, {})
+        at = [self.spec.dense.index(f.name) for f in numeric]
+        dense = transform_dense(_number_matrix(columns, [f.source for f in numeric], rows),
+                                [self.transforms[j] for j in at], self.lo[at], self.hi[at])
+        return sparse, dense
+
+    def _keys(self, columns: Columns, sources: list[str], rows: int) -> np.ndarray:
+        """The hash keys of the categorical ``sources``' values, column after column."""
+        if all(isinstance(columns[c], (pa.Array, pa.ChunkedArray)) for c in sources):
+            parts = [_arrow_strings(c, columns[c]) for c in sources]
+            values = pa.concat_arrays([p for part in parts for p in (part.chunks if isinstance(part, pa.ChunkedArray)
+                                                                     else [part])])
+        else:
+            try:
+                values = _strings([v for c in sources for v in _as_values(columns[c])])
+            except _NotOneValue as e:
+                raise _not_one_value(sources[e.index // rows], e.index % rows, e.value) from None
+        if len(values) <= HASH_EACH_UP_TO:  # a few rows: each value hashed (factorizing first costs more)
+            return string_keys(values)
+        codes, distinct = factorized_string_keys(values)
+        return distinct[codes]
 
     def _rows(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Table rows of encoded ids: raw ids through the model.zch mapping (if given), others as they are."""
@@ -182,7 +204,7 @@ def _number_matrix(columns: Columns, names: list[str], rows: int) -> np.ndarray:
     if not names:
         return np.zeros((rows, 0), np.float32)
     try:
-        m = np.array([columns[c] for c in names], dtype=np.float64).T
+        m = np.array([_as_numbers(columns[c]) for c in names], dtype=np.float64).T
     except (ValueError, TypeError, OverflowError):  # "" (missing), pd.NA, a bad value or one past float's range
         m = np.stack([_numbers(c, columns[c]) for c in names], axis=1)
     _check_range(names, m)
@@ -198,9 +220,34 @@ def _check_range(names: Sequence[str], m: np.ndarray) -> None:
                           f"computes in (about ±3.4e38)")
 
 
+def _as_numbers(values: Any) -> Any:
+    """An Arrow numeric column as float64 numpy (null → NaN, no Python objects); anything else as it is."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)) and (pa.types.is_floating(values.type)
+                                                            or pa.types.is_integer(values.type)):
+        return pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+    return _as_values(values)
+
+
+def _as_values(values: Any) -> Any:
+    """An Arrow column as Python values (the slow path of a column Arrow cannot convert by itself)."""
+    return values.to_pylist() if isinstance(values, (pa.Array, pa.ChunkedArray)) else values
+
+
+def _arrow_strings(column: str, values: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """A categorical Arrow column as strings (numbers as their text), null where missing (null or "")."""
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+            or pa.types.is_integer(values.type) or pa.types.is_null(values.type)):
+        raise BundleError(f"column {column!r}: an Arrow {values.type} column where the declaration reads categories: "
+                          f"send strings (or integers)")
+    strings = pc.cast(values, pa.string())
+    empty = pc.equal(strings, "")
+    return pc.if_else(empty, pa.scalar(None, pa.string()), strings) if pc.any(empty).as_py() else strings
+
+
 def _numbers(column: str, values: Sequence[Any]) -> np.ndarray:
     """A numeric column as float64: numbers or numeric strings; null, NaN and "" are missing; a value past
     float32's range is refused."""
+    values = _as_numbers(values)
     if isinstance(values, np.ndarray) and values.dtype.kind in "iufb":
         out = values.astype(np.float64)
         _check_range([column], out[:, None])

@@ -1,6 +1,8 @@
 """The scoring server as an ASGI app (run by uvicorn: :mod:`pipeline.commands.serve`), speaking MLflow's
 scoring protocol so that any MLflow client keeps working:
 
+    POST /rank          one context and N candidates (:mod:`.requests`, :mod:`pipeline.scoring.ranking`) → the
+                        candidates' probabilities as /invocations answers; scored alone, in the scoring thread
     POST /invocations   a body of :mod:`.requests` → 200 {"predictions": [{"probability": p}, ...]}
                         (header X-Model-Version: the version that scored it);
                         400 {"error_code": "BAD_REQUEST", "message": ...} naming the column or field;
@@ -42,6 +44,7 @@ from pipeline.server.old_versions import forget_use, record_use
 from pipeline.server.requests import RequestError
 from pipeline.server.settings import ServeSettings
 from pipeline.server.versions import Version, published, slug
+from pipeline.scoring.ranking import Ranker
 from pipeline.scoring.scorer import Scorer
 
 log = logging.getLogger(__name__)
@@ -54,13 +57,14 @@ def fused_dir(version: Version, workdir: Path) -> Path:
     return workdir / "fused" / slug(f"{version.folder}:{written}")
 
 
-def load(version: Version, workdir: Path, small_batch_rows: int) -> Served:
+def load(version: Version, workdir: Path, small_batch_rows: int, rank_dense: str = "fp32") -> Served:
     """A version's scorer: float tables read through the model folder's mapped files, quantized ones —
     and the fused copy of float ones for model calls of at most ``small_batch_rows`` rows — through a
     buffer file in the serve directory (:func:`pipeline.model_folder.quantize.share_fused_buffers`): one copy
-    in the page cache for all workers."""
+    in the page cache for all workers. ``rank_dense``: the precision of ranking requests' hidden-layer GEMMs."""
     shared = fused_dir(version, workdir)
-    return Served(version, Scorer(version.folder, shared_dir=shared, small_batch_rows=small_batch_rows), shared)
+    scorer = Scorer(version.folder, shared_dir=shared, small_batch_rows=small_batch_rows)
+    return Served(version, scorer, shared, Ranker(scorer, rank_dense))
 
 
 class ScoringApp:
@@ -142,15 +146,15 @@ class ScoringApp:
         record_use(self.workdir, [version.folder, *([serving.version.folder] if serving else [])],
                    [fused_dir(version, self.workdir), *([serving.fused_dir] if serving else [])],
                    serving.version.folder if serving else None)
-        return load(version, self.workdir, self.settings.small_batch_rows)
+        return load(version, self.workdir, self.settings.small_batch_rows, self.settings.rank_dtype)
 
     def _use(self, served: Served) -> None:
         record_use(self.workdir, [served.version.folder], [served.fused_dir], served.version.folder)
 
     async def _http(self, scope: dict, receive, send) -> None:
         path, method = scope["path"], scope["method"]
-        if path == "/invocations" and method == "POST":
-            await self._invocations(scope, receive, send)
+        if path in ("/invocations", "/rank") and method == "POST":
+            await self._invocations(scope, receive, send, rank=path == "/rank")
         elif path in ("/ping", "/health") and method == "GET":
             ready = self.batcher is not None
             await _reply(send, 200 if ready else 503, b"\n", b"text/plain")
@@ -161,9 +165,11 @@ class ScoringApp:
             await _reply(send, 200, metrics.exposition(), metrics.CONTENT_TYPE.encode())
         else:
             await _json(send, 404, {"error_code": "ENDPOINT_NOT_FOUND", "message": f"{method} {path}: no such endpoint "
-                                    f"(POST /invocations; GET /ping, /health, /version, /metrics)"})
+                                    f"(POST /invocations, /rank; GET /ping, /health, /version, /metrics)"})
 
-    async def _invocations(self, scope: dict, receive, send) -> None:
+    async def _invocations(self, scope: dict, receive, send, rank: bool = False) -> None:
+        """A scoring request (``rank``: a ranking one, :mod:`pipeline.scoring.ranking`): its body held within the
+        worker's bounds, then scored."""
         t0 = time.perf_counter()
         if not self.admission.enter():
             if await _drain(receive):
@@ -191,7 +197,7 @@ class ScoringApp:
                 return await self._shed(send, t0)
             if body is _TOO_LARGE:
                 return await self._too_large(send, t0)
-            status, answer, headers = await self._score(body, _header(scope, b"content-type"))
+            status, answer, headers = await self._score(body, _header(scope, b"content-type"), rank)
             await _reply(send, status, answer, b"application/json", headers)
             metrics.observe(status, time.perf_counter() - t0)
         finally:
@@ -235,9 +241,9 @@ class ScoringApp:
                      b"application/json", [(b"retry-after", str(RETRY_AFTER_S).encode())])
         metrics.observe(503, time.perf_counter() - t0)
 
-    async def _score(self, body: bytes, content_type: str) -> tuple[int, bytes, list]:
+    async def _score(self, body: bytes, content_type: str, rank: bool) -> tuple[int, bytes, list]:
         try:
-            answer, label = await self.batcher.score(body, content_type)
+            answer, label = await (self.batcher.rank if rank else self.batcher.score)(body, content_type)
         except RequestError as e:
             return 400, _error("BAD_REQUEST", str(e)), []
         except Exception as e:  # noqa: BLE001 — logged by the batcher

@@ -30,8 +30,9 @@ import numpy as np
 from pipeline.data.store import SplitArrays
 from pipeline.runtime.errors import BundleError, MissingColumnsError
 from pipeline.server import metrics
-from pipeline.server.requests import Parsed, RequestError, encode_lines, parse
+from pipeline.server.requests import Parsed, RequestError, encode_lines, parse, parse_rank
 from pipeline.server.versions import Version
+from pipeline.scoring.ranking import Ranker
 from pipeline.scoring.scorer import Scorer
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class Served:
     version: Version
     scorer: Scorer
     fused_dir: Path  # where its fused table buffers are (if it has any)
+    ranker: Ranker = field(repr=False)  # ranking requests against the same model
 
 
 @dataclass
@@ -81,6 +83,20 @@ class Batcher:
         future = asyncio.get_running_loop().create_future()
         await self.queue.put(_Waiting(body, content_type, future))
         return await future
+
+    async def rank(self, body: bytes, content_type: str) -> tuple[bytes, str]:
+        """A ranking request's answer and the version that scored it, scored alone in the scoring thread (between
+        batches: one model call a thread at a time)."""
+        served = self.served
+        try:
+            answer = await asyncio.get_running_loop().run_in_executor(self.pool, rank_answer, served, body,
+                                                                      content_type)
+        except RequestError:
+            raise
+        except Exception:  # a bug: this request answers 500, the server lives
+            log.exception("ranking a request failed")
+            raise
+        return answer, served.version.label
 
     async def _next_batch(self) -> list[_Waiting]:
         batch = [await self.queue.get()]
@@ -121,6 +137,15 @@ def answer_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int
 def answer_json(probability: np.ndarray) -> bytes:
     """MLflow's answer: ``{"predictions": [{"probability": p}, ...]}``."""
     return json.dumps({"predictions": [{"probability": p} for p in probability.tolist()]}).encode()
+
+
+def rank_answer(served: Served, body: bytes, content_type: str) -> bytes:
+    """The JSON answer of a ``POST /rank`` body (:class:`RequestError`: a bad one)."""
+    request = parse_rank(body, content_type)
+    try:
+        return answer_json(served.ranker.probabilities(request.context, request.candidates, request.rows))
+    except (BundleError, MissingColumnsError) as e:
+        raise RequestError(str(e)) from None
 
 
 def score_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int

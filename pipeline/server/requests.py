@@ -1,4 +1,4 @@
-"""Request bodies of MLflow's scoring protocol → raw columns (or encoded rows), without pandas.
+"""Request bodies of MLflow's scoring protocol → raw columns (or encoded rows), without pandas; and of ``/rank``.
 
     application/json   {"dataframe_split": {"columns": [c, ...], "data": [[v, ...], ...]}}   ("index" ignored)
                        {"dataframe_records": [{c: v, ...}, ...]}
@@ -6,6 +6,11 @@
     text/csv           CSV with a header row naming the columns (MLflow's CSV input)
     text/x-ctr-rows    lines exactly as the dataset's training files hold them (its delimiter and columns,
                        with or without the label): the dataset's own reader, checks and messages
+
+    POST /rank         application/json: {"context": {column: value, ...}, "candidates": {column: [value, ...], ...}}
+                       application/vnd.apache.arrow.stream (an Arrow IPC stream): the candidates' columns as its record
+                       batches, one row per candidate; the context as the schema's metadata key ``context``, a JSON
+                       object {column: value} (:func:`parse_rank`; scored by :mod:`pipeline.scoring.ranking`)
 
 Values are raw, as in the training files: strings in categorical columns, numbers or strings of
 numbers in numeric ones, null / NaN / "" for a missing value. The JSON forms become a mapping
@@ -24,7 +29,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -124,6 +129,73 @@ def _csv(body: bytes) -> Parsed:
     except (pa.ArrowInvalid, ValueError, csv.Error) as e:
         raise RequestError(f"text/csv body: {e}") from None
     return Parsed(table.num_rows, {name: table.column(name).to_pylist() for name in table.column_names})
+
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+CONTEXT_KEY = b"context"  # the Arrow schema's metadata key holding the context
+
+
+@dataclass
+class RankRequest:
+    context: dict[str, Any]        # column → its one value
+    candidates: Mapping[str, Any]  # column → its values (a list, or an Arrow column), one per candidate
+    rows: int
+
+
+def parse_rank(body: bytes, content_type: str) -> RankRequest:
+    """A ``POST /rank`` body by its content type (module docstring)."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind in ("", "application/json"):
+        return _rank_json(body)
+    if kind == ARROW_STREAM:
+        return _rank_arrow(body)
+    raise RequestError(f"Content-Type {content_type!r}: /rank takes application/json or {ARROW_STREAM}")
+
+
+def _rank_json(body: bytes) -> RankRequest:
+    try:
+        doc = json.loads(body)
+    except ValueError as e:
+        raise RequestError(f"request body: not JSON ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("context"), dict) or \
+            not isinstance(doc.get("candidates"), dict):
+        raise RequestError('request body: expected {"context": {column: value, ...}, '
+                           '"candidates": {column: [values], ...}}')
+    lengths = {}
+    for column, values in doc["candidates"].items():
+        if not isinstance(values, list):
+            raise RequestError(f"candidates.{column}: expected a list of values (one per candidate)")
+        lengths[column] = len(values)
+    if len(set(lengths.values())) > 1:
+        raise RequestError(f"candidates: columns of different lengths {dict(list(lengths.items())[:10])}")
+    return RankRequest(_context(doc["context"]), doc["candidates"], next(iter(lengths.values()), 0))
+
+
+def _context(context: dict[str, Any]) -> dict[str, Any]:
+    for column, value in context.items():
+        if isinstance(value, (list, dict)):
+            raise RequestError(f"context.{column}: expected one value shared by every candidate, got "
+                               f"{'a list' if isinstance(value, list) else 'an object'}; a column whose value differs "
+                               f"per candidate goes in candidates")
+    return context
+
+
+def _rank_arrow(body: bytes) -> RankRequest:
+    try:
+        table = pa.ipc.open_stream(pa.BufferReader(body)).read_all()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise RequestError(f"{ARROW_STREAM} body: {e}") from None
+    meta = table.schema.metadata or {}
+    if CONTEXT_KEY not in meta:
+        raise RequestError(f"{ARROW_STREAM} body: the schema's metadata has no 'context' key (a JSON object "
+                           f"{{column: value}} shared by every candidate)")
+    try:
+        context = json.loads(meta[CONTEXT_KEY])
+    except ValueError as e:
+        raise RequestError(f"{ARROW_STREAM} body: metadata 'context': not JSON ({e})") from None
+    if not isinstance(context, dict):
+        raise RequestError(f"{ARROW_STREAM} body: metadata 'context': expected a JSON object {{column: value}}")
+    return RankRequest(_context(context), {name: table.column(name) for name in table.column_names}, table.num_rows)
 
 
 def encode_lines(encoder: RowEncoder, body: bytes) -> SplitArrays:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.runtime.bf16 import native_bf16
 from pipeline.runtime.errors import ConfigError
+
+RANK_DENSE = ("fp32", "bf16", "auto")
 
 
 @dataclass
@@ -18,6 +21,7 @@ class ServeSettings:
     threads: int
     max_batch_rows: int
     small_batch_rows: int
+    rank_dense: str
     max_wait_ms: float
     max_queued_mb: float
     max_queued_requests: int
@@ -36,6 +40,8 @@ class ServeSettings:
             raise ConfigError(f"serve.small_batch_rows={self.small_batch_rows}: expected a whole number ≥ 0")
         if not self.max_queued_mb > 0:
             raise ConfigError(f"serve.max_queued_mb={self.max_queued_mb}: expected MiB > 0")
+        if self.rank_dense not in RANK_DENSE:
+            raise ConfigError(f"serve.rank_dense={self.rank_dense!r}: expected one of {', '.join(RANK_DENSE)}")
         if self.max_wait_ms < 0:
             raise ConfigError(f"serve.max_wait_ms={self.max_wait_ms}: expected ≥ 0")
         if self.watch_interval_s <= 0:
@@ -45,6 +51,13 @@ class ServeSettings:
     def max_queued_bytes(self) -> int:
         """``max_queued_mb`` in bytes: the bodies a worker holds, and so the largest body it takes."""
         return int(self.max_queued_mb * 2**20)
+
+    @property
+    def rank_dtype(self) -> str:
+        """``rank_dense`` resolved: ``auto`` is bf16 where the CPU computes it natively, else fp32."""
+        if self.rank_dense != "auto":
+            return self.rank_dense
+        return "bf16" if native_bf16("cpu")[0] else "fp32"
 
     @property
     def poll_s(self) -> float:

@@ -1,0 +1,108 @@
+"""Ranking: one context and N candidates scored together (``POST /rank``: :mod:`pipeline.server.requests`), the
+context's share computed once.
+
+Every column the model reads comes once: in the context (one value, shared by every candidate) or in the candidates
+(one value each). The context's ids are encoded and looked up once, its share of the dense layers computed once
+(:mod:`modules.models.shared_context`); the candidates' columns are encoded column by column (an Arrow column goes to
+the encoder as it is). A declaration with sequence or derived features is scored on the rows expanded (the context's
+values repeated), with the same answer. A column given twice or not at all, no candidate, or a value the encoder
+cannot read raise :class:`MissingColumnsError` or :class:`BundleError` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torchrec import KeyedJaggedTensor
+
+from modules.models.shared_context import SharedContext
+from pipeline.runtime.errors import MissingColumnsError
+from pipeline.scoring.scorer import Scorer
+
+DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+class Ranker:
+    """Ranking requests against one loaded model (a :class:`Scorer`): its shared-context splits are cut once per
+    assignment of the columns to context and candidates, and kept."""
+
+    def __init__(self, scorer: Scorer, dense: str = "fp32") -> None:
+        if dense not in DENSE:
+            raise ValueError(f"dense={dense!r}: expected one of {sorted(DENSE)}")
+        self.scorer = scorer
+        self.dense = DENSE[dense]  # the candidates' hidden-layer GEMMs (modules/models/shared_context.py)
+        reading = scorer.reading(label=False)
+        self.columns = reading.read_columns
+        self.features = reading.declared()
+        self.fields = list(scorer.model.sparse_arch.fields)
+        self.shared_form = not scorer.spec.sequence and not any(f.derive or f.type == "sequence"
+                                                                 for f in self.features)
+        self._splits: dict[frozenset, SharedContext] = {}
+
+    def check(self, context: Mapping[str, Any], candidates: Mapping[str, Any], rows: int) -> None:
+        """Each column the model reads in exactly one of context and candidates, and at least one candidate."""
+        both = [c for c in self.columns if c in context and c in candidates]
+        if both:
+            raise MissingColumnsError(f"column {both[0]!r} is in both context and candidates: give it once (context: one "
+                               f"value for every candidate; candidates: one value each)")
+        missing = [c for c in self.columns if c not in context and c not in candidates]
+        if missing:
+            raise MissingColumnsError(f"the request lacks column{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
+                               f"(the model reads {list(self.columns)}): give each in context or candidates")
+        if rows == 0:
+            raise MissingColumnsError("candidates: no candidate to rank (expected at least one value in each column)")
+
+    def probabilities(self, context: Mapping[str, Any], candidates: Mapping[str, Any], rows: int) -> np.ndarray:
+        """The click probabilities of ``rows`` candidates (``candidates``: column → their values, a list or an Arrow
+        column) sharing ``context`` (column → its value), in their order."""
+        self.check(context, candidates, rows)
+        if not self.shared_form:
+            return self._expanded(context, candidates, rows)
+        return torch.sigmoid(self._logits(context, candidates, rows)).numpy()
+
+    def _expanded(self, context: Mapping[str, Any], candidates: Mapping[str, Any], rows: int) -> np.ndarray:
+        """The plain path: the context's values repeated for every candidate, scored as full rows."""
+        columns = {c: candidates[c] if c in candidates else [context[c]] * rows for c in self.columns}
+        columns = {c: v.to_pylist() if isinstance(v, (pa.Array, pa.ChunkedArray)) else v for c, v in columns.items()}
+        return self.scorer.score(self.scorer.encode_columns(columns, rows))
+
+    def _logits(self, context: Mapping[str, Any], candidates: Mapping[str, Any], n: int) -> torch.Tensor:
+        scorer = self.scorer
+        in_context = [f for f in self.features if f.source in context]
+        per_candidate = [f for f in self.features if f.source not in context]
+        ctx_ids, ctx_numbers = scorer.encode_features({c: [v] for c, v in context.items()}, 1, in_context)
+        ids, numbers = scorer.encode_features(candidates, n, per_candidate)
+        split = self._split(in_context)
+        small = scorer.small_model or scorer.model
+        model = small if n <= scorer.small_batch_rows else scorer.model
+        with torch.inference_mode():
+            ctx = self._side(small, in_context, ctx_ids, ctx_numbers, 1)
+            cand = self._side(model, per_candidate, ids, numbers, n)
+            return split.logits(ctx, cand)
+
+    def _split(self, in_context: list) -> SharedContext:
+        key = frozenset(f.name for f in in_context)
+        if key not in self._splits:
+            self._splits[key] = SharedContext(
+                self.scorer.model, [self.fields.index(f.name) for f in in_context if f.type == "categorical"],
+                [self.scorer.spec.dense.index(f.name) for f in in_context if f.type == "numeric"], self.dense)
+        return self._splits[key]
+
+    def _side(self, model: torch.nn.Module, features: list, ids: np.ndarray, numbers: np.ndarray, rows: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One side's pooled embeddings [rows, F, D] and first-order sum (its features' bags; the others' empty) and
+        its numbers [rows, n_dense] (zero on the other side's columns)."""
+        names = [f.name for f in features if f.type == "categorical"]
+        mine = [key in names for key in self.fields]
+        values = torch.from_numpy(np.ascontiguousarray(ids.T[[names.index(k) for k in self.fields if k in names]])
+                                  .reshape(-1))
+        lengths = torch.from_numpy(np.repeat(np.array(mine, np.int32), rows))
+        per_key = [rows if m else 0 for m in mine]
+        kjt = KeyedJaggedTensor(keys=self.fields, values=values, lengths=lengths, stride=rows,
+                                length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
+        emb, wide = model.sparse_arch(kjt)
+        dense = np.zeros((rows, len(self.scorer.spec.dense)), np.float32)
+        dense[:, [self.scorer.spec.dense.index(f.name) for f in features if f.type == "numeric"]] = numbers
+        return emb, wide, torch.from_numpy(dense)
