@@ -2,7 +2,7 @@
 (the check each command makes before Hydra runs it, :mod:`pipeline.commands.overrides`), and a command that names a
 user's dataset (``data=mylog``) says where its declaration lives (``--config-dir``, given here the declaration
 docs/datasets.md shows). Placeholders (``<run id>``) and elisions (``...``) stand for a user's values. The requests
-docs/model_use.md sends to a served ``mylog`` model carry every column that declaration reads.
+docs/model_use.md sends to a served ``mylog`` model (rows, and ranking requests) carry every column that declaration reads.
 """
 
 from __future__ import annotations
@@ -86,3 +86,9 @@ def test_the_documented_requests_to_a_served_mylog_model_carry_every_column_it_r
     for body in bodies:
         columns = set(json.loads(body)["dataframe_split"]["columns"])
         assert columns >= needs, f"a request lacks {sorted(needs - columns)}"
+    rank = re.findall(r"-d '(\{\"context\".*?)'", text, re.S)  # POST /rank: each column once, in one of the parts
+    assert rank
+    for body in rank:
+        doc = json.loads(body)
+        context, candidates = set(doc["context"]), set(doc["candidates"])
+        assert not context & candidates and context | candidates >= needs, (context, candidates, needs)
