@@ -54,8 +54,7 @@ class ShardedCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        last = trainer.is_last_batch or trainer.global_step == trainer.max_steps  # saved at the epoch's end instead:
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0 and not last:  # after its merge
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -198,8 +198,9 @@ class ScoringApp:
             if body is _TOO_LARGE:
                 return await self._too_large(send, t0)
             status, answer, headers = await self._score(body, _header(scope, b"content-type"), rank)
-            await _reply(send, status, answer, b"application/json", headers)
+            # counted before the answer leaves: a client that reads /metrics right after its answer sees it counted
             metrics.observe(status, time.perf_counter() - t0)
+            await _reply(send, status, answer, b"application/json", headers)
         finally:
             self.admission.leave(held)
 
@@ -227,19 +228,19 @@ class ScoringApp:
 
     async def _too_large(self, send, t0: float) -> None:
         """413: a body larger than the worker may ever hold (serve.max_queued_mb); retrying would not help."""
+        metrics.observe(413, time.perf_counter() - t0)
         await _reply(send, 413, _error("REQUEST_TOO_LARGE", f"the request body is larger than a worker holds "
                                        f"(serve.max_queued_mb={self.settings.max_queued_mb:g} MiB): split it"),
                      b"application/json")
-        metrics.observe(413, time.perf_counter() - t0)
 
     async def _shed(self, send, t0: float) -> None:
         """503 with Retry-After (the body was read and dropped: a client that sends its whole body before it
         reads then sees the answer, not a reset connection)."""
         metrics.SHED.inc()
+        metrics.observe(503, time.perf_counter() - t0)
         await _reply(send, 503, _error("TEMPORARILY_UNAVAILABLE", "the server holds as many requests as it may "
                                        "(serve.max_queued_mb, serve.max_queued_requests); retry later"),
                      b"application/json", [(b"retry-after", str(RETRY_AFTER_S).encode())])
-        metrics.observe(503, time.perf_counter() - t0)
 
     async def _score(self, body: bytes, content_type: str, rank: bool) -> tuple[int, bytes, list]:
         try:
