@@ -115,6 +115,20 @@ def test_stop_and_resume_mid_epoch_gives_identical_parameters_and_metrics(ckpt_o
     _assert_same(final, straight_tensors, ("state_dict/", "fused_optimizer/"))
 
 
+def test_a_run_stopped_by_max_steps_mid_epoch_resumes_there(ckpt_overrides, straight_run, tmp_path):
+    """``trainer.max_steps=25`` (mid-epoch 2, not a checkpoint step): its last checkpoint is step 25 with the epoch
+    unfinished, and the same run resumed without the limit trains steps 26-40 and ends on the straight run's tensors
+    (the checkpoint written at the epoch's end said the epoch was over: the resumed run trained no step and exited
+    0)."""
+    ckpt = tmp_path / "ckpt"
+    _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.max_steps=25"], tmp_path)
+    assert complete_checkpoints(ckpt)[-1].name == "step-000000025"
+    _, resumed = _run([*ckpt_overrides, f"trainer.checkpoint.dir={ckpt}", "trainer.resume=auto"], tmp_path)
+    straight, straight_tensors, _ = straight_run
+    assert (resumed.test_auc, resumed.test_logloss) == (straight.test_auc, straight.test_logloss)
+    _assert_same(_tensors(complete_checkpoints(ckpt)[-1]), straight_tensors, ("state_dict/", "fused_optimizer/"))
+
+
 # slow: 18 s; a SIGKILLed rank and resume=auto: test_ssd_tier_on_two_ranks_stops_resumes_and_exports_like_host_memory
 @pytest.mark.slow
 def test_sigkill_of_one_process_restarts_and_resumes(ckpt_overrides, straight_run, tmp_path):

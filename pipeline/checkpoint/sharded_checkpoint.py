@@ -14,8 +14,8 @@ from pipeline.runtime.errors import CheckpointMismatchError
 
 
 class ShardedCheckpoint(Callback):
-    """Checkpoints every ``every_n_steps`` training steps and at the end of every epoch, keeping the
-    newest ``keep`` (see :mod:`pipeline.checkpoint`).
+    """Checkpoints every ``every_n_steps`` training steps, after the run's last step and at the end of every epoch,
+    keeping the newest ``keep`` (see :mod:`pipeline.checkpoint`).
 
     The folder belongs to one run at a time: global rank 0 holds a lock file in it (``.lock``, released
     when the process ends, however it ends); a second run naming the same folder is refused."""
@@ -54,7 +54,10 @@ class ShardedCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+        # and the run's last step (trainer.max_steps): written here, the checkpoint holds the epoch as unfinished; the
+        # epoch-end one written after it would say finished, and a run resumed with more steps trained none
+        if (self.every_n_steps and trainer.global_step % self.every_n_steps == 0) or \
+                trainer.global_step == trainer.max_steps:
             self.save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
