@@ -12,7 +12,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from modules.embedding.sparse_arch import FeatureSpec
 from modules.embedding.zch.mapping import lookup_rows
@@ -24,6 +23,7 @@ from pipeline.data.hashing import factorized_string_keys, string_keys
 from pipeline.data.store import FIRST_VOCAB_ID, Ragged, SplitArrays, has_raw_ids
 from pipeline.data.vocab_files import read_vocabulary, vocabulary_file
 from pipeline.runtime.errors import BundleError, MissingColumnsError
+from pipeline.scoring.arrow_columns import arrow_numbers, category_strings, empty_as_null, python_values
 from pipeline.scoring.joint_index import JointVocabIndex
 
 
@@ -139,12 +139,12 @@ class RowEncoder:
     def _keys(self, columns: Columns, sources: list[str], rows: int) -> np.ndarray:
         """The hash keys of the categorical ``sources``' values, column after column."""
         if all(isinstance(columns[c], (pa.Array, pa.ChunkedArray)) for c in sources):
-            parts = [_arrow_strings(c, columns[c]) for c in sources]
+            parts = [category_strings(c, columns[c]) for c in sources]
             values = pa.concat_arrays([p for part in parts for p in (part.chunks if isinstance(part, pa.ChunkedArray)
                                                                      else [part])])
         else:
             try:
-                values = _strings([v for c in sources for v in _as_values(columns[c])])
+                values = _strings([v for c in sources for v in python_values(columns[c])])
             except _NotOneValue as e:
                 raise _not_one_value(sources[e.index // rows], e.index % rows, e.value) from None
         if len(values) <= HASH_EACH_UP_TO:  # a few rows: each value hashed (factorizing first costs more)
@@ -204,7 +204,7 @@ def _number_matrix(columns: Columns, names: list[str], rows: int) -> np.ndarray:
     if not names:
         return np.zeros((rows, 0), np.float32)
     try:
-        m = np.array([_as_numbers(columns[c]) for c in names], dtype=np.float64).T
+        m = np.array([arrow_numbers(columns[c]) for c in names], dtype=np.float64).T
     except (ValueError, TypeError, OverflowError):  # "" (missing), pd.NA, a bad value or one past float's range
         m = np.stack([_numbers(c, columns[c]) for c in names], axis=1)
     _check_range(names, m)
@@ -220,34 +220,10 @@ def _check_range(names: Sequence[str], m: np.ndarray) -> None:
                           f"computes in (about ±3.4e38)")
 
 
-def _as_numbers(values: Any) -> Any:
-    """An Arrow numeric column as float64 numpy (null → NaN, no Python objects); anything else as it is."""
-    if isinstance(values, (pa.Array, pa.ChunkedArray)) and (pa.types.is_floating(values.type)
-                                                            or pa.types.is_integer(values.type)):
-        return pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
-    return _as_values(values)
-
-
-def _as_values(values: Any) -> Any:
-    """An Arrow column as Python values (the slow path of a column Arrow cannot convert by itself)."""
-    return values.to_pylist() if isinstance(values, (pa.Array, pa.ChunkedArray)) else values
-
-
-def _arrow_strings(column: str, values: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
-    """A categorical Arrow column as strings (numbers as their text), null where missing (null or "")."""
-    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
-            or pa.types.is_integer(values.type) or pa.types.is_null(values.type)):
-        raise BundleError(f"column {column!r}: an Arrow {values.type} column where the declaration reads categories: "
-                          f"send strings (or integers)")
-    strings = pc.cast(values, pa.string())
-    empty = pc.equal(strings, "")
-    return pc.if_else(empty, pa.scalar(None, pa.string()), strings) if pc.any(empty).as_py() else strings
-
-
 def _numbers(column: str, values: Sequence[Any]) -> np.ndarray:
     """A numeric column as float64: numbers or numeric strings; null, NaN and "" are missing; a value past
     float32's range is refused."""
-    values = _as_numbers(values)
+    values = arrow_numbers(values)
     if isinstance(values, np.ndarray) and values.dtype.kind in "iufb":
         out = values.astype(np.float64)
         _check_range([column], out[:, None])
@@ -300,8 +276,7 @@ def _strings(values: Sequence[Any]) -> pa.Array:
         if bad is not None:
             raise _NotOneValue(bad, values[bad]) from None
         return pa.array([None if _missing(v) else str(v) for v in values], pa.string())
-    empty = pc.equal(strings, "")
-    return pc.if_else(empty, pa.scalar(None, pa.string()), strings) if pc.any(empty).as_py() else strings
+    return empty_as_null(strings)
 
 
 def _missing(v: Any) -> bool:
