@@ -58,6 +58,7 @@ class KStepMerging(Callback):
             self.merger.load_state_dict(self._saved)
         else:
             self.merger.steps, self.merger.merges = self._saved["steps"], self._saved["merges"]
+        self._saved = {"steps": 0, "merges": 0}  # the loaded tensors (a copy of the tables, maybe) not kept
 
     def merge_if_dirty(self) -> None:
         if self.merger is not None:
