@@ -396,6 +396,15 @@ def _bodies(draw, columns: list[str]) -> tuple[bytes, str]:
     return json.dumps(body, default=str).encode(), "application/json"
 
 
+def test_a_csv_header_not_in_utf8_after_empty_lines_is_a_400():
+    """Arrow skips empty lines before a CSV header: the header checked is the one it reads (a fuzzed body,
+    ``b"\\n\\x80\\r"``, reached Arrow's column names undecoded and answered 500)."""
+    from pipeline.server.requests import RequestError, parse
+
+    with pytest.raises(RequestError, match="text/csv body"):
+        parse(b"\n\x80\r", "text/csv")
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(data=st.data())

@@ -121,7 +121,8 @@ def _by_column(key: str, value: dict) -> Parsed:
 
 def _csv(body: bytes) -> Parsed:
     """Every column read as text (as a training file is: "0123" stays "0123"); empty cells are missing."""
-    first_line = re.split(rb"\r\n|\r|\n", body, maxsplit=1)[0]  # as Arrow reads it: any of the three ends a line
+    # the header as Arrow reads it: empty lines skipped, any of the three line ends ends a line
+    first_line = re.split(rb"\r\n|\r|\n", body.lstrip(b"\r\n"), maxsplit=1)[0]
     try:
         header = next(csv.reader([first_line.decode("utf-8")]), [])  # Arrow does not check its header is UTF-8
         table = pacsv.read_csv(pa.BufferReader(body), convert_options=pacsv.ConvertOptions(
