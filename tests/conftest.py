@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from hypothesis import settings
 
 from pipeline.config import compose_config, register_configs  # noqa: F401  (compose_config: for the tests)
 from pipeline.runtime.launch import free_port  # noqa: F401  (re-exported for the tests)
@@ -25,6 +26,10 @@ SHARED_DATA = Path(os.environ.get("CTR_SHARED_DATA", ROOT.parent / "shared" / "d
 PYTHON = sys.executable
 SMALL_ROWS = 100_000
 register_configs()  # the schema conf/config.yaml starts from, as every command that composes it does
+# CI draws the same fuzzed examples every run (a red CI must mean the change, not the draw); runs elsewhere draw anew
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
