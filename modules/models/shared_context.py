@@ -81,10 +81,9 @@ class SharedContext:
             raise TypeError(f"the MLP starts with {type(first).__name__}: expected a Linear layer")
         return first
 
-    def _x(self, emb: torch.Tensor, dense: torch.Tensor, sparse_idx: torch.Tensor,
-           dense_idx: torch.Tensor) -> torch.Tensor:
-        """One side's columns of x: its features' embeddings [B, |S|·D], then its numbers [B, |S_dense|]."""
-        return torch.cat([emb[:, sparse_idx].flatten(1), dense[:, dense_idx]], dim=1)
+    def _x(self, emb: torch.Tensor, dense: torch.Tensor, dense_idx: torch.Tensor) -> torch.Tensor:
+        """One side's columns of x: its features' embeddings ``emb`` [B, |S|, D] flattened, then its numbers."""
+        return torch.cat([emb.flatten(1), dense[:, dense_idx]], dim=1)
 
     @torch.no_grad()
     def logits(self, ctx: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
@@ -93,8 +92,9 @@ class SharedContext:
         features), first-order sum [1] (or None) and numbers [1, n_dense] (any value on the candidates' columns: not
         read); ``cand``: the same for the N candidates ([N, F, D] zero on the context's features, [N], [N, n_dense])."""
         (emb_c, wide_c, dense_c), (emb_k, wide_k, dense_k) = ctx, cand
-        x_c = self._x(emb_c, dense_c, self.c_sparse, self.c_dense)  # [1, |C|]
-        x_k = self._x(emb_k, dense_k, self.k_sparse, self.k_dense)  # [N, |K|]
+        emb_c, emb_k = emb_c[:, self.c_sparse], emb_k[:, self.k_sparse]  # each side's own features: [B, |S|, D]
+        x_c = self._x(emb_c, dense_c, self.c_dense)  # [1, |C|]
+        x_k = self._x(emb_k, dense_k, self.k_dense)  # [N, |K|]
         first = torch.addmm(self.mlp_bias, x_c, self.mlp_c.t()) + (x_k.to(self.mlp_k.dtype) @ self.mlp_k.t()).float()
         deep = self._rest(first)
         model = self.model
