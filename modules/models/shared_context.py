@@ -21,9 +21,10 @@ Everything after the first layer (ReLU, batch norm in eval, the next layers, the
 runs it. The scores equal the model's on the expanded rows up to float rounding (the sums are taken in another
 order), checked for every model in ``tests/test_ranking.py``.
 
-``dense=torch.bfloat16``: the candidates' GEMMs of the MLP's hidden layers take bf16 inputs and weights (cast once
-here) and return fp32 (oneDNN accumulates in fp32); the context's product, the cross network, the FM, the first-order
-terms, the output layer of one unit and everything between the GEMMs stay fp32. Where the CPU computes bf16 natively
+``dense=torch.bfloat16``: the candidates' side of the MLP's hidden layers runs in bf16 — its GEMMs (weights cast once
+here; oneDNN accumulates in fp32) and the activations between them (the context's fp32 product is added in bf16) —
+while the context's product, the cross network, the FM, the first-order terms, batch norm and the output layer of one
+unit stay fp32. Where the CPU computes bf16 natively
 (AVX512-BF16, AMX-BF16) a GEMM takes about half the time; the scores move by about 1e-3 (measured:
 ``benchmarks/serving.py --rank``, docs/model_use.md).
 """
@@ -95,8 +96,10 @@ class SharedContext:
         emb_c, emb_k = emb_c[:, self.c_sparse], emb_k[:, self.k_sparse]  # each side's own features: [B, |S|, D]
         x_c = self._x(emb_c, dense_c, self.c_dense)  # [1, |C|]
         x_k = self._x(emb_k, dense_k, self.k_dense)  # [N, |K|]
-        first = torch.addmm(self.mlp_bias, x_c, self.mlp_c.t()) + (x_k.to(self.mlp_k.dtype) @ self.mlp_k.t()).float()
-        deep = self._rest(first)
+        dense_dtype = self.mlp_k.dtype
+        context = torch.addmm(self.mlp_bias, x_c, self.mlp_c.t()).to(dense_dtype)  # W_C x_C + b: [1, h], once
+        first = (x_k.to(dense_dtype) @ self.mlp_k.t()).add_(context)
+        deep = self._rest(first).float()
         model = self.model
         if isinstance(model, DCN):
             x0 = _whole(x_c, x_k, self.c_cols, self.k_cols)
@@ -116,13 +119,16 @@ class SharedContext:
 
     def _rest(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP's layers after the first Linear, on its output ``x`` (eval mode: dropout passes, batch norm applies
-        its running statistics); the hidden Linear layers' GEMMs in the ``dense`` precision."""
+        its running statistics); the hidden Linear layers in the ``dense`` precision, the activations kept in it
+        between them (ReLU, dropout), batch norm and an output layer of one unit in fp32."""
         for layer in list(self.model.mlp)[1:]:
             if id(layer) in self.hidden:
                 w, b = self.hidden[id(layer)]
-                x = torch.nn.functional.linear(x.to(w.dtype), w, b).float()
-            else:
+                x = torch.nn.functional.linear(x.to(w.dtype), w, b)
+            elif isinstance(layer, (nn.ReLU, nn.Dropout)):
                 x = layer(x)
+            else:
+                x = layer(x.float())
         return x
 
     def _cross(self, x0: torch.Tensor, x_c: torch.Tensor, x_k: torch.Tensor) -> torch.Tensor:
