@@ -53,14 +53,17 @@ def criteo_folder(tmp_path_factory):
             "transforms": {f: "log1p" for f in data.numeric}, "table_sizes": sizes,
             "preprocess": {"hash_buckets": 1000, "categorical": "vocab"}}
 
-    def make(name: str) -> Scorer:
+    def make(name: str, **scorer_args) -> Scorer:
         args = dict(MODELS[name])
         cfg = ModelConfig(name=name.split("_mixture")[0], embedding_dim=8, mlp=[32, 16], stack_tables=False, **args)
         torch.manual_seed(1)
         model = build_model(cfg, spec, device=torch.device("cpu"))
         state = {k: torch.randn_like(v) * (0.5 if v.dim() == 2 and "sparse_arch" in k else 0.3)
                  if v.is_floating_point() else v for k, v in model.state_dict().items()}
-        return Scorer(write_bundle(tmp / name, state, cfg, data, meta, vocab_dir))
+        folder = tmp / name
+        if not folder.exists():
+            write_bundle(folder, state, cfg, data, meta, vocab_dir)
+        return Scorer(folder, **scorer_args)
     return data, make
 
 
@@ -101,6 +104,19 @@ def test_ranked_scores_equal_the_model_on_the_expanded_rows(criteo_folder, name)
     request = parse_rank(sink.getvalue().to_pybytes(), ARROW_STREAM)
     np.testing.assert_allclose(ranker.probabilities(request.context, request.candidates, request.rows), got,
                                rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [N, 40])
+def test_fused_small_batches_rank_as_the_collection_does(criteo_folder, tmp_path, n):
+    """As a server worker loads a model (calls of at most 64 rows on FBGEMM's fused kernel): the context's row, and
+    40 candidates, go through the fused copy of the tables; the scores are the collection's."""
+    data, make = criteo_folder
+    context, candidates = _request(data, np.random.default_rng(3))
+    candidates = {c: v[:n] for c, v in candidates.items()}
+    want = Ranker(make("deepfm")).probabilities(context, candidates, n)
+    fused = make("deepfm", small_batch_rows=64, shared_dir=tmp_path / "fused")
+    assert fused.small_model is not None
+    np.testing.assert_allclose(Ranker(fused).probabilities(context, candidates, n), want, rtol=0, atol=1e-6)
 
 
 def test_bad_ranking_requests_are_refused_naming_what_is_wrong(criteo_folder):

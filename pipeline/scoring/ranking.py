@@ -45,12 +45,13 @@ class Ranker:
         """Each column the model reads in exactly one of context and candidates, and at least one candidate."""
         both = [c for c in self.columns if c in context and c in candidates]
         if both:
-            raise MissingColumnsError(f"column {both[0]!r} is in both context and candidates: give it once (context: one "
-                               f"value for every candidate; candidates: one value each)")
+            raise MissingColumnsError(f"column {both[0]!r} is in both context and candidates: give it once "
+                                      f"(context: one value for every candidate; candidates: one value each)")
         missing = [c for c in self.columns if c not in context and c not in candidates]
         if missing:
-            raise MissingColumnsError(f"the request lacks column{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
-                               f"(the model reads {list(self.columns)}): give each in context or candidates")
+            raise MissingColumnsError(f"the request lacks column{'s' * (len(missing) > 1)} "
+                                      f"{', '.join(map(repr, missing))} (the model reads {list(self.columns)}): give "
+                                      f"each in context or candidates")
         if rows == 0:
             raise MissingColumnsError("candidates: no candidate to rank (expected at least one value in each column)")
 
