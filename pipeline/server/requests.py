@@ -71,11 +71,15 @@ def parse(body: bytes, content_type: str) -> Parsed:
     raise RequestError(f"Content-Type {content_type!r}: expected application/json, text/csv or {RAW_ROWS}")
 
 
-def _json(body: bytes) -> Parsed:
+def _load_json(body: bytes) -> Any:
     try:
-        doc = json.loads(body)
+        return json.loads(body)
     except ValueError as e:
         raise RequestError(f"request body: not JSON ({e})") from None
+
+
+def _json(body: bytes) -> Parsed:
+    doc = _load_json(body)
     keys = [k for k in JSON_FORMATS if isinstance(doc, dict) and k in doc]
     if len(keys) != 1:
         raise RequestError(f"request body: expected a JSON object with exactly one of {', '.join(JSON_FORMATS)}"
@@ -154,22 +158,13 @@ def parse_rank(body: bytes, content_type: str) -> RankRequest:
 
 
 def _rank_json(body: bytes) -> RankRequest:
-    try:
-        doc = json.loads(body)
-    except ValueError as e:
-        raise RequestError(f"request body: not JSON ({e})") from None
+    doc = _load_json(body)
     if not isinstance(doc, dict) or not isinstance(doc.get("context"), dict) or \
             not isinstance(doc.get("candidates"), dict):
         raise RequestError('request body: expected {"context": {column: value, ...}, '
                            '"candidates": {column: [values], ...}}')
-    lengths = {}
-    for column, values in doc["candidates"].items():
-        if not isinstance(values, list):
-            raise RequestError(f"candidates.{column}: expected a list of values (one per candidate)")
-        lengths[column] = len(values)
-    if len(set(lengths.values())) > 1:
-        raise RequestError(f"candidates: columns of different lengths {dict(list(lengths.items())[:10])}")
-    return RankRequest(_context(doc["context"]), doc["candidates"], next(iter(lengths.values()), 0))
+    candidates = _by_column("candidates", doc["candidates"])  # lists of one length, one value per candidate
+    return RankRequest(_context(doc["context"]), candidates.columns, candidates.rows)
 
 
 def _context(context: dict[str, Any]) -> dict[str, Any]:
