@@ -27,7 +27,7 @@ train: $(STAMP)
 
 # --durations=10: the 10 slowest tests at the end of every run (CI's too), so the next regression shows.
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 tests $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 tests $(ARGS)
 
 # Also the end-to-end variants marked slow (their path is covered by `make test`).
 test-all: $(STAMP)
