@@ -9,6 +9,8 @@ ARGS ?=
 # two cores (the suite: 643-712 s against 869-1,078 s in one process, 2026-11-27); TEST_WORKERS=0 runs them in this one.
 # --dist loadfile: a file's tests on one worker (the cluster tests, the wheel builds: each file's run one at a time;
 # pytest 9.2 no longer honours xdist_group under loadgroup, pytest-xdist issue 1386). The shared locks stay.
+# --no-loadscope-reorder: files go out in the order tests/conftest.py gives them, the longest first. Three workers on
+# two cores were slower (898 s against 832 s, 2026-11-29: the suite keeps both cores busy).
 TEST_WORKERS ?= 2
 
 $(STAMP): pyproject.toml tools/fbgemm_gpu_shim/pyproject.toml
