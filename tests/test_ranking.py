@@ -19,7 +19,7 @@ from pipeline.data.store import FIRST_VOCAB_ID
 from pipeline.data.vocab_files import write_vocabulary
 from pipeline.data.vocab_growth import fresh
 from pipeline.model_folder.layout import write_bundle
-from pipeline.runtime.errors import MissingColumnsError
+from pipeline.runtime.errors import BundleError, MissingColumnsError
 from pipeline.scoring.ranking import Ranker
 from pipeline.scoring.scorer import Scorer
 from pipeline.server.requests import ARROW_STREAM, RequestError, parse_rank
@@ -141,3 +141,62 @@ def test_bad_ranking_requests_are_refused_naming_what_is_wrong(criteo_folder):
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         parse_rank(sink.getvalue().to_pybytes(), ARROW_STREAM)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_requests_ranked_together_score_as_each_alone(criteo_folder, name):
+    """Requests taken in one batch (``ctr serve`` scores the ranking requests waiting together): those whose contexts
+    give the same columns go through one lookup and one pass of the dense layers, each candidate with its own
+    context's terms; another column split goes apart; a request with a word in a numeric column fails alone; a batch
+    over ``max_rows`` candidates is cut between requests. Each answer equals the request ranked alone."""
+    data, make = criteo_folder
+    ranker = Ranker(make(name))
+    rng = np.random.default_rng(4)
+    requests = []
+    for n in (N, 7, 40, 1):
+        context, candidates = _request(data, rng)
+        requests.append((context, {c: v[:n] for c, v in candidates.items()}, n))
+    moved = data.numeric[0]  # a request whose context lacks a column the others' contexts give
+    context, candidates = _request(data, rng)
+    requests.insert(2, ({c: v for c, v in context.items() if c != moved}, {**candidates, moved: [3.0] * N}, N))
+    bad_context, bad = _request(data, rng)
+    bad[data.numeric[9]] = ["many"] * N
+    requests.insert(1, (bad_context, bad, N))
+    alone = [ranker.probabilities(*r) if i != 1 else None for i, r in enumerate(requests)]
+    for max_rows in (1 << 30, 50):
+        together = ranker.probabilities_of(requests, max_rows)
+        assert isinstance(together[1], BundleError) and data.numeric[9] in str(together[1]), together[1]
+        for i, (want, got) in enumerate(zip(alone, together)):
+            if want is not None:
+                # to float rounding, as against the expanded rows: the GEMMs' blocking, hence their sums' order, follows
+                # the rows of the call (DCN-v2's cross layers carry it to ~1e-5)
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"request {i}, max_rows {max_rows}")
+    # the contexts differ: had a candidate taken another request's context, its score would move
+    assert np.abs(ranker.probabilities(requests[0][0], requests[4][1], 40) - alone[4]).max() > 1e-3
+
+
+def test_a_batch_of_ranking_bodies_answers_each_and_a_bad_body_alone(criteo_folder, tmp_path):
+    """The scoring thread's batch of ``POST /rank`` bodies (pipeline/server/batcher.py): a JSON body and an Arrow one
+    answered as each request alone, an unreadable body and one naming no candidate refused with a 400 of their own."""
+    from pipeline.server.batcher import Served, rank_batch
+    from pipeline.server.versions import Version
+
+    data, make = criteo_folder
+    scorer = make("deepfm")
+    served = Served(Version("v", str(tmp_path)), scorer, tmp_path, Ranker(scorer))
+    rng = np.random.default_rng(5)
+    (c1, k1), (c2, k2) = _request(data, rng), _request(data, rng)
+    table = pa.table(k2).replace_schema_metadata({"context": json.dumps(c2)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    bodies = [(json.dumps({"context": c1, "candidates": k1}).encode(), "application/json"), (b"{", "application/json"),
+              (sink.getvalue().to_pybytes(), ARROW_STREAM),
+              (json.dumps({"context": c1, "candidates": {c: [] for c in k1}}).encode(), "application/json")]
+    outcomes, label = rank_batch(served, bodies, 4096)
+    assert label == served.version.label
+    for i, (context, candidates) in ((0, (c1, k1)), (2, (c2, k2))):
+        got = np.array([p["probability"] for p in json.loads(outcomes[i])["predictions"]])
+        np.testing.assert_allclose(got, Ranker(scorer).probabilities(context, candidates, N), rtol=0, atol=1e-5)
+    assert isinstance(outcomes[1], RequestError) and isinstance(outcomes[3], RequestError), outcomes[1:]
+    assert "no candidate to rank" in str(outcomes[3])

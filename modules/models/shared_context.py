@@ -17,8 +17,10 @@ and the candidates' columns of x:
   whole. DCN's vector cross layers (x_0 (x_lᵀ w_l): a dot product a row) and the low-rank mixture of experts run
   whole on x_0 (their saving is small, or the algebra does not split through the gates).
 
-Everything after the first layer (ReLU, batch norm in eval, the next layers, the head) runs on the N rows as the model
-runs it. The scores equal the model's on the expanded rows up to float rounding (the sums are taken in another
+Several requests score in one call: B contexts and the N candidates of all of them, ``owner`` [N] naming each
+candidate's context; every context term above is then taken per candidate (row ``owner[n]`` of the [B, ·] context
+products) instead of broadcast. Everything after the first layer (ReLU, batch norm in eval, the next layers, the head)
+runs on the N rows as the model runs it. The scores equal the model's on the expanded rows up to float rounding (the sums are taken in another
 order), checked for every model in ``tests/test_ranking.py``.
 
 ``dense=torch.bfloat16``: the candidates' side of the MLP's hidden layers runs in bf16 — its GEMMs (weights cast once
@@ -88,33 +90,42 @@ class SharedContext:
 
     @torch.no_grad()
     def logits(self, ctx: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-               cand: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]) -> torch.Tensor:
-        """Logits [N] of the candidates. ``ctx``: the context's pooled embeddings [1, F, D] (zero on the candidates'
-        features), first-order sum [1] (or None) and numbers [1, n_dense] (any value on the candidates' columns: not
-        read); ``cand``: the same for the N candidates ([N, F, D] zero on the context's features, [N], [N, n_dense])."""
+               cand: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+               owner: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N] of the candidates. ``ctx``: the B contexts' pooled embeddings [B, F, D] (zero on the candidates'
+        features), first-order sums [B] (or None) and numbers [B, n_dense] (any value on the candidates' columns: not
+        read); ``cand``: the same for the N candidates ([N, F, D] zero on the context's features, [N], [N, n_dense]);
+        ``owner`` [N]: each candidate's context (None: one context, B = 1, for all)."""
         (emb_c, wide_c, dense_c), (emb_k, wide_k, dense_k) = ctx, cand
+
+        def per_candidate(t: torch.Tensor) -> torch.Tensor:  # a context term [B, ...] for the N candidates
+            return t if owner is None else t.index_select(0, owner)
+
         emb_c, emb_k = emb_c[:, self.c_sparse], emb_k[:, self.k_sparse]  # each side's own features: [B, |S|, D]
-        x_c = self._x(emb_c, dense_c, self.c_dense)  # [1, |C|]
+        x_c = self._x(emb_c, dense_c, self.c_dense)  # [B, |C|]
         x_k = self._x(emb_k, dense_k, self.k_dense)  # [N, |K|]
         dense_dtype = self.mlp_k.dtype
-        context = torch.addmm(self.mlp_bias, x_c, self.mlp_c.t()).to(dense_dtype)  # W_C x_C + b: [1, h], once
-        first = (x_k.to(dense_dtype) @ self.mlp_k.t()).add_(context)
+        context = torch.addmm(self.mlp_bias, x_c, self.mlp_c.t()).to(dense_dtype)  # W_C x_C + b: [B, h], once each
+        first = (x_k.to(dense_dtype) @ self.mlp_k.t()).add_(per_candidate(context))
         deep = self._rest(first).float()
         model = self.model
         if isinstance(model, DCN):
-            x0 = _whole(x_c, x_k, self.c_cols, self.k_cols)
-            logit = model.head(torch.cat([self._cross(x0, x_c, x_k), deep], dim=1)).squeeze(1)
-            return logit if wide_k is None else logit + (wide_c + wide_k)
-        logit = deep.squeeze(1) + (wide_c + wide_k)
+            x0 = _whole(per_candidate(x_c), x_k, self.c_cols, self.k_cols)
+            logit = model.head(torch.cat([self._cross(x0, per_candidate(x_c @ self.cross_c.t())
+                                                      if self.cross_c is not None else None, x_k), deep],
+                                         dim=1)).squeeze(1)
+            return logit if wide_k is None else logit + (per_candidate(wide_c) + wide_k)
+        logit = deep.squeeze(1) + (per_candidate(wide_c) + wide_k)
         if model.dense_linear is not None:
             w = model.dense_linear.weight[0]
-            logit = logit + (model.dense_linear.bias + dense_c[:, self.c_dense] @ w[self.c_dense]) \
+            logit = logit + per_candidate(model.dense_linear.bias + dense_c[:, self.c_dense] @ w[self.c_dense]) \
                 + dense_k[:, self.k_dense] @ w[self.k_dense]
         if isinstance(model, DeepFM):
-            s_c, s_k = emb_c.sum(dim=1), emb_k.sum(dim=1)  # [1, D], [N, D]
+            s_c, s_k = emb_c.sum(dim=1), emb_k.sum(dim=1)  # [B, D], [N, D]
             fm_c = 0.5 * (s_c.pow(2).sum(1) - emb_c.pow(2).sum((1, 2)))
             fm_k = 0.5 * (s_k.pow(2).sum(1) - emb_k.pow(2).sum((1, 2)))
-            logit = logit + fm_c + fm_k + s_k @ s_c[0]
+            cross = s_k @ s_c[0] if owner is None else (s_k * s_c.index_select(0, owner)).sum(1)
+            logit = logit + per_candidate(fm_c) + fm_k + cross
         return logit
 
     def _rest(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,12 +142,13 @@ class SharedContext:
                 x = layer(x.float())
         return x
 
-    def _cross(self, x0: torch.Tensor, x_c: torch.Tensor, x_k: torch.Tensor) -> torch.Tensor:
-        """The cross network on x0 [N, |x|]: the first full layer's product split (module docstring)."""
+    def _cross(self, x0: torch.Tensor, xw_c: torch.Tensor | None, x_k: torch.Tensor) -> torch.Tensor:
+        """The cross network on x0 [N, |x|]: the first full layer's product split (module docstring); ``xw_c`` the
+        context's part W_0,C x_C of each candidate ([1 or N, |x|]; None where the network has no full layer)."""
         cross = self.model.cross
-        if self.cross_c is None:
+        if xw_c is None:
             return cross(x0)
-        xw = (x_c @ self.cross_c.t()).expand(len(x_k), -1).addmm(x_k, self.cross_k.t())
+        xw = xw_c.expand(len(x_k), -1).addmm(x_k, self.cross_k.t())
         x_l = x0 * (xw + cross.bias[0].squeeze(-1)) + x0
         for layer in range(1, cross._num_layers):
             x_l = x0 * (x_l @ cross.kernels[layer].t() + cross.bias[layer].squeeze(-1)) + x_l
@@ -150,7 +162,7 @@ def _blocks(weight: torch.Tensor, c_cols: torch.Tensor, k_cols: torch.Tensor) ->
 
 
 def _whole(x_c: torch.Tensor, x_k: torch.Tensor, c_cols: torch.Tensor, k_cols: torch.Tensor) -> torch.Tensor:
-    """x [N, |x|] from the two sides' columns (the context's broadcast)."""
+    """x [N, |x|] from the two sides' columns (the context's [1 or N, |C|] broadcast)."""
     x = x_k.new_empty(len(x_k), len(c_cols) + len(k_cols))
     x[:, c_cols] = x_c.expand(len(x_k), -1)
     x[:, k_cols] = x_k

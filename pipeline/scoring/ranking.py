@@ -7,11 +7,15 @@ Every column the model reads comes once: in the context (one value, shared by ev
 the encoder as it is). A declaration with sequence or derived features is scored on the rows expanded (the context's
 values repeated), with the same answer. A column given twice or not at all, no candidate, or a value the encoder
 cannot read raise :class:`MissingColumnsError` or :class:`BundleError` naming it.
+
+:meth:`Ranker.probabilities_of` scores several requests together: those whose contexts give the same columns share one
+lookup of their contexts, one of their candidates and one pass of the dense layers (up to ``max_rows`` candidates a
+call), each request still encoded alone so that a bad one fails alone.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +27,7 @@ from pipeline.runtime.errors import MissingColumnsError
 from pipeline.scoring.scorer import Scorer
 
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Request = tuple[Mapping[str, Any], Mapping[str, Any], int]  # a ranking request: (context, candidates, rows)
 
 class Ranker:
     """Ranking requests against one loaded model (a :class:`Scorer`): its shared-context splits are cut once per
@@ -58,30 +63,70 @@ class Ranker:
     def probabilities(self, context: Mapping[str, Any], candidates: Mapping[str, Any], rows: int) -> np.ndarray:
         """The click probabilities of ``rows`` candidates (``candidates``: column → their values, a list or an Arrow
         column) sharing ``context`` (column → its value), in their order."""
-        self.check(context, candidates, rows)
-        if not self.shared_form:
-            return self._expanded(context, candidates, rows)
-        return torch.sigmoid(self._logits(context, candidates, rows)).numpy()
+        (outcome,) = self.probabilities_of([(context, candidates, rows)])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def probabilities_of(self, requests: Sequence[Request], max_rows: int = 1 << 30) -> list[np.ndarray | Exception]:
+        """Each request's (context, candidates, rows) probabilities, or the error that refuses it; the requests whose
+        contexts give the same columns scored together, at most ``max_rows`` candidates a model call (a larger
+        request alone)."""
+        outcomes: list[np.ndarray | Exception | None] = [None] * len(requests)
+        groups: dict[frozenset, list[int]] = {}
+        for i, (context, candidates, rows) in enumerate(requests):
+            try:
+                self.check(context, candidates, rows)
+                if self.shared_form:
+                    groups.setdefault(frozenset(context), []).append(i)
+                else:
+                    outcomes[i] = self._expanded(context, candidates, rows)
+            except Exception as e:  # noqa: BLE001 — this request's answer (a 4xx, or a 500 for a bug), the others go on
+                outcomes[i] = e
+        for members in groups.values():
+            chunk: list[int] = []
+            for i in members:
+                if chunk and sum(requests[j][2] for j in chunk) + requests[i][2] > max_rows:
+                    self._score_together(requests, chunk, outcomes)
+                    chunk = []
+                chunk.append(i)
+            self._score_together(requests, chunk, outcomes)
+        return outcomes
+
+    def _score_together(self, requests: Sequence[Request], members: list[int],
+                        outcomes: list[np.ndarray | Exception | None]) -> None:
+        """The requests ``members`` (contexts with the same columns) in one model call; each encoded alone."""
+        scorer = self.scorer
+        in_context = [f for f in self.features if f.source in requests[members[0]][0]]
+        per_candidate = [f for f in self.features if f.source not in requests[members[0]][0]]
+        encoded = []
+        for i in members:
+            context, candidates, rows = requests[i]
+            try:
+                encoded.append((i, *scorer.encode_features({c: [v] for c, v in context.items()}, 1, in_context),
+                                *scorer.encode_features(candidates, rows, per_candidate)))
+            except Exception as e:  # noqa: BLE001 — as in probabilities_of
+                outcomes[i] = e
+        if not encoded:
+            return
+        b, rows = len(encoded), [requests[i][2] for i, *_ in encoded]
+        n = sum(rows)
+        ctx_ids, ctx_numbers, ids, numbers = (np.concatenate([e[k] for e in encoded]) for k in (1, 2, 3, 4))
+        owner = None if b == 1 else torch.repeat_interleave(torch.arange(b), torch.tensor(rows))
+        small = scorer.small_model or scorer.model
+        with torch.inference_mode():
+            ctx = self._side(small if b <= scorer.small_batch_rows else scorer.model, in_context, ctx_ids,
+                             ctx_numbers, b)
+            cand = self._side(small if n <= scorer.small_batch_rows else scorer.model, per_candidate, ids, numbers, n)
+            p = torch.sigmoid(self._split(in_context).logits(ctx, cand, owner)).numpy()
+        for (i, *_), start, count in zip(encoded, np.cumsum([0, *rows[:-1]]), rows):
+            outcomes[i] = p[start:start + count]
 
     def _expanded(self, context: Mapping[str, Any], candidates: Mapping[str, Any], rows: int) -> np.ndarray:
         """The plain path: the context's values repeated for every candidate, scored as full rows."""
         columns = {c: candidates[c] if c in candidates else [context[c]] * rows for c in self.columns}
         columns = {c: v.to_pylist() if isinstance(v, (pa.Array, pa.ChunkedArray)) else v for c, v in columns.items()}
         return self.scorer.score(self.scorer.encode_columns(columns, rows))
-
-    def _logits(self, context: Mapping[str, Any], candidates: Mapping[str, Any], n: int) -> torch.Tensor:
-        scorer = self.scorer
-        in_context = [f for f in self.features if f.source in context]
-        per_candidate = [f for f in self.features if f.source not in context]
-        ctx_ids, ctx_numbers = scorer.encode_features({c: [v] for c, v in context.items()}, 1, in_context)
-        ids, numbers = scorer.encode_features(candidates, n, per_candidate)
-        split = self._split(in_context)
-        small = scorer.small_model or scorer.model
-        model = small if n <= scorer.small_batch_rows else scorer.model
-        with torch.inference_mode():
-            ctx = self._side(small, in_context, ctx_ids, ctx_numbers, 1)
-            cand = self._side(model, per_candidate, ids, numbers, n)
-            return split.logits(ctx, cand)
 
     def _split(self, in_context: list) -> SharedContext:
         key = frozenset(f.name for f in in_context)

@@ -11,6 +11,10 @@ then encoded request by request and the others are scored. The whole batch is sc
 version, read once per batch, so a hot swap (:meth:`Batcher.swap`) never mixes versions inside an
 answer.
 
+Ranking requests (``POST /rank``) queue apart and are taken the same way: those waiting when the scoring thread is
+free score together, the requests whose contexts give the same columns in one model call
+(:meth:`pipeline.scoring.ranking.Ranker.probabilities_of`), each failing alone.
+
 The event loop only moves HTTP bytes; parsing, encoding, the model and the answers' JSON run in the
 scoring thread, one batch after another, so the two threads do not take the GIL from each other mid-request (PyTorch
 releases it while the model computes, so requests keep arriving meanwhile).
@@ -24,6 +28,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -62,15 +67,18 @@ class Batcher:
         self.served = served
         self.max_rows, self.max_wait = max_batch_rows, max_wait_ms / 1000
         self.queue: asyncio.Queue[_Waiting] = asyncio.Queue()
+        self.rank_queue: asyncio.Queue[_Waiting] = asyncio.Queue()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="score")
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(self.queue, answer_batch)),
+                       loop.create_task(self._run(self.rank_queue, rank_batch))]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.pool.shutdown(wait=True)
 
     def swap(self, served: Served) -> None:
@@ -85,35 +93,30 @@ class Batcher:
         return await future
 
     async def rank(self, body: bytes, content_type: str) -> tuple[bytes, str]:
-        """A ranking request's answer and the version that scored it, scored alone in the scoring thread (between
-        batches: one model call a thread at a time)."""
-        served = self.served
-        try:
-            answer = await asyncio.get_running_loop().run_in_executor(self.pool, rank_answer, served, body,
-                                                                      content_type)
-        except RequestError:
-            raise
-        except Exception:  # a bug: this request answers 500, the server lives
-            log.exception("ranking a request failed")
-            raise
-        return answer, served.version.label
+        """A ranking request's answer and the version that scored it (:class:`RequestError`: a bad body)."""
+        future = asyncio.get_running_loop().create_future()
+        await self.rank_queue.put(_Waiting(body, content_type, future))
+        return await future
 
-    async def _next_batch(self) -> list[_Waiting]:
-        batch = [await self.queue.get()]
-        if self.max_wait > 0 and self.queue.empty():
+    async def _next_batch(self, queue: asyncio.Queue[_Waiting]) -> list[_Waiting]:
+        batch = [await queue.get()]
+        if self.max_wait > 0 and queue.empty():
             await asyncio.sleep(self.max_wait)
         size = len(batch[0].body)
-        while not self.queue.empty() and len(batch) < MAX_BATCH_REQUESTS and size < MAX_BATCH_BYTES:
-            batch.append(self.queue.get_nowait())
+        while not queue.empty() and len(batch) < MAX_BATCH_REQUESTS and size < MAX_BATCH_BYTES:
+            batch.append(queue.get_nowait())
             size += len(batch[-1].body)
         return batch
 
-    async def _run(self) -> None:
+    async def _run(self, queue: asyncio.Queue[_Waiting],
+                   answer: Callable[[Served, list[tuple[bytes, str]], int], tuple[list[bytes | Exception], str]]
+                   ) -> None:
+        """Batches from ``queue``, answered by ``answer`` in the scoring thread."""
         loop = asyncio.get_running_loop()
         while True:
-            batch = await self._next_batch()
+            batch = await self._next_batch(queue)
             try:
-                outcomes, label = await loop.run_in_executor(self.pool, answer_batch, self.served,
+                outcomes, label = await loop.run_in_executor(self.pool, answer, self.served,
                                                              [(w.body, w.content_type) for w in batch], self.max_rows)
             except Exception as e:  # noqa: BLE001 — a bug: every request of the batch answers 500, the server lives
                 log.exception("scoring a batch of %d requests failed", len(batch))
@@ -139,13 +142,27 @@ def answer_json(probability: np.ndarray) -> bytes:
     return json.dumps({"predictions": [{"probability": p} for p in probability.tolist()]}).encode()
 
 
-def rank_answer(served: Served, body: bytes, content_type: str) -> bytes:
-    """The JSON answer of a ``POST /rank`` body (:class:`RequestError`: a bad one)."""
-    request = parse_rank(body, content_type)
-    try:
-        return answer_json(served.ranker.probabilities(request.context, request.candidates, request.rows))
-    except (BundleError, MissingColumnsError) as e:
-        raise RequestError(str(e)) from None
+def rank_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int
+               ) -> tuple[list[bytes | Exception], str]:
+    """The JSON answers of ``POST /rank`` bodies scored together (:class:`RequestError` for a bad one, the exception
+    of a bug for a request that met one), all by ``served``, at most ``max_rows`` candidates a model call."""
+    outcomes: list[bytes | Exception | None] = [None] * len(bodies)
+    parsed = []
+    for i, (body, content_type) in enumerate(bodies):
+        try:
+            parsed.append((i, parse_rank(body, content_type)))
+        except RequestError as e:
+            outcomes[i] = e
+    scored = served.ranker.probabilities_of([(r.context, r.candidates, r.rows) for _, r in parsed], max_rows)
+    for (i, _), result in zip(parsed, scored):
+        if isinstance(result, (BundleError, MissingColumnsError)):
+            outcomes[i] = RequestError(str(result))
+        elif isinstance(result, Exception):  # a bug met by this request: a 500 for it alone, the server lives
+            log.error("ranking a request failed", exc_info=result)
+            outcomes[i] = result
+        else:
+            outcomes[i] = answer_json(result)
+    return outcomes, served.version.label
 
 
 def score_batch(served: Served, bodies: list[tuple[bytes, str]], max_rows: int
