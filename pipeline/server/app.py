@@ -2,7 +2,8 @@
 scoring protocol so that any MLflow client keeps working:
 
     POST /rank          one context and N candidates (:mod:`.requests`, :mod:`pipeline.scoring.ranking`) → the
-                        candidates' probabilities as /invocations answers; scored alone, in the scoring thread
+                        candidates' probabilities as /invocations answers; the ranking requests waiting scored
+                        together in the scoring thread (:func:`.batcher.rank_batch`)
     POST /invocations   a body of :mod:`.requests` → 200 {"predictions": [{"probability": p}, ...]}
                         (header X-Model-Version: the version that scored it);
                         400 {"error_code": "BAD_REQUEST", "message": ...} naming the column or field;
