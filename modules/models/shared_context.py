@@ -2,9 +2,9 @@
 
 Every input column belongs to the context (one value for all candidates) or to the candidates. Each feature's
 slice of the model's input x = [e_1 … e_F, dense] then comes from one side only, so x = x_c + x_k, with x_c (one row,
-broadcast) zero on the candidates' features and x_k zero on the context's. Looked up apart — the context's ids once,
-the candidates' with empty bags where the context's features are — the pooled embeddings are exactly those of the
-full rows (a feature's bag is whole on one side, empty, hence zero, on the other). Then, with C and K the context's
+broadcast) zero on the candidates' features and x_k zero on the context's. Looked up as rows of their own — the
+context's row with bags on its features only (its ids once), each candidate's with empty bags where the context's
+features are — the pooled embeddings are exactly those of the full rows (a feature's bag is whole on one side, empty, hence zero, on the other). Then, with C and K the context's
 and the candidates' columns of x:
 
 - first order (Wide & Deep, DeepFM, DCN with ``wide``): Σ_f w_f[x_f] + <a, dense> = (context's terms) + (candidates')

@@ -2,7 +2,8 @@
 context's share computed once.
 
 Every column the model reads comes once: in the context (one value, shared by every candidate) or in the candidates
-(one value each). The context's ids are encoded and looked up once, its share of the dense layers computed once
+(one value each). The context's ids are encoded and looked up once (its row and the candidates' in one call of the
+collection), its share of the dense layers computed once
 (:mod:`modules.models.shared_context`); the candidates' columns are encoded column by column (an Arrow column goes to
 the encoder as it is). A declaration with sequence or derived features is scored on the rows expanded (the context's
 values repeated), with the same answer. A column given twice or not at all, no candidate, or a value the encoder
@@ -113,11 +114,8 @@ class Ranker:
         n = sum(rows)
         ctx_ids, ctx_numbers, ids, numbers = (np.concatenate([e[k] for e in encoded]) for k in (1, 2, 3, 4))
         owner = None if b == 1 else torch.repeat_interleave(torch.arange(b), torch.tensor(rows))
-        small = scorer.small_model or scorer.model
         with torch.inference_mode():
-            ctx = self._side(small if b <= scorer.small_batch_rows else scorer.model, in_context, ctx_ids,
-                             ctx_numbers, b)
-            cand = self._side(small if n <= scorer.small_batch_rows else scorer.model, per_candidate, ids, numbers, n)
+            ctx, cand = self._sides((in_context, ctx_ids, ctx_numbers, b), (per_candidate, ids, numbers, n))
             p = torch.sigmoid(self._split(in_context).logits(ctx, cand, owner)).numpy()
         for (i, *_), start, count in zip(encoded, np.cumsum([0, *rows[:-1]]), rows):
             outcomes[i] = p[start:start + count]
@@ -136,19 +134,30 @@ class Ranker:
                 [self.scorer.spec.dense.index(f.name) for f in in_context if f.type == "numeric"], self.dense)
         return self._splits[key]
 
-    def _side(self, model: torch.nn.Module, features: list, ids: np.ndarray, numbers: np.ndarray, rows: int
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One side's pooled embeddings [rows, F, D] and first-order sum (its features' bags; the others' empty) and
-        its numbers [rows, n_dense] (zero on the other side's columns)."""
-        names = [f.name for f in features if f.type == "categorical"]
-        mine = [key in names for key in self.fields]
-        values = torch.from_numpy(np.ascontiguousarray(ids.T[[names.index(k) for k in self.fields if k in names]])
-                                  .reshape(-1))
-        lengths = torch.from_numpy(np.repeat(np.array(mine, np.int32), rows))
-        per_key = [rows if m else 0 for m in mine]
-        kjt = KeyedJaggedTensor(keys=self.fields, values=values, lengths=lengths, stride=rows,
+    def _sides(self, *sides: tuple[list, np.ndarray, np.ndarray, int]
+               ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Each side's (its features, their ids [rows, categorical], numbers [rows, numeric], rows) pooled embeddings
+        [rows, F, D] and first-order sums (its features' bags; the other side's empty) and numbers [rows, n_dense]
+        (zero on the other side's columns), all sides looked up in one call (one pass over the tables' keys)."""
+        scorer = self.scorer
+        rows = [r for *_, r in sides]
+        total = sum(rows)
+        names = [[f.name for f in features if f.type == "categorical"] for features, *_ in sides]
+        values, lengths, per_key = [], [], []
+        for key in self.fields:  # every categorical feature is on exactly one side (Ranker.check)
+            mine = next(i for i, side_names in enumerate(names) if key in side_names)
+            values.append(sides[mine][1][:, names[mine].index(key)])
+            lengths.append(np.repeat(np.array([int(i == mine) for i in range(len(sides))], np.int32), rows))
+            per_key.append(rows[mine])
+        kjt = KeyedJaggedTensor(keys=self.fields, values=torch.from_numpy(np.concatenate(values)),
+                                lengths=torch.from_numpy(np.concatenate(lengths)), stride=total,
                                 length_per_key=per_key, offset_per_key=[0, *np.cumsum(per_key).tolist()])
-        emb, wide = model.sparse_arch(kjt)
-        dense = np.zeros((rows, len(self.scorer.spec.dense)), np.float32)
-        dense[:, [self.scorer.spec.dense.index(f.name) for f in features if f.type == "numeric"]] = numbers
-        return emb, wide, torch.from_numpy(dense)
+        small = scorer.small_model or scorer.model
+        emb, wide = (small if total <= scorer.small_batch_rows else scorer.model).sparse_arch(kjt)
+        dense = np.zeros((total, len(scorer.spec.dense)), np.float32)
+        out, start = [], 0
+        for (features, _, numbers, _), end in zip(sides, np.cumsum(rows)):
+            dense[start:end, [scorer.spec.dense.index(f.name) for f in features if f.type == "numeric"]] = numbers
+            out.append((emb[start:end], None if wide is None else wide[start:end], torch.from_numpy(dense[start:end])))
+            start = end
+        return out
