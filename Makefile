@@ -33,7 +33,7 @@ test: $(STAMP)
 
 # Also the end-to-end variants marked slow (their path is covered by `make test`).
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests -m "" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests -m "" $(ARGS)
 
 # Every pinned version (CPU and GPU extras, Dockerfile, README) exists on the package index (CI runs it).
 check-pins: $(STAMP)

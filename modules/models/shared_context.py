@@ -4,8 +4,8 @@ Every input column belongs to the context (one value for all candidates) or to t
 slice of the model's input x = [e_1 … e_F, dense] then comes from one side only, so x = x_c + x_k, with x_c (one row,
 broadcast) zero on the candidates' features and x_k zero on the context's. Looked up as rows of their own — the
 context's row with bags on its features only (its ids once), each candidate's with empty bags where the context's
-features are — the pooled embeddings are exactly those of the full rows (a feature's bag is whole on one side, empty, hence zero, on the other). Then, with C and K the context's
-and the candidates' columns of x:
+features are — the pooled embeddings are exactly those of the full rows (a feature's bag is whole on one side, empty,
+hence zero, on the other). Then, with C and K the context's and the candidates' columns of x:
 
 - first order (Wide & Deep, DeepFM, DCN with ``wide``): Σ_f w_f[x_f] + <a, dense> = (context's terms) + (candidates')
 - DeepFM's FM: with s = Σ_i e_i = s_c + s_k and q = Σ_i ‖e_i‖² = q_c + q_k,
@@ -20,8 +20,8 @@ and the candidates' columns of x:
 Several requests score in one call: B contexts and the N candidates of all of them, ``owner`` [N] naming each
 candidate's context; every context term above is then taken per candidate (row ``owner[n]`` of the [B, ·] context
 products) instead of broadcast. Everything after the first layer (ReLU, batch norm in eval, the next layers, the head)
-runs on the N rows as the model runs it. The scores equal the model's on the expanded rows up to float rounding (the sums are taken in another
-order), checked for every model in ``tests/test_ranking.py``.
+runs on the N rows as the model runs it. The scores equal the model's on the expanded rows up to float rounding (the
+sums are taken in another order), checked for every model in ``tests/test_ranking.py``.
 
 ``dense=torch.bfloat16``: the candidates' side of the MLP's hidden layers runs in bf16 — its GEMMs (weights cast once
 here; oneDNN accumulates in fp32) and the activations between them (the context's fp32 product is added in bf16) —
@@ -111,9 +111,8 @@ class SharedContext:
         model = self.model
         if isinstance(model, DCN):
             x0 = _whole(per_candidate(x_c), x_k, self.c_cols, self.k_cols)
-            logit = model.head(torch.cat([self._cross(x0, per_candidate(x_c @ self.cross_c.t())
-                                                      if self.cross_c is not None else None, x_k), deep],
-                                         dim=1)).squeeze(1)
+            xw_c = None if self.cross_c is None else per_candidate(x_c @ self.cross_c.t())  # W_0,C x_C: [B, |x|]
+            logit = model.head(torch.cat([self._cross(x0, xw_c, x_k), deep], dim=1)).squeeze(1)
             return logit if wide_k is None else logit + (per_candidate(wide_c) + wide_k)
         logit = deep.squeeze(1) + (per_candidate(wide_c) + wide_k)
         if model.dense_linear is not None:
@@ -124,8 +123,7 @@ class SharedContext:
             s_c, s_k = emb_c.sum(dim=1), emb_k.sum(dim=1)  # [B, D], [N, D]
             fm_c = 0.5 * (s_c.pow(2).sum(1) - emb_c.pow(2).sum((1, 2)))
             fm_k = 0.5 * (s_k.pow(2).sum(1) - emb_k.pow(2).sum((1, 2)))
-            cross = s_k @ s_c[0] if owner is None else (s_k * s_c.index_select(0, owner)).sum(1)
-            logit = logit + per_candidate(fm_c) + fm_k + cross
+            logit = logit + per_candidate(fm_c) + fm_k + (s_k * per_candidate(s_c)).sum(1)  # + <s_c, s_k>
         return logit
 
     def _rest(self, x: torch.Tensor) -> torch.Tensor:

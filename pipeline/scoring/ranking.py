@@ -82,15 +82,17 @@ class Ranker:
                     groups.setdefault(frozenset(context), []).append(i)
                 else:
                     outcomes[i] = self._expanded(context, candidates, rows)
-            except Exception as e:  # noqa: BLE001 — this request's answer (a 4xx, or a 500 for a bug), the others go on
+            except Exception as e:  # noqa: BLE001 — this request's answer (a 4xx, or a 500 for a bug) alone
                 outcomes[i] = e
         for members in groups.values():
             chunk: list[int] = []
+            candidates = 0
             for i in members:
-                if chunk and sum(requests[j][2] for j in chunk) + requests[i][2] > max_rows:
+                if chunk and candidates + requests[i][2] > max_rows:
                     self._score_together(requests, chunk, outcomes)
-                    chunk = []
+                    chunk, candidates = [], 0
                 chunk.append(i)
+                candidates += requests[i][2]
             self._score_together(requests, chunk, outcomes)
         return outcomes
 

@@ -88,14 +88,15 @@ class Batcher:
     async def score(self, body: bytes, content_type: str) -> tuple[bytes, str]:
         """The request's answer (JSON of its probabilities) and the version that scored them
         (:class:`RequestError`: a bad body)."""
-        future = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Waiting(body, content_type, future))
-        return await future
+        return await self._answer(self.queue, body, content_type)
 
     async def rank(self, body: bytes, content_type: str) -> tuple[bytes, str]:
         """A ranking request's answer and the version that scored it (:class:`RequestError`: a bad body)."""
+        return await self._answer(self.rank_queue, body, content_type)
+
+    async def _answer(self, queue: asyncio.Queue[_Waiting], body: bytes, content_type: str) -> tuple[bytes, str]:
         future = asyncio.get_running_loop().create_future()
-        await self.rank_queue.put(_Waiting(body, content_type, future))
+        await queue.put(_Waiting(body, content_type, future))
         return await future
 
     async def _next_batch(self, queue: asyncio.Queue[_Waiting]) -> list[_Waiting]:
