@@ -27,6 +27,7 @@ from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, MissingMandatoryValue, OmegaConf
 
+from modules.embedding.table_precision import table_precision_refusal
 from modules.optim.cowclip import CowClipConfig
 from modules.optim.embedding_l2 import L2_SCOPES
 from modules.optim.kstep_merging import MergeConfig
@@ -274,6 +275,10 @@ def check_runnable(run: RunConfig) -> None:
                           f"it (no weight_decay_mode acts on the CPU kernels; tests/test_config.py checks); use "
                           f"optim.embedding_l2=<λ> (2λ·w on looked-up rows, or every row with "
                           f"optim.embedding_l2_scope=all)")
+    why = table_precision_refusal(run.model.table_precision, run.topology.compute_device, emb.name,
+                                  is_fusable(emb, run.topology.compute_device), [])
+    if why:
+        raise ConfigError(why)
     if run.topology.compute_device == "cuda":
         on = {"model.zch": zch.enabled, "optim.embedding_l2_scope=all": run.optim.embedding_l2_scope == "all",
               "topology.ssd.look_ahead=true": run.topology.ssd.look_ahead}

@@ -69,6 +69,7 @@ def _base(seed: int, key: int) -> np.uint64:
 
 
 F = np.float32
+DRAW_BLOCK_VALUES = 1 << 22  # float32 values drawn at once for a table not in host float32 (16 MiB)
 SOURCE = Path(__file__).with_name("row_init.c")
 
 
@@ -131,11 +132,14 @@ def draw_into(dst: torch.Tensor, dst_rows: torch.Tensor | None, seed: int, key: 
     if dst.device.type == "meta":  # a module built on meta (TorchRec shards it, then draws the shards)
         return
     rows = rows.to("cpu", torch.int64).contiguous()
-    if dst.device.type != "cpu":  # device memory: drawn on the host, then copied (the same bits as on CPU)
-        block = torch.empty(rows.numel(), dst.shape[1], device="cpu")
-        draw_into(block, None, seed, key, rows, table_dim, col0, std)
-        where = slice(None) if dst_rows is None else dst_rows.to(dst.device)
-        dst[where] = block.to(dst.device, dst.dtype)
+    if dst.device.type != "cpu" or dst.dtype != torch.float32:
+        # device memory or half-precision rows: drawn in float32 blocks on the host, then copied (rounded to dst's type)
+        step = max(1, DRAW_BLOCK_VALUES // max(1, dst.shape[1]))
+        for start in range(0, rows.numel(), step):
+            block = torch.empty(min(step, rows.numel() - start), dst.shape[1], device="cpu")
+            draw_into(block, None, seed, key, rows[start:start + step], table_dim, col0, std)
+            where = slice(start, start + step) if dst_rows is None else dst_rows[start:start + step].to(dst.device)
+            dst[where] = block.to(dst.device, dst.dtype)
         return
     cols, where = dst.shape[1], slice(None) if dst_rows is None else dst_rows
     if std == 0.0:

@@ -58,6 +58,7 @@ from torchrec import (
 from modules.embedding.feature_spec import FeatureSpec
 from modules.embedding.lookup_inputs import check_ids, pool_bags, shifted_keys
 from modules.embedding.row_init import RowInit
+from modules.embedding.table_precision import DATA_TYPES
 
 WIDE_COLUMNS = 4
 EMB_PREFIX = "emb_"
@@ -108,15 +109,18 @@ def lookup_name(table: str, feature: str) -> str:
 
 
 def table_configs(spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
-                  unpooled: bool = False, stack: bool = False, seed: int = 0) -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
+                  unpooled: bool = False, stack: bool = False, seed: int = 0,
+                  precision: str = "fp32") -> list[EmbeddingBagConfig] | list[EmbeddingConfig]:
     """The tables of the bag collection (``unpooled`` False) or of the sequence collection (True): ``emb_<t>``
     per table in order of first use (with ``stack``, the bag collection's as one table ``stacked``), then the
     first-order table of their features. Rows start as N(0, ``init_std``²) drawn from (``seed``, table, row)
-    (:mod:`modules.embedding.row_init`: a stacked table's rows as its tables' own), the first-order rows as zeros."""
+    (:mod:`modules.embedding.row_init`: a stacked table's rows as its tables' own), the first-order rows as zeros;
+    every table stored in ``precision`` (:mod:`modules.embedding.table_precision`)."""
     if embedding_dim % 4:
         raise ValueError(f"model.embedding_dim={embedding_dim}: FBGEMM kernels need a multiple of 4")
     features = spec.seq_features if unpooled else spec.bag_features
-    make = EmbeddingConfig if unpooled else partial(EmbeddingBagConfig, pooling=PoolingType.SUM)
+    make = partial(EmbeddingConfig, data_type=DATA_TYPES[precision]) if unpooled \
+        else partial(EmbeddingBagConfig, pooling=PoolingType.SUM, data_type=DATA_TYPES[precision])
     by_table: dict[str, list[str]] = {}
     for f in features:
         by_table.setdefault(spec.table_of(f), []).append(f)
@@ -168,7 +172,7 @@ class SparseArch(nn.Module):
     ``stack``: the bag collection's tables as one stacked table (module docstring)."""
 
     def __init__(self, spec: FeatureSpec, embedding_dim: int, init_std: float, wide: bool,
-                 device: torch.device | None = None, stack: bool = False) -> None:
+                 device: torch.device | None = None, stack: bool = False, precision: str = "fp32") -> None:
         super().__init__()
         self.fields = list(spec.kjt_keys)
         self.num_fields = len(self.fields)
@@ -177,10 +181,12 @@ class SparseArch(nn.Module):
         self.bag_fields, self.seq_fields = list(spec.bag_features), list(spec.seq_features)
         # one draw of the CPU generator (the same on any device): rows come from (seed, table, row), row_init
         seed = int(torch.randint(0, 2**62, (), device="cpu").item())
-        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide, stack=stack, seed=seed),
+        self.ebc = EmbeddingBagCollection(tables=table_configs(spec, embedding_dim, init_std, wide, stack=stack, seed=seed,
+                                                                        precision=precision),
                                           device=device) if self.bag_fields else None
         # a collection's tables share one width: the first-order rows (4 columns) are a collection of their own
-        seq_tables = table_configs(spec, embedding_dim, init_std, wide, unpooled=True, seed=seed)
+        seq_tables = table_configs(spec, embedding_dim, init_std, wide, unpooled=True, seed=seed,
+                                   precision=precision)
         self.ec = EmbeddingCollection(tables=[t for t in seq_tables if t.name != WIDE_SEQ_TABLE], device=device) \
             if self.seq_fields else None
         self.ec_wide = EmbeddingCollection(tables=[t for t in seq_tables if t.name == WIDE_SEQ_TABLE], device=device) \

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from modules.embedding.sparse_arch import FeatureSpec
+from modules.embedding.table_precision import check_table_precision
 from modules.models.dcn import DCN
 from modules.models.deepfm import DeepFM
 from modules.models.wide_deep import WideDeep
@@ -57,6 +58,9 @@ class ModelConfig:
     # second thread beside the MLP's weight gradients, or before them where the measured step is shorter so (another
     # process on the cores): the same bits either way (modules/models/backward_overlap.py). false: the plain backward
     overlap_embedding_backward: bool = True
+    # the type embedding rows are stored and updated in: fp32 | fp16 | bf16 (CUDA only), FBGEMM's weights_precision
+    # (modules/embedding/table_precision.py); the optimizer state stays fp32
+    table_precision: str = "fp32"
     # raw 64-bit ids (data.preprocess.categorical=raw) mapped to table rows without collisions, with eviction
     # (modules/embedding/zch/remapper.py); rows 0: off
     zch: ZchConfig = field(default_factory=ZchConfig)
@@ -68,6 +72,7 @@ class ModelConfig:
             raise ValueError(f"embedding_dim={self.embedding_dim}: must be a positive multiple of 4 (FBGEMM kernels)")
         if not isinstance(self.stack_tables, bool) and self.stack_tables != "auto":
             raise ValueError(f"stack_tables={self.stack_tables!r}: expected true, false or auto")
+        check_table_precision(self.table_precision, "table_precision")
         taken = inspect.signature(MODELS[self.name]).parameters
         extra = [k for k, v in self.arguments().items() if k not in taken]
         if extra:

@@ -31,11 +31,13 @@ class DCN(nn.Module):
                  dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01, cross: str = "vector",
                  cross_layers: int = 3, low_rank: int | None = None, num_experts: int = 4, wide: bool = False,
                  stack_tables: bool = False, onednn_mlp: bool = True, overlap_embedding_backward: bool = True,
+                 table_precision: str = "fp32",
                  device: torch.device | None = None) -> None:
         super().__init__()
         if cross not in CROSS_TYPES:
             raise ValueError(f"model.cross={cross!r}: expected one of {CROSS_TYPES}")
-        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=wide, device=device, stack=stack_tables)
+        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=wide, device=device, stack=stack_tables,
+                                     precision=table_precision)
         width = len(spec.sparse) * embedding_dim + len(spec.dense)
         if cross == "vector":
             self.cross = VectorCrossNet(width, cross_layers)

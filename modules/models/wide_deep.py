@@ -20,9 +20,11 @@ class WideDeep(nn.Module):
     def __init__(self, spec: FeatureSpec, embedding_dim: int = 16, mlp: Sequence[int] = (400, 400, 400),
                  dropout: float = 0.0, batch_norm: bool = False, bn_momentum: float = 0.1, init_std: float = 0.01,
                  stack_tables: bool = False, onednn_mlp: bool = True, overlap_embedding_backward: bool = True,
+                 table_precision: str = "fp32",
                  device: torch.device | None = None) -> None:
         super().__init__()
-        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device, stack=stack_tables)
+        self.sparse_arch = SparseArch(spec, embedding_dim, init_std, wide=True, device=device, stack=stack_tables,
+                                     precision=table_precision)
         n_dense, n_cat = len(spec.dense), len(spec.sparse)
         self.dense_linear = nn.Linear(n_dense, 1) if n_dense else None
         deep_in = (n_cat * embedding_dim, n_dense) if n_dense else n_cat * embedding_dim

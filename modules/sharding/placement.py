@@ -82,10 +82,12 @@ class TableInfo:
     dim: int
     coverage_rows: Mapping[float, int] = field(default_factory=dict)  # share of occurrences → hottest rows
     features: int = 1  # features (KJT keys) reading the table: ids per sample, for one-id features
+    value_bytes: int = 4  # a weight's bytes (model.table_precision: modules/embedding/table_precision.py)
 
     def bytes(self, optimizer: str) -> int:
+        """Rows · (weight bytes + optimizer state): the state stays float32 whatever the rows' type."""
         per, per_col = OPTIMIZER_STATE_PER_ROW.get(optimizer, (2, True))
-        return self.rows * 4 * (self.dim + (per * self.dim if per_col else per))
+        return self.rows * (self.value_bytes * self.dim + 4 * (per * self.dim if per_col else per))
 
     def distinct_rows(self) -> int | None:
         """The rows the training data meets at all (the statistics' share 1.0), if measured."""

@@ -42,6 +42,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from modules.embedding.sparse_arch import field_of
 from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
 from modules.embedding.row_init import DrawnLater, RowInit
+from modules.embedding.table_precision import DATA_TYPE_BYTES, precision_of, table_precision_refusal
 from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
 from modules.sharding.comm_precision import dense_allreduce_in
 from modules.sharding.placement import KERNELS, Placement, PlacementError, TableInfo, place_tables
@@ -93,7 +94,8 @@ def table_infos(ebc: Collection, coverage: Mapping[str, Mapping[float, int]] | N
         per_field = [coverage.get(name, {}) for name in sources]
         levels = set.intersection(*(set(c) for c in per_field)) if all(per_field) else set()
         infos.append(TableInfo(t.name, t.num_embeddings, t.embedding_dim,
-                               {q: sum(int(c[q]) for c in per_field) for q in sorted(levels)}, len(t.feature_names)))
+                               {q: sum(int(c[q]) for c in per_field) for q in sorted(levels)}, len(t.feature_names),
+                               DATA_TYPE_BYTES[t.data_type]))
     return infos
 
 
@@ -195,6 +197,11 @@ def plan_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topol
     for ebc in ebcs.values():
         placements.update(place_tables(table_infos(ebc, coverage, table_of), topology, embedding_optim.name, fusable,
                                        process, max(batch_rows, eval_rows), row_state_bytes))
+    refused = table_precision_refusal(precision_of([c for m in ebcs.values() for c in collection_tables(m)]),
+                                      topology.compute_device, embedding_optim.name, fusable,
+                                      sorted(file_backed_names(placements)))
+    if refused:
+        raise PlacementError(refused)
     constraints = table_constraints(placements, topology)
     forced_unplanned = any(c.sharding_types[0] in CPU_UNPLANNED for c in constraints.values())
     # on CPU the planner would count file-backed tables against host memory: those plans are built here

@@ -18,6 +18,9 @@ from pipeline.checkpoint.safe_reader import SafeFileSystemReader
 from pipeline.checkpoint.skeleton import STATE_FILE, placeholders
 
 
+FLOAT_ROWS = ("float32", "float16", "bfloat16")
+
+
 def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.", table_dir: Path | None = None,
                      keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict from a checkpoint as full tensors, in this process, whatever number of
@@ -36,7 +39,8 @@ def full_model_state(path: str | os.PathLike, prefix: str = "state_dict/model.",
         rank += 1
 
     def target(key: str, shape: list[int], dtype: str) -> torch.Tensor:
-        if table_dir is not None and is_table_parameter(key) and len(shape) == 2 and dtype == "float32":
+        # half-precision rows (model.table_precision) read into float32 files: exactly their values
+        if table_dir is not None and is_table_parameter(key) and len(shape) == 2 and dtype in FLOAT_ROWS:
             return mapped_file(table_dir / f"{key[len(prefix):]}.f32", shape[0] * shape[1]).view(*shape)
         return torch.empty(shape, dtype=getattr(torch, dtype))
 

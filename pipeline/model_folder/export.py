@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.model_folder.layout import write_bundle
 from pipeline.model_folder.source import model_source
-from pipeline.model_folder.weights import read_weights, read_zch_state
+from pipeline.model_folder.weights import read_float_weights, read_zch_state
 
 
 def export_model(checkpoint: str | Path, out: str | Path, quantize: str = "none") -> Path:
@@ -20,6 +20,7 @@ def export_model(checkpoint: str | Path, out: str | Path, quantize: str = "none"
     source = model_source(checkpoint)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-tables-", dir=Path(out).parent) as scratch:
-        return write_bundle(out, read_weights(source, Path(scratch)), source.model_cfg, source.data,
+        weights = read_float_weights(source, Path(scratch))
+        return write_bundle(out, weights, source.model_cfg, source.data,
                             source.store_meta, source.vocab_root / "vocab", source.mlflow_run_id, quantize,
                             read_zch_state(source))

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from modules.embedding.sparse_arch import is_table_parameter
+from modules.embedding.table_precision import FOLDER_FORMAT
 from modules.models import ModelConfig
 from pipeline.data.dataset import DataConfig
 from pipeline.model_folder.weights import ZCH_FILE, write_weights
@@ -42,9 +43,12 @@ META_KEYS = ("dataset", "dense", "categorical", "sequence", "features", "transfo
 def write_bundle(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], model_cfg: ModelConfig,
                  data: DataConfig, store_meta: dict[str, Any], vocab_dir: Path, mlflow_run_id: str | None = None,
                  quantize: str = "none", zch_state: dict[str, np.ndarray] | None = None) -> Path:
-    """Write the folder atomically, its tables quantized as ``quantize`` says (:mod:`.quantize`), with the
+    """Write the folder atomically, its tables quantized as ``quantize`` says (:mod:`.quantize`; ``none``: as
+    ``model.table_precision`` stores them, fp16 rows as fp16), with the
     ``model.zch`` mapping ``zch_state`` if any; returns its path."""
     out = Path(out)
+    if quantize == "none":  # the rows as trained: fp16 tables stay fp16 (modules/embedding/table_precision.py)
+        quantize = FOLDER_FORMAT[model_cfg.table_precision]
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

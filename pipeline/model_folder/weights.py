@@ -59,6 +59,19 @@ def read_weights(source: ModelSource | str | os.PathLike, table_dir: Path | None
     return weights
 
 
+def read_float_weights(source: ModelSource, table_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """:func:`read_weights` with every table as float rows ``rows × dim``, to train from or write again: an fp16
+    folder's rows viewed as fp16 (exactly as stored). A folder of int8 / int4 rows is refused: its rows are
+    not the model's any more."""
+    if not source.is_checkpoint and source.quantize not in ("none", "fp16"):
+        raise BundleError(f"{source.path}: its tables are {source.quantize} rows (model.json: quantize), not the "
+                          f"trained values; use the run's checkpoint or its float model folder")
+    weights = read_weights(source, table_dir)
+    if not source.is_checkpoint and source.quantize == "fp16":  # [rows, 2·dim] bytes → [rows, dim] fp16
+        weights.update({k: weights[k].view(torch.float16) for k in source.tables or {}})
+    return weights
+
+
 ZCH_FILE = "zch.npz"
 
 

@@ -35,7 +35,7 @@ from pipeline.data.vocab_files import read_vocabulary
 from pipeline.runtime.errors import BundleError, ConfigError
 from pipeline.model_folder import table_files
 from pipeline.model_folder.source import ModelSource, is_model_folder, model_source
-from pipeline.model_folder.weights import read_weights
+from pipeline.model_folder.weights import read_float_weights
 
 
 def init_source(path: str | None) -> ModelSource | None:
@@ -47,7 +47,7 @@ def init_source(path: str | None) -> ModelSource | None:
 def source_weights(source: ModelSource, table_dir: Path) -> tuple[dict[str, torch.Tensor], FeatureSpec]:
     """(full state dict, feature spec) of a model folder or checkpoint; tables mapped from files (a
     checkpoint's are read into ``table_dir``)."""
-    return read_weights(source, table_dir), FeatureSpec.from_store_meta(source.store_meta)
+    return read_float_weights(source, table_dir), FeatureSpec.from_store_meta(source.store_meta)
 
 
 def check_optimizer_source(path: str | None, parts: str) -> None:
