@@ -13,6 +13,10 @@ the same seeds (``seed=s``: initial weights and batch order), so the AUCs compar
 * ``multi_hot`` — a log with a multi-hot column (``tests/click_logs.py``: 400k rows);
 * ``frappe`` — Frappe_x1 in the BARS setup (``+experiment=frappe_deepfm``; public DeepFM test AUC 0.98395).
 
+``--fp16-tables`` (default: ``deepfm``): those cases run a third time, ``auto`` with ``model.table_precision=fp16``
+(rows stored and updated in fp16, modules/embedding/table_precision.py), beside ``auto`` with fp32 rows: the tables'
+bytes as the run's plan counts them (weights + optimizer state, and weights alone), samples/s and test AUC.
+
 Beside ``deepfm``, the baseline: a plain PyTorch DeepFM (``benchmarks/reference_deepfm.py --layout shared``, one
 shared table + SparseAdam) in fp32 and under ``torch.autocast("cpu", bfloat16)``, the strongest plain version a user
 would write on such a CPU. Prints every run, then per case the mean samples/s ratio auto / fp32 and the mean |ΔAUC|;
@@ -53,7 +57,7 @@ def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def project(case: str, precision: str, seed: int, work: Path) -> dict:
+def project(case: str, precision: str, seed: int, work: Path, tables: str = "fp32") -> dict:
     overrides, rows = CASES[case]
     data = [f"data.synthetic.rows={rows}"] if rows else []
     if case == "multi_hot":
@@ -61,13 +65,26 @@ def project(case: str, precision: str, seed: int, work: Path) -> dict:
     if case == "frappe":
         data = [f"data.path.train={SHARED / 'frappe_x1/train.csv'}", f"data.path.valid={SHARED / 'frappe_x1/valid.csv'}",
                 f"data.path.test={SHARED / 'frappe_x1/test.csv'}"]
-    folder = work / "runs" / f"{case}-{precision}-{seed}"
+    folder = work / "runs" / f"{case}-{precision}-{tables}-{seed}"
     run([sys.executable, "-m", "pipeline.commands.train", *data, *overrides, f"trainer.precision={precision}",
+         f"model.table_precision={tables}",
          f"seed={seed}", f"paths.cache_dir={work / 'cache'}", f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}",
          "logger.log_model=false", "trainer.enable_progress_bar=false", "trainer.num_threads=2",
          f"hydra.run.dir={folder}"], work)
     r = json.loads((folder / "result.json").read_text())
-    return {"samples_per_s": r["samples_per_s"], "test_auc": r["test_auc"]}
+    return {"samples_per_s": r["samples_per_s"], "test_auc": r["test_auc"], **table_bytes(folder, tables)}
+
+
+def table_bytes(folder: Path, tables: str) -> dict:
+    """The tables' bytes as the run's plan counts them: its rows (| name | rows | dim | MiB | …), with the optimizer's
+    state and without it (rows · dim · bytes a value)."""
+    total = weights = 0.0
+    for line in (folder / "sharding_plan.txt").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) >= 4 and cells[3].endswith(" MiB") and cells[1].replace(",", "").isdigit():
+            total += float(cells[3][:-4].replace(",", ""))
+            weights += int(cells[1].replace(",", "")) * int(cells[2]) * (2 if tables == "fp16" else 4) / 2**20
+    return {"table_mib": total, "weight_mib": weights}
 
 
 def baseline(precision: str, seed: int, work: Path) -> dict:
@@ -85,6 +102,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--fp16-tables", nargs="*", default=["deepfm"], choices=list(CASES),
+                   help="cases also run with model.table_precision=fp16 (auto precision)")
     p.add_argument("--work", default=None, help="folder for the logs, stores and runs (default: a temporary one)")
     args = p.parse_args()
     with work_folder(args.work, "bench-precision-") as work:
@@ -110,6 +129,11 @@ def measure(args: argparse.Namespace, work: Path) -> None:
                 results.setdefault((case, precision), []).append(r)
                 print(f"| {case} | {precision} | {seed} | {r['samples_per_s']:,.0f} | {r['test_auc']:.6f} |",
                       flush=True)
+            if case in args.fp16_tables:
+                r = project(case, "auto", seed, work, tables="fp16")
+                results.setdefault((case, "fp16_tables"), []).append(r)
+                print(f"| {case} | auto, fp16 tables | {seed} | {r['samples_per_s']:,.0f} | {r['test_auc']:.6f} |",
+                      flush=True)
             if case == "deepfm":
                 for precision in ("fp32", "bf16"):
                     r = baseline(precision, seed, work)
@@ -125,6 +149,16 @@ def measure(args: argparse.Namespace, work: Path) -> None:
         loss = statistics.mean(abs(d) for d in deltas)
         keep = "fp32" if loss > MAX_AUC_LOSS else auto
         print(f"| {case} | {ratio:.2f}× | {statistics.mean(deltas):+.6f} | {loss:.6f} | {keep} |")
+    if any(case in args.fp16_tables for case in args.cases):
+        print("\n| case | tables MiB, fp32 → fp16 rows (with optimizer state) | weights alone | fp16 / fp32 rows "
+              "samples/s | mean ΔAUC (fp16 − fp32 rows) | mean abs ΔAUC |\n|---|---|---|---:|---:|---:|")
+    for case in (c for c in args.cases if c in args.fp16_tables):
+        h, a = results[(case, "fp16_tables")], results[(case, "auto")]
+        deltas = [x["test_auc"] - y["test_auc"] for x, y in zip(h, a)]
+        print(f"| {case} | {a[0]['table_mib']:,.1f} → {h[0]['table_mib']:,.1f} "
+              f"({h[0]['table_mib'] / a[0]['table_mib']:.2f}×) | {a[0]['weight_mib']:,.1f} → {h[0]['weight_mib']:,.1f} | "
+              f"{statistics.mean(x['samples_per_s'] / y['samples_per_s'] for x, y in zip(h, a)):.2f}× | "
+              f"{statistics.mean(deltas):+.6f} | {statistics.mean(abs(d) for d in deltas):.6f} |")
     if ("plain", "bf16") in results:
         a, b = results[("deepfm", "auto")], results[("plain", "bf16")]
         print(f"\nauto against the plain DeepFM under the same autocast: "
