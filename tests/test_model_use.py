@@ -219,16 +219,19 @@ def test_fp16_tables_train_checkpoint_and_score_at_half_the_bytes(trained, tmp_p
 
     fused = Scorer(newest, table_dir=tmp_path / "tables", fused=True)
     np.testing.assert_allclose(fused.score_frame(test_rows.drop(columns=["clicked"])), scores, atol=1e-6)
-    command("pipeline.commands.export", f"checkpoint={model}", f"out={tmp_path / 'int8'}", "quantize=int8")
-    command("pipeline.commands.export", f"checkpoint={newest}", f"out={tmp_path / 'int8_ckpt'}", "quantize=int8")
+    from pipeline.model_folder.export import export_model
+    from pipeline.runtime.errors import BundleError
+
+    export_model(model, tmp_path / "int8", "int8")
+    export_model(newest, tmp_path / "int8_ckpt", "int8")
     np.testing.assert_allclose(predict_here(tmp_path / "int8", folder / "test.csv", tmp_path / "a.parquet"),
                                predict_here(tmp_path / "int8_ckpt", folder / "test.csv", tmp_path / "b.parquet"),
                                atol=1e-6)
     assert abs(result.test_auc - result32.test_auc) <= 5e-3, (result.test_auc, result32.test_auc)
     # an int8 folder is not the trained rows: training from it, or exporting it again, is refused by name
-    again = command("pipeline.commands.export", f"checkpoint={tmp_path / 'int8'}", f"out={tmp_path / 'again'}",
-                    check=False)
-    assert again.returncode != 0 and "int8 rows" in again.stderr + again.stdout and not (tmp_path / "again").exists()
+    with pytest.raises(BundleError, match="its tables are int8 rows"):
+        export_model(tmp_path / "int8", tmp_path / "again")
+    assert not (tmp_path / "again").exists()
 
 
 @pytest.mark.slow  # the 2-rank path (train, export, 2 ranks scoring a checkpoint = one process scoring its export) runs in

@@ -25,7 +25,7 @@ class LoggerConfig:
     log_model: bool = True            # log the trained model (pyfunc, artifact `model`) at the end
     model_max_gb: float = 4.0         # larger tables: no MLflow model (score with ctr predict)
     register_model_as: Optional[str] = None  # also register it in the Model Registry under this name
-    quantize: str = "none"            # the MLflow model's tables: none | int8 | int4 | fp16 (<output>/model stays float)
+    quantize: str = "none"            # the MLflow model's tables: none | int8 | int4 | fp16 (<output>/model keeps the rows as trained)
     model_signature: bool = True      # the MLflow model's signature from the dataset declaration (MLflow checks it)
 
     def __post_init__(self) -> None:
