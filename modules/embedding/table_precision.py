@@ -22,12 +22,10 @@ folder keeps fp16 rows as fp16 (``quantize: fp16``, exactly the trained values) 
 
 from __future__ import annotations
 
-import torch
 from torchrec.modules.embedding_configs import DataType
 
 TABLE_PRECISIONS = ("fp32", "fp16", "bf16")
 DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DATA_TYPE_BYTES = {DataType.FP32: 4, DataType.FP16: 2, DataType.BF16: 2}
 FOLDER_FORMAT = {"fp32": "none", "fp16": "fp16", "bf16": "none"}  # a model folder's tables (pipeline/model_folder/quantize.py)
 

@@ -72,7 +72,8 @@ def plan_for_config(cfg: DictConfig) -> str:
               if link.copy_span else "")
     title = (f"Plan for data={run.data.name} model={run.model.name} on topology={topology.name} "
              f"({topology.nodes} node(s) × {topology.ranks_per_node} {topology.compute_device} rank(s){copies}), "
-             f"embedding optimizer {optim.name}, rows in {model_cfg.table_precision}, stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
+             f"embedding optimizer {optim.name}, rows in {model_cfg.table_precision}, "
+             f"stacked one-id tables: {str(model_cfg.stack_tables).lower()} "
              f"({stacking}); batch {run.trainer.batch_size:,} ({local:,} a rank; a table-wise kernel sees "
              f"{local * span:,})\n")
     return format_plan(result, optim.name, span, title) + "\n" + link.describe()
