@@ -64,9 +64,8 @@ DEFAULT_CACHE_MB = 256   # row cache per rank for tables forced to ssd when ddr_
 MIN_CACHE_ROWS = 1024    # a row cache's least rows when the batch size is not known
 UNSEEN_MARGIN = 2        # a batch's distinct rows ≤ this × the training split's (random splits: values new in evaluation)
 UNMEASURED_ZIPF_EXPONENT = 1.0  # the ids of a table without statistics (raw ids): Zipf's law, for its cache's share
-OPTIMIZER_STATE_PER_ROW = {  # extra float32 values per row (per column when the second item is True)
-    "sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True),
-}
+# extra float32 values per row (per column when the second item is True)
+OPTIMIZER_STATE_PER_ROW = {"sgd": (0, False), "adagrad": (1, True), "rowwise_adagrad": (1, False), "adam": (2, True)}
 
 
 class PlacementError(ValueError):
@@ -82,10 +81,9 @@ class TableInfo:
     dim: int
     coverage_rows: Mapping[float, int] = field(default_factory=dict)  # share of occurrences → hottest rows
     features: int = 1  # features (KJT keys) reading the table: ids per sample, for one-id features
-    value_bytes: int = 4  # a weight's bytes (model.table_precision: modules/embedding/table_precision.py)
+    value_bytes: int = 4  # a weight's bytes (model.table_precision); the optimizer state stays 4 a value
 
     def bytes(self, optimizer: str) -> int:
-        """Rows · (weight bytes + optimizer state): the state stays float32 whatever the rows' type."""
         per, per_col = OPTIMIZER_STATE_PER_ROW.get(optimizer, (2, True))
         return self.rows * (self.value_bytes * self.dim + 4 * (per * self.dim if per_col else per))
 

@@ -40,11 +40,11 @@ from torchrec.distributed.types import CacheParams, ShardingEnv, ShardingPlan, S
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from modules.embedding.sparse_arch import field_of
-from modules.embedding.ssd_tier.files import CachedTable, file_backed_tables, mark_file_backed
-from modules.embedding.row_init import DrawnLater, RowInit
+from modules.embedding.ssd_tier.files import file_backed_tables, mark_file_backed
 from modules.embedding.table_precision import DATA_TYPE_BYTES, precision_of, table_precision_refusal
 from modules.optim.optimizers import OPTIMIZERS, OptimizerSpec, is_fusable
 from modules.sharding.comm_precision import dense_allreduce_in
+from modules.sharding.file_backed_init import drawn_later
 from modules.sharding.placement import KERNELS, Placement, PlacementError, TableInfo, place_tables
 from modules.sharding.plan_checks import unrunnable
 from modules.sharding.step_memory import collection_tables, process_bytes
@@ -288,30 +288,10 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
         without_fbgemm_bounds_check(result.plan)
     wrapper = None if data_parallel and world > 1 else DeviceOnlyWrapper()
     env = ShardingEnv.from_process_group(group) if group is not None else None
-    with drawn_later(ebcs, result) as cached, \
+    with drawn_later(ebcs, result.file_backed, result.placements) as cached, \
             file_backed_tables(cached, topology.ssd.path or "", dist.get_rank(), topology.ssd.cache_policy):
         dmp = DistributedModelParallel(model, env=env, device=device, plan=result.plan,
                                        sharders=[cls(qcomm_codecs_registry=qcomm) for cls in SHARDERS],
                                        data_parallel_wrapper=wrapper)
     dense_allreduce_in(dmp, dense_precision)
     return dmp, result
-
-
-@contextlib.contextmanager
-def drawn_later(collections: list[Collection], result: PlanResult) -> Iterator[dict[str, CachedTable]]:
-    """While DMP is built: file-backed tables are not initialised (their rows are drawn when the row cache
-    first meets them); yields each one's cache size and initialiser for :func:`file_backed_tables`."""
-    configs = [c for ebc in collections for c in collection_tables(ebc) if c.name in result.file_backed]
-    inits = {c.name: c.init_fn for c in configs}
-    other = sorted(name for name, init in inits.items() if not isinstance(init, RowInit))
-    if other:
-        raise ValueError(f"tables {other} on the ssd tier: their rows must be drawn one by one when first met, which "
-                         f"needs modules.embedding.row_init.RowInit as their init_fn")
-    cached = {c.name: CachedTable(result.placements[c.name].cache_rows or 0, inits[c.name]) for c in configs}
-    for c in configs:
-        c.init_fn = DrawnLater(inits[c.name])
-    try:
-        yield cached
-    finally:
-        for c in configs:
-            c.init_fn = inits[c.name]
