@@ -84,3 +84,25 @@ def test_settings_it_cannot_honour_are_refused_by_name(overrides, message):
 
     with pytest.raises((ConfigError, ValueError), match=message):
         check_runnable(compose_run_config(["data.synthetic.rows=1000", *overrides]))
+
+
+def test_half_precision_rows_on_a_gpu_topology_are_planned_at_their_bytes_and_fit_where_fp32_does_not():
+    """Dim 1,024 row-wise Adagrad on one GPU: in fp32 a table has to go behind a UVM cache; in fp16 — and bf16, which
+    CUDA runs (refused on the CPU alone) — every table fits the GPU, each at rows · (2·dim + 4) bytes."""
+    from pipeline.commands.plan import plan_for_config
+    from tests.test_placement import compose_config
+
+    tiers, mib = {}, {}
+    for precision in ("fp32", "fp16", "bf16"):
+        out = plan_for_config(compose_config(["topology=1gpu", "data=criteo_kaggle_shape", "model.embedding_dim=1024",
+                                              f"model.table_precision={precision}"]))
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| emb_")]
+        tiers[precision] = {r[0]: r[5] for r in rows}
+        mib[precision] = {r[0]: (int(r[1].replace(",", "")), float(r[3].removesuffix(" MiB").replace(",", "")))
+                          for r in rows}
+        assert f"rows in {precision}" in out
+    assert "uvm_cache" in tiers["fp32"].values()
+    assert set(tiers["fp16"].values()) == set(tiers["bf16"].values()) == {"hbm"}
+    for precision, value_bytes in (("fp32", 4), ("fp16", 2), ("bf16", 2)):
+        for name, (rows, shown) in mib[precision].items():
+            assert abs(shown - rows * (value_bytes * 1024 + 4) / 2**20) <= 0.06, (precision, name)
