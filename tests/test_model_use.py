@@ -152,6 +152,7 @@ def test_quantized_tables_score_like_float_at_a_fraction_of_the_size(trained, tm
     import torch
     from torchmetrics.functional.classification import binary_auroc
 
+    from pipeline.model_folder.export import export_model
     from pipeline.model_folder.quantize import row_bytes
     from pipeline.tracking.pyfunc import save_pyfunc
 
@@ -164,7 +165,7 @@ def test_quantized_tables_score_like_float_at_a_fraction_of_the_size(trained, tm
     float_bytes = sum((model / "tables" / f"{k}.f32").stat().st_size for k in description["tables"])
     for q, tolerance in (("int8", 2e-3), ("int4", 3e-2), ("fp16", 2e-4)):
         out = tmp_path / f"model_{q}"
-        command("pipeline.commands.export", f"checkpoint={model}", f"out={out}", f"quantize={q}")
+        export_model(model, out, q)  # (the command's own path: tests/test_package.py, tests/test_ssd_tier.py)
         sizes = {k: (out / "tables" / f"{k}.u8").stat().st_size for k in description["tables"]}
         assert sizes == {k: rows * row_bytes(dim, q) for k, (rows, dim) in description["tables"].items()}
         assert sum(sizes.values()) <= float_bytes / 2
