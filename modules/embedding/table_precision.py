@@ -13,7 +13,8 @@ The update w ← w − η·u is rounded to the row's type. On CUDA FBGEMM rounds
 in the last place still move the row on average). FBGEMM's CPU kernels round to nearest (measured,
 tests/test_table_precision.py): an update below half a unit in the last place of the row's value is lost —
 fp16 has 10 mantissa bits, so |η·u| < |w|·2⁻¹² leaves w as it was. bf16 (7 mantissa bits) has no CPU kernel
-in FBGEMM (``split_embedding_cpu_forward`` is not built for it): refused on CPU.
+in FBGEMM (``split_embedding_cpu_forward`` is not built for it): refused on CPU. Also refused: the CPU ``ssd`` tier
+(fp32 records) and copies of the tables merged across ranks (:func:`modules.sharding.plan_checks.unrunnable`).
 
 Where the rows go after training: checkpoints hold them as they are (DCP keeps each tensor's type); a model
 folder keeps fp16 rows as fp16 (``quantize: fp16``, exactly the trained values) and bf16 rows as fp32
