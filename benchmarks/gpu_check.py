@@ -25,7 +25,9 @@ for the deadline.
    rows of the test split: that AUC equals the run's ``test_auc`` (within ``AUC_PREDICT``);
 5. ``batch_<large>`` — batch 65,536 (8,192 on the CPU) with ``scaling=auto``;
 6. ``cowclip_l2_init_from`` — ``scaling=cowclip``, the embedding L2 term and ``trainer.init_from`` the model of 4;
-7. ``ssd`` — a table forced to the ``ssd`` tier on a stated path (refused on CUDA for now: docs/gpu.md).
+7. ``ssd`` — a table forced to the ``ssd`` tier on a stated path (refused on CUDA for now: docs/gpu.md);
+8. ``fp16_rows`` — ``train`` with ``model.table_precision=fp16``: its AUC within ``AUC_VS_CPU`` of ``train``'s, and
+   both runs' planned table MiB (on the CPU FBGEMM's fp16 lookup is slow: docs/throughput.md; on CUDA the usual path).
 
 samples/s are reported after each run's warm-up steps (``samples_per_s_after_warmup``), their time beside them.
 Peak memory is sampled while each command runs (``nvidia-smi`` on CUDA; on the CPU the process's resident memory).

@@ -31,6 +31,7 @@ def stages(check: Check) -> list[tuple[str, Callable[[], dict], bool]]:
                                                                   "trainer.precision=32-true"]), False),
         ("cowclip_l2_init_from", lambda: cowclip_l2_init_from(check), False),
         ("ssd", lambda: ssd(check), False),
+        ("fp16_rows", lambda: fp16_rows(check), False),
     ]
 
 
@@ -152,3 +153,22 @@ def ssd(check: Check) -> dict:
     return {**check.train("ssd", [f"topology.ssd.path={path}", f"+topology.table_overrides.{LARGEST_TABLE}.tier=ssd",
                                   "trainer.precision=32-true"]),
             "path": str(path)}
+
+
+def fp16_rows(check: Check) -> dict:
+    """``train`` with ``model.table_precision=fp16``: its AUC against ``train``'s, and the tables' bytes as planned."""
+    entry = check.train("fp16_rows", ["trainer.precision=32-true", "model.table_precision=fp16"])
+    if entry["status"] == "ok" and check.results.get("train", {}).get("status") == "ok":
+        within(entry, "auc_minus_fp32_rows", entry["test_auc"], check.results["train"]["test_auc"], AUC_VS_CPU)
+        entry["table_mib"] = {name: planned_mib(Path(check.results[name]["output_dir"])) for name in ("train", "fp16_rows")}
+    return entry
+
+
+def planned_mib(folder: Path) -> float:
+    """The tables' MiB (weights and optimizer state) in a run's ``sharding_plan.txt``."""
+    total = 0.0
+    for line in (folder / "sharding_plan.txt").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > 3 and cells[3].endswith(" MiB") and cells[1].replace(",", "").isdigit():
+            total += float(cells[3][:-4].replace(",", ""))
+    return round(total, 1)
