@@ -37,14 +37,14 @@ def update_bytes(hits: dict[str, np.ndarray], dims: dict[str, int], size: int) -
     return total
 
 
-def _formula_worker(rank: int, world: int, updates: str, shared: bool) -> None:
+def _formula_worker(rank: int, world: int, updates: str, shared: bool, rows: torch.dtype = torch.float32) -> None:
     """``shared``: every rank meets mostly the same rows (the union's all-reduce is the cheaper exchange), else rows
-    of their own (each rank's own updates all-gathered)."""
+    of their own (each rank's own updates all-gathered). ``rows``: the tables' type (fp16: model.table_precision)."""
     from modules.comm_accounting import CommCounter, install
     from modules.optim.sparse_merging import TableMerger
 
     shapes = {"wide": (50, 1), "a": (40, 4), "b": (30, 4)}
-    start = {n: torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, (n, s) in enumerate(shapes.items())}
+    start = {n: torch.randn(s, generator=torch.Generator().manual_seed(i)).to(rows) for i, (n, s) in enumerate(shapes.items())}
     tables = {n: t.clone() for n, t in start.items()}
     merger = TableMerger(tables, updates)
     rng = np.random.default_rng(rank)
@@ -54,7 +54,7 @@ def _formula_worker(rank: int, world: int, updates: str, shared: bool) -> None:
         if shared:  # the same rows on every rank, and one of its own
             ids = torch.from_numpy(np.union1d(common.choice(t.shape[0], t.shape[0] // 2, replace=False), ids[:1]))
         merger.record(name, torch.cat([ids, ids[:3]]))  # before the update, as the lookup; twice counts once
-        t[ids] += torch.from_numpy(rng.normal(size=(len(ids), t.shape[1])).astype(np.float32))
+        t[ids] += torch.from_numpy(rng.normal(size=(len(ids), t.shape[1])).astype(np.float32)).to(rows)
     before = {n: _gathered(t) for n, t in tables.items()}
     touched = {n: _gathered(merger.touched[merger.first_row[n]:merger.first_row[n] + t.shape[0]].clone())
                for n, t in tables.items()}
@@ -67,12 +67,17 @@ def _formula_worker(rank: int, world: int, updates: str, shared: bool) -> None:
     counter.stop()
     union_by_dim: dict[int, int] = {}
     for name, t in tables.items():
-        w, hit = np.stack(before[name]), np.stack(touched[name])  # (ranks, rows, dim), (ranks, rows)
+        w, hit = np.stack(before[name]).astype(np.float64), np.stack(touched[name])  # (ranks, rows, dim), (ranks, rows)
         n = hit.sum(0)
-        b = start[name].numpy()
+        b = start[name].double().numpy()
         expected = b + ((w - b) * hit[..., None]).sum(0) / np.sqrt(np.maximum(n, 1))[:, None]  # Σ updates / √n
         tol = 1e-6 if updates == "fp32" else 2e-3  # fp16 keeps ~11 bits of an update (these are ~N(0, 1))
-        np.testing.assert_allclose(t.numpy(), expected, rtol=tol, atol=tol)
+        if rows == torch.float16:  # and the merged row rounded to fp16 once: within one unit in its last place
+            assert t.dtype == torch.float16
+            tol = max(tol, 2**-10)
+            np.testing.assert_allclose(t.double().numpy(), expected, rtol=tol, atol=2**-14)
+        else:
+            np.testing.assert_allclose(t.numpy(), expected, rtol=tol, atol=tol)
         assert (n >= 2).any() and (n == 1).any(), name  # rows met by several ranks and by one
         union_by_dim[t.shape[1]] = union_by_dim.get(t.shape[1], 0) + int((n > 0).sum())
     assert merged == sum(union_by_dim.values())
@@ -95,6 +100,7 @@ def _formula_workers(rank: int, world: int) -> None:
     for updates in ("fp32", "fp16"):  # one set of processes for every case (each start imports torch)
         for shared in ((False, True) if world > 2 else (False,)):
             _formula_worker(rank, world, updates, shared)
+    _formula_worker(rank, world, "fp32", world > 2, torch.float16)  # fp16 rows
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from modules.embedding.sparse_arch import FeatureSpec, SparseArch
@@ -72,23 +71,6 @@ def _step(rank: int, world: int, optimizer: str) -> None:
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_fp16_rows_are_the_fp32_step_rounded_to_nearest(optimizer):
     run_workers(_step, 2, optimizer)
-
-
-def _copies(rank: int, world: int) -> None:
-    from modules.optim.optimizers import OptimizerSpec
-    from modules.sharding.placement import PlacementError
-    from modules.sharding.planner import shard_model
-    from modules.sharding.topology import TopologySpec
-
-    groups = [dist.new_group([r]) for r in range(world)]  # a copy of the tables on each rank, as merging replicates them
-    with pytest.raises(PlacementError, match="model.table_precision=fp16 with a copy of the tables on every rank"):
-        shard_model(Lookups("fp16", torch.device("meta")), OptimizerSpec("rowwise_adagrad", 0.05),
-                    TopologySpec(compute_device="cpu"), torch.device("cpu"), group=groups[rank])
-
-
-def test_copies_of_half_precision_rows_are_refused_by_name():
-    """trainer.merging.tables=replicated|per_node merges fp32 updates into the rows: refused before any table is built."""
-    run_workers(_copies, 2)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -14,7 +14,8 @@ in the last place still move the row on average). FBGEMM's CPU kernels round to 
 tests/test_table_precision.py): an update below half a unit in the last place of the row's value is lost —
 fp16 has 10 mantissa bits, so |η·u| < |w|·2⁻¹² leaves w as it was. bf16 (7 mantissa bits) has no CPU kernel
 in FBGEMM (``split_embedding_cpu_forward`` is not built for it): refused on CPU. Also refused: the CPU ``ssd`` tier
-(fp32 records) and copies of the tables merged across ranks (:func:`modules.sharding.plan_checks.unrunnable`).
+(fp32 records). Copies of the tables merged across ranks merge fp32 updates and round each row once
+(:mod:`modules.optim.sparse_merging`).
 
 Where the rows go after training: checkpoints hold them as they are (DCP keeps each tensor's type); a model
 folder keeps fp16 rows as fp16 (``quantize: fp16``, exactly the trained values) and bf16 rows as fp32

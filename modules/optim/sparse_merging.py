@@ -28,6 +28,9 @@ ranks — the first wins where the copies are few (two nodes: L ≤ |U| always) 
 fp32 or fp16 (``updates``; an update is a small difference, which fp16 holds to ~5·10⁻⁴ of itself, where the rows
 themselves would lose their low bits). Traffic scales with the distinct rows of ``k`` batches, not with samples ×
 features as the pooled all-to-all of sharded tables does.
+
+Rows in fp16 (``model.table_precision``): the updates ``w − b`` and their merge are taken in fp32 from the fp16 rows
+(exact), and a merged row is ``b + u`` rounded to fp16 once.
 """
 
 from __future__ import annotations
@@ -172,9 +175,10 @@ class TableMerger:
         mine = {name: (own, base) for name, own, _, base in sent.parts}
         for name, ids, update in merged:
             own, base = mine[name]
-            rows = self.tables[name][ids].clone()  # b where no rank here updated the row since the last merge
+            table = self.tables[name]
+            rows = table[ids].float()  # b where no rank here updated the row since the last merge
             rows[torch.searchsorted(ids, own)] = base
-            self.tables[name][ids] = rows + update
+            table[ids] = (rows + update).to(table.dtype)  # fp16 rows (model.table_precision): b + u rounded once
         return sum(ids.numel() for _, ids, _ in merged)
 
     @torch.no_grad()
@@ -186,7 +190,7 @@ class TableMerger:
         for name in self.names:
             ids = self._rows_of(local, name)
             base = self._bases(name, ids + self.first_row[name])
-            parts.append((name, ids, self.tables[name][ids] - base, base))
+            parts.append((name, ids, self.tables[name][ids].float() - base, base))
         self.touched[local] = False
         self._base.clear()
         return TablePass(local.to(self.id_dtype), parts)
@@ -270,10 +274,10 @@ class TableMerger:
         own update of that pass, which it already holds — ``w ← w + u − δ_own``, u the merged update — so what it
         learned since stays on top; the rows the pass under way already met get the same change to their ``b``."""
         for name, ids, update in merged:
-            self.tables[name].index_add_(0, ids, update)
+            self.tables[name].index_add_(0, ids, update.to(self.tables[name].dtype))
             self._shift_bases(name, ids, update)
         for name, own, delta, _ in sent.parts:
-            self.tables[name].index_add_(0, own, delta, alpha=-1.0)
+            self.tables[name].index_add_(0, own, delta.to(self.tables[name].dtype), alpha=-1.0)
             self._shift_bases(name, own, -delta)
 
     def _shift_bases(self, name: str, ids: torch.Tensor, change: torch.Tensor) -> None:
@@ -282,12 +286,12 @@ class TableMerger:
         for kept_ids, kept_rows in self._base.get(name, []):
             at = torch.searchsorted(ids, kept_ids - lo).clamp(max=max(ids.numel() - 1, 0))
             hit = ids[at] == kept_ids - lo if ids.numel() else torch.zeros_like(kept_ids, dtype=torch.bool)
-            kept_rows[hit] += change[at[hit]]
+            kept_rows[hit] += change[at[hit]].to(kept_rows.dtype)
 
     def _bases(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        """``b`` of the rows ``ids`` (indices over all tables) of ``name``: kept by :meth:`record` where this rank
-        updated them, else the table's own (unchanged since the last merge)."""
-        out = self.tables[name][ids - self.first_row[name]].clone()
+        """``b`` of the rows ``ids`` (indices over all tables) of ``name``, in fp32: kept by :meth:`record` where this
+        rank updated them, else the table's own (unchanged since the last merge)."""
+        out = self.tables[name][ids - self.first_row[name]].float()
         kept = self._base.get(name)
         if kept:
             kept_ids = torch.cat([k for k, _ in kept])
@@ -296,5 +300,5 @@ class TableMerger:
             kept_ids, kept_rows = kept_ids[order], kept_rows[order]
             pos = torch.searchsorted(kept_ids, ids).clamp(max=kept_ids.numel() - 1)
             mine = kept_ids[pos] == ids
-            out[mine] = kept_rows[pos[mine]]
+            out[mine] = kept_rows[pos[mine]].float()
         return out

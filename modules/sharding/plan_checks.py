@@ -9,11 +9,10 @@ from modules.embedding.ssd_tier.files import unavailable as files_unavailable
 from modules.sharding.placement import KERNELS, Placement
 
 
-def unrunnable(placements: Mapping[str, Placement], file_backed: set[str], copies: bool,
-               precision: str = "fp32") -> str | None:
+def unrunnable(placements: Mapping[str, Placement], file_backed: set[str], copies: bool) -> str | None:
     """Why a plan's placements cannot be built here (None: they can): FBGEMM's SSD tables on CUDA (not wired yet,
-    docs/gpu.md), the CPU ``ssd`` tier where this FBGEMM cannot back tables with files, file-backed tables with
-    copies of the tables (one rank's files cannot be merged), or copies of half-precision rows (``precision``)."""
+    docs/gpu.md), the CPU ``ssd`` tier where this FBGEMM cannot back tables with files, or file-backed tables with
+    copies of the tables (one rank's files cannot be merged)."""
     key_value = sorted(p.table for p in placements.values() if p.kernel == KERNELS["ssd"])
     if key_value:
         return (f"tables {key_value} go to the ssd tier on CUDA (FBGEMM's KEY_VALUE tables), which has not run yet: "
@@ -26,8 +25,4 @@ def unrunnable(placements: Mapping[str, Placement], file_backed: set[str], copie
     if file_backed and copies:
         return (f"tables {sorted(file_backed)} go to the ssd tier, whose files are one rank's: their copies cannot be "
                 f"merged (trainer.merging.tables=replicated|per_node); use sharded")
-    if copies and precision != "fp32":
-        return (f"model.table_precision={precision} with a copy of the tables on every rank or node "
-                f"(trainer.merging.tables=replicated|per_node, or auto on a slow link): their merges add fp32 updates to "
-                f"fp32 rows (modules/optim/sparse_merging.py); set trainer.merging.tables=sharded or fp32 tables")
     return None

@@ -279,8 +279,7 @@ def shard_model(model: nn.Module, embedding_optim: OptimizerSpec, topology: Topo
     result = plan_model(model, embedding_optim, topology, coverage, collective=group or True, table_of=table_of,
                         batch_rows=batch_rows * world, eval_rows=eval_rows * world,  # table-wise kernels: every rank's batch
                         row_state_bytes=row_state_bytes)
-    why = unrunnable(result.placements, result.file_backed, copies=group is not None,
-                     precision=precision_of([c for ebc in ebcs for c in collection_tables(ebc)]))
+    why = unrunnable(result.placements, result.file_backed, copies=group is not None)
     if why:
         raise PlacementError(why)
     if group is not None:
