@@ -195,6 +195,10 @@ def test_fp16_tables_train_checkpoint_and_score_at_half_the_bytes(trained, tmp_p
     from torch.distributed.checkpoint import FileSystemReader
     from torchmetrics.functional.classification import binary_auroc
 
+    from pipeline.model_folder.export import export_model
+    from pipeline.runtime.errors import BundleError
+    from pipeline.scoring.scorer import Scorer
+
     folder, _, args, result32, test_rows = trained
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     _, result = train_cli([*args, "model.table_precision=fp16", f"trainer.checkpoint.dir={ckpt}"], run)
@@ -216,13 +220,8 @@ def test_fp16_tables_train_checkpoint_and_score_at_half_the_bytes(trained, tmp_p
     auc = float(binary_auroc(torch.tensor(scores), labels))
     assert abs(auc - result.test_auc) <= 1e-6, (auc, result.test_auc)
     np.testing.assert_allclose(predict_here(newest, folder / "test.csv", tmp_path / "ckpt.parquet"), scores, atol=1e-6)
-    from pipeline.scoring.scorer import Scorer  # the checkpoint in the fused kernel, as ctr serve scores it
-
-    fused = Scorer(newest, table_dir=tmp_path / "tables", fused=True)
+    fused = Scorer(newest, table_dir=tmp_path / "tables", fused=True)  # the checkpoint as ctr serve scores it
     np.testing.assert_allclose(fused.score_frame(test_rows.drop(columns=["clicked"])), scores, atol=1e-6)
-    from pipeline.model_folder.export import export_model
-    from pipeline.runtime.errors import BundleError
-
     export_model(model, tmp_path / "int8", "int8")
     export_model(newest, tmp_path / "int8_ckpt", "int8")
     np.testing.assert_allclose(predict_here(tmp_path / "int8", folder / "test.csv", tmp_path / "a.parquet"),
