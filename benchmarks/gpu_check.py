@@ -26,8 +26,8 @@ for the deadline.
 5. ``batch_<large>`` — batch 65,536 (8,192 on the CPU) with ``scaling=auto``;
 6. ``cowclip_l2_init_from`` — ``scaling=cowclip``, the embedding L2 term and ``trainer.init_from`` the model of 4;
 7. ``ssd`` — a table forced to the ``ssd`` tier on a stated path (refused on CUDA for now: docs/gpu.md);
-8. ``fp16_rows`` — ``train`` with ``model.table_precision=fp16``: its AUC within ``AUC_VS_CPU`` of ``train``'s, and
-   both runs' planned table MiB (on the CPU FBGEMM's fp16 lookup is slow: docs/throughput.md; on CUDA the usual path).
+8. ``fp16_rows`` — ``train`` with ``model.table_precision=fp16``: its AUC within ``AUC_VS_CPU`` of ``train``'s (each
+   training stage reports its planned ``table_mib``) (on the CPU FBGEMM's fp16 lookup is slow: docs/throughput.md; on CUDA the usual path).
 
 samples/s are reported after each run's warm-up steps (``samples_per_s_after_warmup``), their time beside them.
 Peak memory is sampled while each command runs (``nvidia-smi`` on CUDA; on the CPU the process's resident memory).
@@ -149,7 +149,8 @@ class Check:
         out = {"status": "ok", "test_auc": r["test_auc"], "samples_per_s": round(r["samples_per_s"], 1),
                "samples_per_s_after_warmup": r.get("samples_per_s_after_warmup") and
                round(r["samples_per_s_after_warmup"], 1), "warmup_s": r.get("warmup_s") and round(r["warmup_s"], 2),
-               "peak_memory_mb": peak, "mlflow_run_id": r["mlflow_run_id"], "output_dir": str(folder)}
+               "peak_memory_mb": peak, "table_mib": r.get("table_bytes") and round(r["table_bytes"] / 2**20, 1),
+               "mlflow_run_id": r["mlflow_run_id"], "output_dir": str(folder)}
         self.results[name] = out
         return out
 

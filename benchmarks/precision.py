@@ -15,7 +15,7 @@ the same seeds (``seed=s``: initial weights and batch order), so the AUCs compar
 
 ``--fp16-tables`` (default: ``deepfm``): those cases run a third time, ``auto`` with ``model.table_precision=fp16``
 (rows stored and updated in fp16, modules/embedding/table_precision.py), beside ``auto`` with fp32 rows: the tables'
-bytes as the run's plan counts them (weights + optimizer state, and weights alone), samples/s and test AUC.
+bytes as each run planned them (its result.json: weights + optimizer state, and weights alone), samples/s, test AUC.
 
 Beside ``deepfm``, the baseline: a plain PyTorch DeepFM (``benchmarks/reference_deepfm.py --layout shared``, one
 shared table + SparseAdam) in fp32 and under ``torch.autocast("cpu", bfloat16)``, the strongest plain version a user
@@ -72,19 +72,8 @@ def project(case: str, precision: str, seed: int, work: Path, tables: str = "fp3
          "logger.log_model=false", "trainer.enable_progress_bar=false", "trainer.num_threads=2",
          f"hydra.run.dir={folder}"], work)
     r = json.loads((folder / "result.json").read_text())
-    return {"samples_per_s": r["samples_per_s"], "test_auc": r["test_auc"], **table_bytes(folder, tables)}
-
-
-def table_bytes(folder: Path, tables: str) -> dict:
-    """The tables' bytes as the run's plan counts them: its rows (| name | rows | dim | MiB | …), with the optimizer's
-    state and without it (rows · dim · bytes a value)."""
-    total = weights = 0.0
-    for line in (folder / "sharding_plan.txt").read_text().splitlines():
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) >= 4 and cells[3].endswith(" MiB") and cells[1].replace(",", "").isdigit():
-            total += float(cells[3][:-4].replace(",", ""))
-            weights += int(cells[1].replace(",", "")) * int(cells[2]) * (2 if tables == "fp16" else 4) / 2**20
-    return {"table_mib": total, "weight_mib": weights}
+    return {"samples_per_s": r["samples_per_s"], "test_auc": r["test_auc"], "table_mib": r["table_bytes"] / 2**20,
+            "weight_mib": r["table_weight_bytes"] / 2**20}
 
 
 def baseline(precision: str, seed: int, work: Path) -> dict:

@@ -228,6 +228,10 @@ def test_fp16_tables_train_checkpoint_and_score_at_half_the_bytes(trained, tmp_p
                                predict_here(tmp_path / "int8_ckpt", folder / "test.csv", tmp_path / "b.parquet"),
                                atol=1e-6)
     assert abs(result.test_auc - result32.test_auc) <= 5e-3, (result.test_auc, result32.test_auc)
+    # result.json (and MLflow's model/table_*bytes): the weights at 2 bytes a value, the row-wise state still 4
+    assert 2 * result.table_weight_bytes == result32.table_weight_bytes == sum(4 * r * d for r, d in description["tables"].values())
+    rows = sum(r for r, _ in description["tables"].values())
+    assert result.table_bytes - result.table_weight_bytes == result32.table_bytes - result32.table_weight_bytes == 4 * rows
     # an int8 folder is not the trained rows: training from it, or exporting it again, is refused by name
     with pytest.raises(BundleError, match="its tables are int8 rows"):
         export_model(tmp_path / "int8", tmp_path / "again")

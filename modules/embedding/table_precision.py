@@ -41,6 +41,14 @@ def precision_of(configs: list) -> str:
     return next(k for k, v in DATA_TYPES.items() if v == data_type)
 
 
+def table_bytes(placements: dict, precision: str) -> dict[str, int]:
+    """The tables' bytes of a plan (its placements, each ``rows``, ``dim`` and ``bytes``: weights with the optimizer
+    state): ``table_bytes`` and, the weights alone, ``table_weight_bytes`` = Σ rows · dim · bytes a value."""
+    value = DATA_TYPE_BYTES[DATA_TYPES[precision]]
+    return {"table_bytes": int(sum(p.bytes for p in placements.values())),
+            "table_weight_bytes": int(sum(p.rows * p.dim * value for p in placements.values()))}
+
+
 def check_table_precision(value: str, key: str = "model.table_precision") -> None:
     if value not in TABLE_PRECISIONS:
         raise ValueError(f"{key}={value!r}: expected one of {', '.join(TABLE_PRECISIONS)}")

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 
+from modules.embedding.table_precision import table_bytes
 from modules.embedding.table_views import sync_tables
 from modules.sharding.plan_report import format_plan
 from modules.embedding.zch.mapping import mapping_state
@@ -84,6 +85,7 @@ def log_summary(logger: TrackedMLflowLogger, params: dict[str, Any], task: CTRTa
         metrics["data/oracle_auc"] = meta["provenance"]["oracle_auc"]
     if best.best_epoch is not None:
         metrics.update({"val/best_epoch": best.best_epoch, "val/best_auc": best.best})
+    metrics.update({f"model/{k}": v for k, v in table_bytes(task.plan.placements, task.model_cfg.table_precision).items()})
     logger.log_metrics(metrics)
     plan_file = output_dir / "sharding_plan.txt"
     plan_file.write_text(format_plan(task.plan, task.embedding_optim.name, trainer.world_size) + "\n" + str(task.plan.plan))
@@ -121,9 +123,11 @@ def run_result(trainer: L.Trainer, test: dict[str, float], logger: TrackedMLflow
     """The run's result, written to ``result.json`` by global rank 0."""
     throughput, comm, best = (find_callback(trainer.callbacks, cls) for cls in (TrainThroughput, CommAccounting,
                                                                                  BestValidation))
+    task = trainer.lightning_module
     result = RunResult(test["test/auc"], test["test/logloss"], throughput.samples_per_s,
                        comm.bytes_per_step()["comm/total_bytes_per_step"], logger.run_id if logger else None,
-                       str(output_dir), best.best, throughput.samples_per_s_after_warmup, throughput.warmup_s)
+                       str(output_dir), best.best, throughput.samples_per_s_after_warmup, throughput.warmup_s,
+                       **table_bytes(task.plan.placements, task.model_cfg.table_precision))
     if global_rank() == 0:
         result.write()
     return result

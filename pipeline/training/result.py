@@ -24,6 +24,8 @@ class RunResult:
     best_val_auc: float | None = None   # what a sweep optimises
     samples_per_s_after_warmup: float | None = None  # after this process's first steps (their time: warmup_s)
     warmup_s: float | None = None
+    table_bytes: int | None = None         # the embedding tables with their optimizer state, as planned (one copy)
+    table_weight_bytes: int | None = None  # … their weights alone (model.table_precision: 2 or 4 bytes a value)
 
     def line(self) -> str:
         return (f"RESULT test_auc={self.test_auc:.6f} test_logloss={self.test_logloss:.6f} "
