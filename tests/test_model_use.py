@@ -189,7 +189,7 @@ def test_fp16_tables_train_checkpoint_and_score_at_half_the_bytes(trained, tmp_p
     """``model.table_precision=fp16``: the same run with fp16 rows. Its checkpoint holds fp16 tables; its model folder
     keeps them as fp16 rows (2 bytes a value: half the float folder's table bytes), which ``ctr predict`` scores to
     the run's own test AUC, as does the checkpoint (read into float32, exactly); an int8 export of the fp16 folder
-    scores as one of the checkpoint; the AUC is within 0.005 of the fp32 run's on this small log (docs/throughput.md
+    scores as one of the checkpoint; the AUC is within 0.001 of the fp32 run's on this small log (3e-6 measured; docs/throughput.md
     has the measured difference on 2M rows)."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
@@ -227,7 +227,7 @@ def test_fp16_tables_train_checkpoint_and_score_at_half_the_bytes(trained, tmp_p
     np.testing.assert_allclose(predict_here(tmp_path / "int8", folder / "test.csv", tmp_path / "a.parquet"),
                                predict_here(tmp_path / "int8_ckpt", folder / "test.csv", tmp_path / "b.parquet"),
                                atol=1e-6)
-    assert abs(result.test_auc - result32.test_auc) <= 5e-3, (result.test_auc, result32.test_auc)
+    assert abs(result.test_auc - result32.test_auc) <= 1e-3, (result.test_auc, result32.test_auc)
     # result.json (and MLflow's model/table_*bytes): the weights at 2 bytes a value, the row-wise state still 4
     assert 2 * result.table_weight_bytes == result32.table_weight_bytes == sum(4 * r * d for r, d in description["tables"].values())
     rows = sum(r for r, _ in description["tables"].values())
