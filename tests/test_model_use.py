@@ -189,8 +189,8 @@ def test_fp16_tables_train_checkpoint_and_score_at_half_the_bytes(trained, tmp_p
     """``model.table_precision=fp16``: the same run with fp16 rows. Its checkpoint holds fp16 tables; its model folder
     keeps them as fp16 rows (2 bytes a value: half the float folder's table bytes), which ``ctr predict`` scores to
     the run's own test AUC, as does the checkpoint (read into float32, exactly); an int8 export of the fp16 folder
-    scores as one of the checkpoint; the AUC is within 0.001 of the fp32 run's on this small log (3e-6 measured; docs/throughput.md
-    has the measured difference on 2M rows)."""
+    scores as one of the checkpoint; the AUC is within 0.001 of the fp32 run's on this small log (3e-6 measured here;
+    docs/throughput.md has the difference on 2M rows)."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torchmetrics.functional.classification import binary_auroc
