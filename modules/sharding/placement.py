@@ -201,7 +201,7 @@ def place_tables(tables: Sequence[TableInfo], topology: TopologySpec, optimizer:
             f"{_gb(largest.bytes(optimizer))}) do not fit topology '{topology.name}' "
             f"({topology.nodes} node(s) × {topology.ranks_per_node} GPU(s)): {detail}. "
             f"Use a larger topology, fewer/smaller tables (data.preprocess.min_count, hashing), "
-            f"a smaller model.embedding_dim, or an optimizer with less state.")
+            f"a smaller model.embedding_dim, fp16 rows (model.table_precision) or an optimizer with less state.")
     return place
 
 
