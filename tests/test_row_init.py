@@ -63,6 +63,24 @@ def test_scattered_draws_equal_the_rows_drawn_whole_for_stacked_and_sharded_tabl
     assert dst.sum().item() == 6.0 and dst[1].abs().sum().item() == 0 == dst[3].abs().sum().item()
 
 
+def test_rows_not_in_host_float32_are_the_float32_draws_rounded_block_by_block(monkeypatch):
+    """fp16 rows (model.table_precision) take the path device memory takes: drawn in float32 blocks on the host, then
+    copied in dst's type. With blocks of 3 rows, scattered destination rows of a column shard are still each the
+    float32 draw rounded to fp16, and the other rows untouched."""
+    monkeypatch.setattr(row_init, "DRAW_BLOCK_VALUES", 15)  # 3 rows of 5 columns a block
+    init = RowInit.of_tables(4, 0.1, ["a", "b", "c"], [50, 7, 300])
+    whole = init(torch.empty(357, 12))
+    rows = torch.tensor([356, 3, 50, 56, 57, 0, 120])
+    slots = torch.tensor([9, 0, 4, 2, 7, 5, 1])
+    dst = torch.full((10, 5), -1.0, dtype=torch.float16)
+    init.draw_into(dst, slots, rows, 12, 6)
+    assert torch.equal(dst[slots], whole[rows][:, 6:11].half())
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((dst[untouched] == -1).all())
+    assert torch.equal(init(torch.empty(357, 12, dtype=torch.float16)), whole.half())  # whole, in 119 blocks
+
+
 def test_a_table_on_the_meta_device_is_left_alone():
     init = RowInit.of_tables(4, 0.1, ["a", "b"], [5, 6])
     assert init(torch.empty(11, 4, device="meta")).device.type == "meta"  # no draw, no crash

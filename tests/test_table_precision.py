@@ -44,7 +44,7 @@ def _step(rank: int, world: int, optimizer: str) -> None:
     labels = rng.integers(0, 2, BATCH).astype(np.int8)
     mine = np.arange(rank * BATCH // world, (rank + 1) * BATCH // world)
     batch = make_batch(SplitArrays(labels, np.zeros((BATCH, 0), np.float32), ids), mine, list(SPEC.categorical))
-    after = {}
+    after, row_bytes = {}, {}
     for precision in ("fp32", "fp16"):
         topology = TopologySpec(compute_device="cpu", sharding_types=["row_wise"])
         dmp, plan = shard_model(Lookups(precision, torch.device("meta")), OptimizerSpec(optimizer, 0.05), topology,
@@ -52,8 +52,7 @@ def _step(rank: int, world: int, optimizer: str) -> None:
         dmp.load_state_dict(rows)
         F.binary_cross_entropy_with_logits(dmp(batch.dense_features, batch.sparse_features), batch.labels).backward()
         after[precision] = {k: v.local_shards()[0].tensor for k, v in dmp.state_dict().items() if hasattr(v, "local_shards")}
-        bytes_per_row = {name: p.row_bytes for name, p in plan.placements.items()}
-        after[precision + "_bytes"] = bytes_per_row
+        row_bytes[precision] = {name: p.row_bytes for name, p in plan.placements.items()}
     for key, fp32 in after["fp32"].items():
         fp16 = after["fp16"][key]
         assert fp16.dtype == torch.float16 and fp32.dtype == torch.float32, key
@@ -63,9 +62,9 @@ def _step(rank: int, world: int, optimizer: str) -> None:
         assert (fp16 == fp32.half()).float().mean() >= 0.98, key
         assert not torch.equal(fp16.float(), fp32), key  # rounding happened: the tables are not fp32 in disguise
     state = {"sgd": 0, "rowwise_adagrad": 4}[optimizer]  # the optimizer's bytes a row stay fp32
-    for name, row_bytes in after["fp32_bytes"].items():
+    for name, fp32_bytes in row_bytes["fp32"].items():
         dim = DIM if name.startswith("emb_") else 4
-        assert (row_bytes, after["fp16_bytes"][name]) == (4 * dim + state, 2 * dim + state), name
+        assert (fp32_bytes, row_bytes["fp16"][name]) == (4 * dim + state, 2 * dim + state), name
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
